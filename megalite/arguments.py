@@ -1,0 +1,258 @@
+"""Megatron-compatible command line -> typed ``Config`` sections, validated up front.
+
+Flag names follow Megatron-LM so launch scripts port with few edits. Every
+check here runs before any process group exists and fails with one line
+(``ConfigError``) saying what is wrong and what to do. Flags that belong to
+features not built yet are accepted by name only to say so, never ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Dict, List, Optional, Sequence
+
+from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
+                             OptimConfig, ParallelConfig, TrainConfig)
+from megalite.parallel_state import ConfigError, grid_groups
+
+# Flags a later milestone implements: recognised so they fail loudly instead of being ignored.
+NOT_IMPLEMENTED: Dict[str, str] = {
+    "--bf16": "mixed precision", "--fp16": "mixed precision",
+    "--use-distributed-optimizer": "the distributed optimizer",
+    "--recompute-activations": "activation recomputation",
+    "--recompute-granularity": "activation recomputation",
+    "--sequence-parallel": "sequence parallelism",
+    "--context-parallel-size": "context parallelism",
+    "--expert-model-parallel-size": "expert parallelism", "--num-experts": "mixture of experts",
+    "--save": "checkpointing", "--load": "checkpointing", "--save-interval": "checkpointing",
+}
+
+_SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary for --mock-data and NullTokenizer (default 4096 for mock data)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--pipeline-schedule", choices=_SCHEDULES, default=None,
+                   help="default: 1f1b, or interleaved_1f1b with virtual stages")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
+                   help="default: nccl when CUDA is available, else gloo")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=200)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--eval-interval", type=int, default=50)
+    g.add_argument("--eval-iters", type=int, default=5)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads (default: left to OMP_NUM_THREADS / torch)")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--timeline-out", default=None,
+                   help="write the measured pipeline timeline (JSON) of the last iteration here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full CLI (Megatron flag names)."""
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, exit_on_error=False,
+                                description="Pretrain a GPT with tensor, pipeline and data parallelism.")
+    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_data_args,
+                _add_logging_args):
+        add(p)
+    for flag in NOT_IMPLEMENTED:
+        p.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _virtual_size(a: argparse.Namespace) -> int:
+    if a.num_layers_per_virtual_pipeline_stage is not None:
+        per = a.num_layers_per_virtual_pipeline_stage
+        stage_layers = a.num_layers // max(1, a.pipeline_model_parallel_size)
+        if per < 1 or a.num_layers % a.pipeline_model_parallel_size or stage_layers % per:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {per} must divide the layers per pipeline "
+                f"stage ({a.num_layers} layers / {a.pipeline_model_parallel_size} stages)")
+        return stage_layers // per
+    return a.virtual_pipeline_model_parallel_size or 1
+
+
+def _to_config(a: argparse.Namespace) -> Config:
+    vocab = a.vocab_size if a.vocab_size is not None else (4096 if a.mock_data else 0)
+    model = ModelConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups if a.group_query_attention else None,
+        seq_length=a.seq_length, max_position_embeddings=a.max_position_embeddings, vocab_size=vocab,
+        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, init_method_std=a.init_method_std,
+        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        normalization=a.normalization, layernorm_epsilon=a.norm_epsilon, swiglu=a.swiglu,
+        position_embedding_type=a.position_embedding_type, rotary_base=a.rotary_base,
+        untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
+        add_bias_linear=not a.disable_bias_linear)
+    parallel = ParallelConfig(
+        tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, vp=_virtual_size(a),
+        distributed_backend=a.distributed_backend, pipeline_schedule=a.pipeline_schedule,
+        decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers)
+    optim = OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_decay_style=a.lr_decay_style,
+                        lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters,
+                        weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
+                        adam_eps=a.adam_eps, clip_grad=a.clip_grad)
+    data = DataConfig(
+        mock_data=a.mock_data, data_path=tuple(a.data_path or ()),
+        train_data_path=tuple(a.train_data_path or ()), valid_data_path=tuple(a.valid_data_path or ()),
+        test_data_path=tuple(a.test_data_path or ()), split=a.split, data_cache_path=a.data_cache_path,
+        tokenizer_type=a.tokenizer_type, vocab_file=a.vocab_file, merge_file=a.merge_file,
+        tokenizer_model=a.tokenizer_model, vocab_size=a.vocab_size, seq_length=a.seq_length,
+        seed=a.seed, num_workers=a.num_workers)
+    train = TrainConfig(micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
+                        train_iters=a.train_iters, seed=a.seed, eval_interval=a.eval_interval,
+                        eval_iters=a.eval_iters, num_threads=a.num_threads, exit_interval=a.exit_interval)
+    logging_cfg = LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
+                                timeline_out=a.timeline_out)
+    return Config(model, parallel, optim, data, train, CheckpointConfig(), logging_cfg)
+
+
+def _positive(**values: Optional[float]) -> None:
+    for flag, v in values.items():
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {v}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check every flag combination that would otherwise fail later; raise ConfigError (one line)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    _positive(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+              seq_length=m.seq_length, micro_batch_size=t.micro_batch_size,
+              global_batch_size=t.global_batch_size, tensor_model_parallel_size=par.tp,
+              pipeline_model_parallel_size=par.pp, lr=cfg.optim.lr)
+    if t.train_iters < 0:
+        raise ConfigError(f"--train-iters must be >= 0, got {t.train_iters}")
+    grid_groups(world_size, par.tp, par.pp)
+    dp = world_size // (par.tp * par.pp)
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                          f"{m.num_attention_heads}")
+    if m.num_attention_heads % par.tp:
+        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size {par.tp}")
+    if m.num_query_groups is not None:
+        if m.num_query_groups % par.tp:
+            raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by "
+                              f"--tensor-model-parallel-size {par.tp}")
+        if m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups:
+            raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                              f"--num-query-groups {m.num_query_groups}")
+    if m.ffn_size % par.tp:
+        raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
+                          f"{par.tp}; set --ffn-hidden-size")
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rope needs an even head dim, got {m.head_dim}; change --hidden-size")
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_positions:
+        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                          f"{m.max_positions}")
+    from megalite.pipeline.partition import validate_partition
+    try:
+        validate_partition(m.num_layers, par.pp, par.vp, par.decoder_first_pipeline_num_layers,
+                           par.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp}; change one of them")
+    from megalite.pipeline.schedules import default_schedule_name, validate_schedule
+    num_mb = t.global_batch_size // (t.micro_batch_size * dp)
+    name = par.pipeline_schedule or default_schedule_name(par.pp, par.vp)
+    try:
+        validate_schedule(name, par.pp, par.vp, num_mb)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.data.mock_data and (cfg.data.data_path or cfg.data.train_data_path):
+        raise ConfigError("--mock-data and --data-path/--train-data-path are exclusive; pass one")
+    if cfg.data.mock_data and m.vocab_size < 2:
+        raise ConfigError("--mock-data needs --vocab-size >= 2")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> Config:
+    """Parse and validate a command line; ``world_size`` defaults to $WORLD_SIZE (or 1)."""
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from None
+    if unknown:
+        raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see --help)")
+    used: List[str] = [f for f in NOT_IMPLEMENTED if getattr(args, f[2:].replace("-", "_")) is not None]
+    if used:
+        flag = used[0]
+        raise ConfigError(f"{flag} is not implemented yet ({NOT_IMPLEMENTED[flag]} is on the roadmap); "
+                          f"remove the flag")
+    cfg = _to_config(args)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
+    return cfg

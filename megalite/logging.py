@@ -1,0 +1,95 @@
+"""Rank-aware logging, Megatron's iteration log line, TensorBoard and FLOP counting.
+
+Only the logging rank (the last global rank, which sits on the last pipeline
+stage where the loss is known) prints the training log; other ranks report
+warnings and errors only. The log line keeps Megatron's keys and number
+formats so existing log parsers keep working, and adds tokens per second.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Dict, Optional
+
+from megalite.config import ModelConfig
+
+_FORMAT = "%(message)s"
+
+
+def setup_logging(is_logging_rank: bool, rank: int) -> logging.Logger:
+    """Configure the ``megalite`` logger for this rank (INFO on the logging rank, else WARNING)."""
+    logger = logging.getLogger("megalite")
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stdout)
+    fmt = _FORMAT if is_logging_rank else f"[rank {rank}] %(levelname)s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if is_logging_rank else logging.WARNING)
+    logger.propagate = False
+    return logger
+
+
+def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, padded_vocab: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward), as Megatron counts them.
+
+    Per layer and token, the matmuls cost 2*(QKV + proj + MLP) multiply-adds plus
+    attention scores/values (2 * s * h); backward doubles forward (x3 in all);
+    the output layer adds 2*h*V per token.
+    """
+    h, s, L = cfg.hidden_size, cfg.seq_length, cfg.num_layers
+    q_ratio = (cfg.head_dim * cfg.num_attention_heads) / h
+    kv_ratio = cfg.query_groups / cfg.num_attention_heads
+    gated = 1.5 if cfg.swiglu else 1.0
+    per_layer_factor = ((1 + kv_ratio + s / h) * q_ratio + (cfg.ffn_size / h) * gated)
+    return 12.0 * global_batch_size * s * L * h * h * (per_layer_factor + padded_vocab / (2.0 * L * h))
+
+
+def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float, tflops_per_gpu: float,
+                    lr: float, gbs: int, loss: Optional[float], grad_norm: Optional[float], skipped: int,
+                    nans: int, tokens_per_s: float) -> str:
+    """Megatron's iteration line (same keys and formats) plus tokens per second."""
+    parts = [f" iteration {it:8d}/{train_iters:8d}",
+             f" consumed samples: {consumed:12d}",
+             f" elapsed time per iteration (ms): {ms_per_iter:.1f}",
+             f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f}",
+             f" learning rate: {lr:.6E}",
+             f" global batch size: {gbs:5d}"]
+    if loss is not None:
+        parts.append(f" lm loss: {loss:.6E}")
+    if grad_norm is not None:
+        parts.append(f" grad norm: {grad_norm:.3f}")
+    parts += [f" number of skipped iterations: {skipped:3d}",
+              f" number of nan iterations: {nans:3d}",
+              f" tokens per second: {tokens_per_s:.1f}"]
+    return "".join(part + " |" for part in parts)
+
+
+def format_timers(times_ms: Dict[str, float]) -> str:
+    """One line of per-iteration timer averages (this rank), Megatron's timer names."""
+    return "    timers (ms per iteration):" + " |".join(f" {k}: {v:.1f}" for k, v in times_ms.items())
+
+
+class TensorBoard:
+    """Writes the log line's scalars under Megatron's tag names (no-op without a directory)."""
+
+    def __init__(self, log_dir: Optional[str]):
+        self.writer = None
+        if log_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise RuntimeError("--tensorboard-dir needs the tensorboard package: "
+                                   "pip install tensorboard") from e
+            self.writer = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, values: Dict[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        for tag, v in values.items():
+            if v is not None:
+                self.writer.add_scalar(tag, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

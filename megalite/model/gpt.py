@@ -1,0 +1,139 @@
+"""A GPT model chunk: some consecutive layers, plus embedding and/or head.
+
+The model knows nothing of pipelining (DESIGN principle 4). A chunk is told
+which global layers it holds and whether it is the first (``pre_process``:
+embeddings) and/or last (``post_process``: final norm + output layer) stage.
+The single-process model is simply the chunk with every layer, pre and post::
+
+    tokens [b,s] -> word emb (vocab-parallel) + pos emb -> [s,b,h]
+                 -> layers[i] for i in this chunk's range
+                 -> final norm -> output layer (column-parallel) -> logits [s,b,V/tp]
+
+Parameter names use global layer numbers (``decoder.layers.7...``) so that a
+state dict means the same thing for every pipeline layout.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+import torch
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
+                                             init_vocab_rows, linear_with_tp_weight,
+                                             set_tp_attributes, vocab_range, vocab_shard)
+from megalite.tensor_parallel.random import RNGTracker, full_normal
+from megalite.model.transformer import TransformerLayer, build_norm, rotary_cos_sin
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class GPTModel(nn.Module):
+    """One pipeline chunk of a GPT (or the whole model when it holds every layer)."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, tracker: RNGTracker, seed: int,
+                 layers: Optional[Iterable[int]] = None, pre_process: bool = True,
+                 post_process: bool = True):
+        super().__init__()
+        self.cfg, self.tp = cfg, ps.tp
+        self.pre_process, self.post_process = pre_process, post_process
+        self.padded_vocab = cfg.padded_vocab_size(ps.tp_size)
+        self.vocab_start, _ = vocab_range(self.padded_vocab, ps.tp)
+        layer_ids = list(range(cfg.num_layers) if layers is None else layers)
+        h, std = cfg.hidden_size, cfg.init_method_std
+
+        if pre_process:
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = VocabParallelEmbedding(
+                cfg.vocab_size, self.padded_vocab, h, ps.tp, init_std=std, seed=seed)
+            if cfg.position_embedding_type == "learned_absolute":
+                pos = nn.Embedding(cfg.max_positions, h)
+                pos.weight.data.copy_(full_normal((cfg.max_positions, h), std, seed,
+                                                  "embedding.position_embeddings.weight"))
+                set_tp_attributes(pos.weight, False)
+                self.embedding.position_embeddings = pos
+            self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
+
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i) for i in layer_ids})
+
+        self.output_weight = None
+        if post_process:
+            self.decoder.final_layernorm = build_norm(cfg, h)
+            if not cfg.tied_embeddings:
+                self.output_layer = ColumnParallelLinear(h, self.padded_vocab, ps.tp, bias=False,
+                                                         init_std=std, seed=seed, name="output_layer")
+                self.output_layer.weight.data.copy_(init_vocab_rows(
+                    cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, "output_layer.weight"))
+            elif not pre_process:
+                # Last stage's copy of the tied word embedding: same initial values as the
+                # first stage's (same seed and name); gradients are summed over the
+                # embedding group every step so the copies stay equal.
+                self.output_weight = nn.Parameter(init_vocab_rows(
+                    cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, WORD_EMBEDDINGS))
+                set_tp_attributes(self.output_weight, True, 0)
+                self.output_weight.shared = True
+
+    def shared_embedding_weight(self) -> Optional[nn.Parameter]:
+        """The parameter that must stay equal across the embedding group (tied, pp > 1)."""
+        if not self.cfg.tied_embeddings:
+            return None
+        if self.output_weight is not None:
+            return self.output_weight
+        if self.pre_process and not self.post_process:
+            return self.embedding.word_embeddings.weight
+        return None
+
+    def local_from_full(self, full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """This chunk's local tensors from a full (unsharded) state dict of the whole model.
+
+        Vocabulary tables may carry any amount of padding: only the first
+        ``vocab_size`` rows are used and re-padded for this TP size.
+        """
+        out = {}
+        for name, _ in self.named_parameters():
+            src = full[WORD_EMBEDDINGS if name == "output_weight" else name]
+            if name in (WORD_EMBEDDINGS, "output_weight", "output_layer.weight"):
+                out[name] = vocab_shard(src[:self.cfg.vocab_size], self.padded_vocab, self.tp)
+                continue
+            module_name, _, pname = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            out[name] = module.local_from_full(pname, src) if hasattr(module, "local_from_full") else src
+        return out
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, h]."""
+        x = self.embedding.word_embeddings(tokens)
+        if self.cfg.position_embedding_type == "learned_absolute":
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.embedding.position_embeddings(pos)[None]
+        return self.embedding_dropout(x.transpose(0, 1).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the chunk: tokens [b,s] (first stage) or hidden [s,b,h] in; hidden or logits out."""
+        if self.pre_process:
+            x = self.embed(x)
+        rope = None
+        if self.cfg.position_embedding_type == "rope":
+            rope = rotary_cos_sin(x.shape[0], self.cfg.head_dim, self.cfg.rotary_base, x.device)
+        for layer in self.decoder.layers.values():
+            x = layer(x, rope)
+        if not self.post_process:
+            return x
+        x = self.decoder.final_layernorm(x)
+        if not self.cfg.tied_embeddings:
+            return self.output_layer(x)  # [s, b, V/tp]
+        weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
+        return linear_with_tp_weight(x, weight, self.tp)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over unmasked tokens; logits [s,b,V/tp], labels/mask [b,s]."""
+        per_token = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_start,
+                                                 self.cfg.vocab_size)  # [s, b]
+        mask = loss_mask.t().float()
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+

@@ -1,0 +1,225 @@
+"""The rank grid and its process groups, built once and passed explicitly.
+
+Ranks are laid out tensor-fastest, then data, then pipeline (Megatron's default
+``tp-dp-pp`` order)::
+
+    global_rank = tp_rank + dp_rank * TP + pp_rank * TP * DP
+
+    world 16, TP=2, PP=4 (so DP=2):
+      tp groups  [0,1] [2,3] [4,5] ... [14,15]      (neighbours: fast links)
+      dp groups  [0,2] [1,3] [4,6] [5,7] ...
+      pp groups  [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
+
+This is the only module that creates process groups or asks torch.distributed
+for the world's rank and size (a test enforces it). Everything else receives a
+``ParallelState`` (or one of its ``AxisGroup`` members) as an argument.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# Axis order, fastest varying first. Context/expert parallel axes slot in here later.
+AXES: Tuple[str, ...] = ("tp", "dp", "pp")
+
+
+class ConfigError(ValueError):
+    """A bad flag or flag combination; the message is one line saying what to change."""
+
+
+@dataclass
+class AxisGroup:
+    """One rank's view of one parallel group: its members, its rank in it, the handle."""
+
+    ranks: List[int]
+    rank: int  # this process's index inside ``ranks``
+    group: Optional["dist.ProcessGroup"] = None  # None when size == 1 or not distributed
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def grid_groups(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
+    """All group memberships for a world, without creating any process group.
+
+    Returns a dict with keys ``tp``, ``dp``, ``pp``, ``mp`` (model parallel: tp x pp),
+    ``embedding`` (first and last stage of each pipeline group) and
+    ``position_embedding`` (first stage of each pipeline group).
+    """
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor-model-parallel-size ({tp}) x "
+            f"pipeline-model-parallel-size ({pp}); change the parallel sizes or the number of processes"
+        )
+    sizes = {"tp": tp, "dp": world_size // (tp * pp), "pp": pp}
+    strides, s = {}, 1
+    for axis in AXES:
+        strides[axis] = s
+        s *= sizes[axis]
+
+    def groups_varying(varying: Sequence[str]) -> List[List[int]]:
+        fixed = [a for a in AXES if a not in varying]
+        out = []
+        for fixed_coords in itertools.product(*(range(sizes[a]) for a in reversed(fixed))):
+            base = sum(c * strides[a] for a, c in zip(reversed(fixed), fixed_coords))
+            members = [
+                base + sum(c * strides[a] for a, c in zip(reversed(varying), coords))
+                for coords in itertools.product(*(range(sizes[a]) for a in reversed(varying)))
+            ]
+            out.append(sorted(members))
+        return sorted(out)
+
+    groups = {axis: groups_varying([axis]) for axis in AXES}
+    groups["mp"] = groups_varying(["tp", "pp"])
+    groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
+    groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
+    return groups
+
+
+class ParallelState:
+    """This rank's place in the (tp, dp, pp) grid plus its process groups.
+
+    Build it with :meth:`from_env` (torchrun / a test harness already set the
+    environment) or :meth:`single` (one process, no torch.distributed at all).
+    ``vp`` is the number of virtual pipeline chunks each pipeline rank holds.
+    """
+
+    def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1, vp: int = 1,
+                 create_groups: bool = True, backend: Optional[str] = None):
+        self.world_size, self.rank, self.vp_size = world_size, rank, vp
+        self.backend = backend
+        self.memberships = grid_groups(world_size, tp, pp)
+        self.axes: Dict[str, AxisGroup] = {}
+        use_dist = create_groups and world_size > 1
+        for name, all_groups in self.memberships.items():
+            mine = None
+            for ranks in all_groups:
+                # Every rank must call new_group for every group, in the same order.
+                handle = dist.new_group(ranks) if use_dist and len(ranks) > 1 else None
+                if rank in ranks:
+                    mine = AxisGroup(ranks, ranks.index(rank), handle)
+            self.axes[name] = mine if mine is not None else AxisGroup([rank], 0, None)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def single(cls, vp: int = 1) -> "ParallelState":
+        """A one-process state: every axis has size 1 and nothing is distributed."""
+        return cls(1, 0, 1, 1, vp, create_groups=False)
+
+    @classmethod
+    def from_env(cls, tp: int = 1, pp: int = 1, vp: int = 1, backend: Optional[str] = None,
+                 timeout_s: float = 600.0) -> "ParallelState":
+        """Initialise torch.distributed from torchrun's variables (if several ranks) and build groups.
+
+        With WORLD_SIZE unset or 1 no process group is created at all, so a
+        single-process run needs no rendezvous.
+        """
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        grid_groups(world, tp, pp)  # validate before any communication
+        if world == 1 and not dist.is_initialized():
+            return cls.single(vp)
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        return cls(dist.get_world_size(), dist.get_rank(), tp, pp, vp, backend=backend)
+
+    @classmethod
+    def init_for_test(cls, rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
+                      vp: int = 1, timeout_s: float = 120.0) -> "ParallelState":
+        """Start a gloo process group on an explicit rendezvous (used by the test harness)."""
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        return cls(world_size, rank, tp, pp, vp, backend="gloo")
+
+    def destroy(self) -> None:
+        """Tear the process group down (end of a run or test)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- axis accessors (principle 8 names) ----------------------------------------------------
+    @property
+    def tp(self) -> AxisGroup:
+        return self.axes["tp"]
+
+    @property
+    def dp(self) -> AxisGroup:
+        return self.axes["dp"]
+
+    @property
+    def pp(self) -> AxisGroup:
+        return self.axes["pp"]
+
+    @property
+    def mp(self) -> AxisGroup:
+        return self.axes["mp"]
+
+    @property
+    def embedding(self) -> AxisGroup:
+        return self.axes["embedding"]
+
+    @property
+    def position_embedding(self) -> AxisGroup:
+        return self.axes["position_embedding"]
+
+    tp_size = property(lambda self: self.tp.size)
+    tp_rank = property(lambda self: self.tp.rank)
+    tp_group = property(lambda self: self.tp.group)
+    dp_size = property(lambda self: self.dp.size)
+    dp_rank = property(lambda self: self.dp.rank)
+    dp_group = property(lambda self: self.dp.group)
+    pp_size = property(lambda self: self.pp.size)
+    pp_rank = property(lambda self: self.pp.rank)
+    pp_group = property(lambda self: self.pp.group)
+
+    # -- pipeline position ---------------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_pp_rank(self) -> int:
+        """Global rank of the next pipeline stage (wrapping, as interleaving needs)."""
+        return self.pp.ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_pp_rank(self) -> int:
+        return self.pp.ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The last global rank: it sits on the last pipeline stage, where the loss lives."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op in one process)."""
+        if dist.is_initialized():
+            dist.barrier()
+
+    def __repr__(self) -> str:
+        return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+                f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, vp={self.vp_size})")

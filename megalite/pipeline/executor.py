@@ -1,0 +1,132 @@
+"""Runs one rank's action list (any schedule) for one global batch.
+
+The executor is the only place that knows how an action becomes work::
+
+    F(mb, c): input = tokens (first stage) or the received activation
+              output = chunk c(input); on the last stage: loss = lm_loss / m
+    B(mb, c): backward from the loss (last stage) or from the received gradient
+              of the output; the input's gradient becomes the next send
+    Comm:     one batched exchange (p2p.run_comm)
+
+Inputs and outputs of micro-batches in flight are held in dicts keyed by
+(mb, chunk) and dropped as soon as their backward is done. Times of every
+action are recorded so the caller can report forward / backward / p2p time,
+the measured bubble, and write a timeline.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.p2p import run_comm
+from megalite.pipeline.schedules import Comm, Compute
+
+Batch = Dict[str, torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one executor run measured (seconds) and the last stage's micro-batch losses."""
+
+    losses: List[torch.Tensor] = field(default_factory=list)
+    forward: float = 0.0
+    backward: float = 0.0
+    p2p: float = 0.0
+    events: List[dict] = field(default_factory=list)
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward
+
+
+class PipelineExecutor:
+    """Executes schedules for this rank's model chunks (one per virtual stage)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], ps: ParallelState,
+                 activation_shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 sync_timing: bool = False):
+        self.chunks, self.ps = list(chunks), ps
+        self.pp, self.num_stages = ps.pp_size, ps.pp_size * len(chunks)
+        self.shape, self.dtype = activation_shape, dtype
+        self.sync = sync_timing and ps.device.type == "cuda"
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def run(self, actions: Sequence[object], get_batch: Callable[[int], Batch], num_microbatches: int,
+            forward_only: bool = False) -> StepStats:
+        """Run ``actions``; ``get_batch(mb)`` gives tokens/labels/loss_mask of micro-batch ``mb``."""
+        st = StepStats()
+        inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
+        outputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        payloads: Dict = {}
+        received: Dict = {}
+        t0 = self._now()
+        for action in actions:
+            start = self._now()
+            if isinstance(action, Comm):
+                run_comm(action, self.ps, payloads, received, self.shape, self.dtype)
+                st.p2p += self._now() - start
+                continue
+            assert isinstance(action, Compute)
+            if action.kind == "F":
+                self._forward(action, get_batch, num_microbatches, forward_only,
+                              inputs, outputs, payloads, received, st)
+            else:
+                self._backward(action, inputs, outputs, payloads, received)
+            end = self._now()
+            if action.kind == "F":
+                st.forward += end - start
+            else:
+                st.backward += end - start
+            st.events.append({"rank": self.ps.pp_rank, "kind": action.kind, "mb": action.mb,
+                              "chunk": action.chunk, "start": start - t0, "end": end - t0})
+        if payloads or received:
+            raise RuntimeError(f"schedule left transfers unmatched: sends {sorted(payloads)}, "
+                               f"receives {sorted(received)}")
+        return st
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.ps.pp_rank
+
+    def _forward(self, a: Compute, get_batch, m: int, forward_only: bool, inputs, outputs,
+                 payloads, received, st: StepStats) -> None:
+        stage = self._stage(a.chunk)
+        model = self.chunks[a.chunk]
+        if stage == 0:
+            x = get_batch(a.mb)["tokens"]
+            inputs[(a.mb, a.chunk)] = None
+        else:
+            x = received.pop(("F", a.mb, stage))
+            if not forward_only:
+                x.requires_grad_()
+            inputs[(a.mb, a.chunk)] = x
+        out = model(x)
+        if stage == self.num_stages - 1:
+            batch = get_batch(a.mb)
+            loss = model.loss(out, batch["labels"], batch["loss_mask"])
+            st.losses.append(loss.detach())
+            out = loss / m
+        else:
+            payloads[("F", a.mb, stage + 1)] = out.detach()
+        if forward_only:
+            inputs.pop((a.mb, a.chunk))
+        else:
+            outputs[(a.mb, a.chunk)] = out
+
+    def _backward(self, a: Compute, inputs, outputs, payloads, received) -> None:
+        stage = self._stage(a.chunk)
+        out = outputs.pop((a.mb, a.chunk))
+        x = inputs.pop((a.mb, a.chunk))
+        if stage == self.num_stages - 1:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, grad_tensors=received.pop(("B", a.mb, stage)))
+        if stage > 0:
+            payloads[("B", a.mb, stage - 1)] = x.grad

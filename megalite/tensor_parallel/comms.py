@@ -1,0 +1,106 @@
+"""Autograd-aware collectives over the tensor-parallel group.
+
+The four Megatron primitives, each the other's adjoint::
+
+    copy_to_tp_region      fwd: identity            bwd: all-reduce
+    reduce_from_tp_region  fwd: all-reduce          bwd: identity
+    scatter_to_tp_region   fwd: keep my slice (-1)  bwd: all-gather (-1)
+    gather_from_tp_region  fwd: all-gather (-1)     bwd: keep my slice (-1)
+
+A ColumnParallelLinear enters the region with ``copy_to``; a RowParallelLinear
+leaves it with ``reduce_from``. With a group of size 1 every function is the
+identity, so the single-process model runs the same code.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel_state import AxisGroup
+
+
+def _all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=g.group)
+    return x
+
+
+def _split_last(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    if g.size == 1:
+        return x
+    return x.chunk(g.size, dim=-1)[g.rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    dist.all_gather(parts, x, group=g.group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.g), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        # clone: all_reduce works in place and x may be needed by autograd elsewhere.
+        return _all_reduce(x.clone(), g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _split_last(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.g), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _gather_last(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.g), None
+
+
+def copy_to_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward."""
+    return x if g.size == 1 else _CopyToRegion.apply(x, g)
+
+
+def reduce_from_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """All-reduce (sum) forward; identity backward."""
+    return x if g.size == 1 else _ReduceFromRegion.apply(x, g)
+
+
+def scatter_to_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Keep this rank's slice of the last dim forward; all-gather backward."""
+    return x if g.size == 1 else _ScatterToRegion.apply(x, g)
+
+
+def gather_from_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """All-gather along the last dim forward; keep this rank's slice backward."""
+    return x if g.size == 1 else _GatherFromRegion.apply(x, g)

@@ -1,0 +1,168 @@
+"""Tensor-parallel building blocks (Megatron's names and semantics).
+
+::
+
+    ColumnParallelLinear   Y = X A,  A split by columns:  A = [A_0 | A_1 | ...]
+        x [.., in] --copy_to--> each rank: x A_r -> [.., out/tp]  (--gather--> [.., out])
+    RowParallelLinear      Y = X A,  A split by rows:  A = [A_0; A_1; ...]
+        x [.., in/tp] on rank r: x_r A_r -> partial [.., out] --reduce_from (sum)--> [.., out]
+    VocabParallelEmbedding table split by vocabulary rows; each rank looks up the
+        ids it owns, zeros the rest, and the partial results are summed.
+
+Parameters carry ``tensor_parallel`` (sharded across the TP group or replicated)
+and ``partition_dim`` so that gradient clipping, checkpoint resharding and the
+distributed optimizer can treat them correctly without knowing the layer.
+Weights are initialised from the full, layout-independent matrix
+(``random.full_normal``) and sliced, so every TP size builds the same model.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.parallel_state import AxisGroup
+from megalite.tensor_parallel.comms import (copy_to_tp_region, gather_from_tp_region,
+                                            reduce_from_tp_region, scatter_to_tp_region)
+from megalite.tensor_parallel.random import full_normal
+
+
+def set_tp_attributes(param: nn.Parameter, tensor_parallel: bool, partition_dim: int = -1) -> None:
+    """Mark a parameter as sharded over the TP group (along ``partition_dim``) or replicated."""
+    param.tensor_parallel = tensor_parallel
+    param.partition_dim = partition_dim if tensor_parallel else -1
+
+
+def is_counted_once(param: nn.Parameter, tp_rank: int) -> bool:
+    """True where this rank's copy counts toward model-wide sums (grad norm, parameter count).
+
+    Replicated parameters are counted on TP rank 0 only, and a stage's copy of a
+    tied embedding (``param.shared``) not at all: the first stage counts it.
+    """
+    if getattr(param, "shared", False):
+        return False
+    return getattr(param, "tensor_parallel", False) or tp_rank == 0
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d != 0:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor-model-parallel-size ({d})")
+    return n // d
+
+
+def _shard_rows(full: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    return full.chunk(tp.size, dim=0)[tp.rank].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer whose output features are split across the TP group.
+
+    ``output_sizes`` may list several fused matrices (e.g. Q, K, V or gate, up);
+    each is split separately so rank r holds [A_0_r; A_1_r; ...] and can split its
+    local output the same way whatever the TP size.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Union[int, Sequence[int]], tp: AxisGroup, *,
+                 bias: bool = True, gather_output: bool = False, init_std: float = 0.02,
+                 seed: int = 0, name: str = "linear", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        sizes: List[int] = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.tp, self.gather_output, self.output_sizes = tp, gather_output, sizes
+        self.local_sizes = [_divide(o, tp.size, f"{name} output size") for o in sizes]
+        pieces = [_shard_rows(full_normal((o, input_size), init_std, seed,
+                                          f"{name}.weight" + (f".{i}" if len(sizes) > 1 else "")), tp)
+                  for i, o in enumerate(sizes)]
+        self.weight = nn.Parameter(torch.cat(pieces, dim=0).to(dtype))  # [out/tp, in]
+        set_tp_attributes(self.weight, True, 0)
+        self.bias = nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype)) if bias else None
+        if self.bias is not None:
+            set_tp_attributes(self.bias, True, 0)
+
+    def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full ``weight``/``bias`` (each fused piece split separately)."""
+        return torch.cat([piece.chunk(self.tp.size, dim=0)[self.tp.rank]
+                          for piece in full.split(self.output_sizes, dim=0)], dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp_region(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)  # [.., out/tp]
+        return gather_from_tp_region(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer whose input features are split across the TP group; output summed."""
+
+    def __init__(self, input_size: int, output_size: int, tp: AxisGroup, *, bias: bool = True,
+                 input_is_parallel: bool = True, init_std: float = 0.02, seed: int = 0,
+                 name: str = "linear", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        _divide(input_size, tp.size, f"{name} input size")
+        self.tp, self.input_is_parallel = tp, input_is_parallel
+        full = full_normal((output_size, input_size), init_std, seed, f"{name}.weight")
+        self.weight = nn.Parameter(full.chunk(tp.size, dim=1)[tp.rank].clone().to(dtype))  # [out, in/tp]
+        set_tp_attributes(self.weight, True, 1)
+        # The bias is added once, after the sum, so it is replicated.
+        self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype)) if bias else None
+        if self.bias is not None:
+            set_tp_attributes(self.bias, False)
+
+    def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full ``weight`` (input columns); the bias is replicated."""
+        return full.chunk(self.tp.size, dim=1)[self.tp.rank] if name == "weight" else full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+def vocab_range(padded_vocab: int, tp: AxisGroup) -> tuple:
+    """[start, end) of the vocabulary ids this TP rank owns."""
+    per = _divide(padded_vocab, tp.size, "padded vocabulary size")
+    return tp.rank * per, (tp.rank + 1) * per
+
+
+def vocab_shard(real_rows: torch.Tensor, padded_vocab: int, tp: AxisGroup) -> torch.Tensor:
+    """This rank's rows of a table whose first rows are ``real_rows`` and the rest zero padding."""
+    start, end = vocab_range(padded_vocab, tp)
+    out = torch.zeros(end - start, real_rows.shape[1], dtype=real_rows.dtype)
+    if start < real_rows.shape[0]:
+        out[:min(end, real_rows.shape[0]) - start] = real_rows[start:end]
+    return out
+
+
+def init_vocab_rows(vocab_size: int, padded_vocab: int, dim: int, tp: AxisGroup, std: float,
+                    seed: int, name: str) -> torch.Tensor:
+    """This rank's rows of a [padded_vocab, dim] table: real rows from the full draw, padding zero."""
+    return vocab_shard(full_normal((vocab_size, dim), std, seed, name), padded_vocab, tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary across the TP group."""
+
+    def __init__(self, vocab_size: int, padded_vocab: int, dim: int, tp: AxisGroup, *,
+                 init_std: float = 0.02, seed: int = 0, name: str = "embedding.word_embeddings",
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = vocab_range(padded_vocab, tp)
+        rows = init_vocab_rows(vocab_size, padded_vocab, dim, tp, init_std, seed, f"{name}.weight")
+        self.weight = nn.Parameter(rows.to(dtype))  # [V/tp, h]
+        set_tp_attributes(self.weight, True, 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp)
+
+
+def linear_with_tp_weight(x: torch.Tensor, weight: torch.Tensor, tp: AxisGroup,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Column-parallel matmul against a weight owned elsewhere (the tied output layer)."""
+    return F.linear(copy_to_tp_region(x, tp), weight, bias)

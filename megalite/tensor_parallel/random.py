@@ -1,0 +1,84 @@
+"""Random numbers that do not depend on the parallel layout.
+
+Two concerns live here:
+
+* **Initialisation.** Every parameter's *full* weight is drawn from a generator
+  seeded by (seed, the parameter's global name), and each tensor-parallel rank
+  keeps its slice. The full model is therefore identical for any TP/PP layout,
+  which is what lets every parallel run be checked against one process.
+* **Dropout.** Inside the tensor-parallel region (attention heads, MLP shards)
+  each TP rank owns different activations, so its dropout masks must differ;
+  outside it (the replicated hidden state) all TP ranks must draw the same mask.
+  ``RNGTracker`` keeps a separate generator state for the TP region and swaps
+  it in with ``tracker.fork()`` (Megatron's CudaRNGStatesTracker, on any device).
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Dict, Iterator, Sequence
+
+import torch
+
+# Offsets as in Megatron, so seeds line up with runs users know.
+_TP_REGION_SEED_OFFSET = 2718
+_PP_SEED_STRIDE = 100
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed for one named parameter (crc32 keeps it process-independent)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def full_normal(shape: Sequence[int], std: float, seed: int, name: str) -> torch.Tensor:
+    """The full, unsharded weight N(0, std^2) for ``name``, identical on every rank and layout."""
+    g = torch.Generator().manual_seed(name_seed(seed, name))
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float32) * std
+
+
+class RNGTracker:
+    """Default-generator state for dropout plus a separate state for the TP region."""
+
+    def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device):
+        self.device = device
+        self.base_seed = seed + _PP_SEED_STRIDE * pp_rank
+        self.tp_seed = self.base_seed + _TP_REGION_SEED_OFFSET + tp_rank
+        self.reset()
+
+    def reset(self) -> None:
+        """Seed the default generator (same on all TP ranks) and the TP-region state."""
+        torch.manual_seed(self.base_seed)
+        saved = self._get_state()
+        torch.manual_seed(self.tp_seed)
+        self.states: Dict[str, torch.Tensor] = {"tp": self._get_state()}
+        self._set_state(saved)
+
+    def _get_state(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set_state(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "tp") -> Iterator[None]:
+        """Run the body with the ``name`` generator state, then restore the default one."""
+        saved = self._get_state()
+        self._set_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get_state()
+            self._set_state(saved)
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        """All states, for checkpoints and activation recomputation."""
+        return {"default": self._get_state(), **{k: v.clone() for k, v in self.states.items()}}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        self._set_state(states["default"])
+        self.states = {k: v.clone() for k, v in states.items() if k != "default"}

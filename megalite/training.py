@@ -1,0 +1,294 @@
+"""Build a run from a Config and a ParallelState, then train and evaluate it.
+
+::
+
+    Trainer
+      chunks      this rank's model chunks (one per virtual pipeline stage)
+      executor    runs the schedule's actions for one global batch
+      grads       GradBuffer: .grad views, bucketed DP all-reduce
+      optimizer   AdamW + LRScheduler; clipping by the global norm
+      iteration, consumed_samples, tracker   (what a checkpoint will need)
+
+One iteration: arm the grad buffer -> run the schedule over m micro-batches ->
+finish the DP reduction -> sum tied-embedding grads over the embedding group ->
+clip -> step (skipped if the norm is not finite) -> log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megalite.config import Config
+from megalite.data.mock_dataset import MockGPTDataset
+from megalite.data.samplers import PretrainingSampler
+from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.logging import TensorBoard, flops_per_iteration, format_log_line, format_timers
+from megalite.model.gpt import GPTModel
+from megalite.optim.clip_grads import clip_grad_norm_
+from megalite.optim.lr_scheduler import LRScheduler
+from megalite.optim.optimizer import build_optimizer
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.executor import PipelineExecutor, StepStats
+from megalite.pipeline.partition import layers_for_stage
+from megalite.pipeline.schedules import (add_communication, build_compute, build_schedule,
+                                        default_schedule_name)
+from megalite.tensor_parallel.random import RNGTracker
+
+logger = logging.getLogger("megalite")
+
+
+def resolve_data(cfg: Config) -> Config:
+    """Fill in the default corpus (when no data is given) and the vocabulary size from the tokenizer."""
+    data = cfg.data
+    if data.mock_data:
+        return cfg
+    if not (data.data_path or data.train_data_path):
+        from megalite.data.default_corpus import prepare_default_corpus
+        corpus = prepare_default_corpus()
+        data = replace(data, data_path=(corpus["data_prefix"],), tokenizer_type=corpus["tokenizer_type"],
+                       vocab_file=corpus["vocab_file"], merge_file=corpus["merge_file"])
+    if not data.tokenizer_type:
+        from megalite.parallel_state import ConfigError
+        raise ConfigError("--data-path needs --tokenizer-type (e.g. GPT2BPETokenizer with --vocab-file "
+                          "and --merge-file)")
+    from megalite.data.tokenizers import build_tokenizer
+    tokenizer = build_tokenizer(data)
+    return cfg.with_(data=data, model=replace(cfg.model, vocab_size=tokenizer.vocab_size))
+
+
+def forward_only_schedule(pp: int, vp: int, m: int) -> list:
+    """Evaluation: GPipe's forward passes only (no activations kept), with their transfers."""
+    compute = build_compute("gpipe" if pp > 1 else "no_pipelining", pp, vp, m)
+    return add_communication([[a for a in r if a.kind == "F"] for r in compute], pp, vp)
+
+
+def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker) -> List[GPTModel]:
+    """This rank's chunks: chunk c is global virtual stage c*pp + pp_rank."""
+    par, chunks = cfg.parallel, []
+    num_stages = ps.pp_size * par.vp
+    for c in range(par.vp):
+        stage = c * ps.pp_size + ps.pp_rank
+        layers = layers_for_stage(cfg.model.num_layers, ps.pp_size, par.vp, ps.pp_rank, c,
+                                  par.decoder_first_pipeline_num_layers,
+                                  par.decoder_last_pipeline_num_layers)
+        chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
+                               pre_process=stage == 0, post_process=stage == num_stages - 1)
+                      .to(ps.device))
+    return chunks
+
+
+def build_datasets(cfg: Config, ps: ParallelState):
+    """Train and validation datasets (samples of seq_length + 1 ids), built once per node."""
+    t = cfg.train
+    n_train = t.train_iters * t.global_batch_size
+    n_valid = t.eval_iters * t.global_batch_size if t.eval_iters > 0 and t.eval_interval > 0 else 0
+    if cfg.data.mock_data:
+        make = lambda n, salt: MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size,  # noqa: E731
+                                              cfg.train.seed + salt, n) if n else None
+        return make(n_train, 0), make(n_valid, 1)
+    from megalite.data.builder import build_train_valid_test_datasets
+    data = replace(cfg.data, seq_length=cfg.model.seq_length, seed=cfg.train.seed)
+    train, valid, _ = build_train_valid_test_datasets(data, (n_train, n_valid, 0),
+                                                      is_primary=ps.rank == 0, barrier=ps.barrier)
+    return train, valid
+
+
+class MicroBatches:
+    """Global batches for this DP rank, as lists of m micro-batch dicts (tokens, labels, loss_mask)."""
+
+    def __init__(self, dataset, consumed: int, mbs: int, m: int, ps: ParallelState):
+        self.dataset, self.m, self.device = dataset, m, ps.device
+        self.it = iter(PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size))
+
+    def next(self) -> List[Dict[str, torch.Tensor]]:
+        out = []
+        for _ in range(self.m):
+            idx = next(self.it)
+            text = torch.from_numpy(np.stack([self.dataset[i]["text"] for i in idx]).astype(np.int64))
+            text = text.to(self.device)
+            out.append({"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
+                        "loss_mask": torch.ones(text.shape[0], text.shape[1] - 1, device=self.device)})
+        return out
+
+
+class Trainer:
+    """Everything one rank needs to train: model chunks, optimizer, data, schedule, counters."""
+
+    def __init__(self, cfg: Config, ps: ParallelState):
+        self.cfg, self.ps = cfg, ps
+        t, par = cfg.train, cfg.parallel
+        if t.num_threads:
+            torch.set_num_threads(t.num_threads)
+        self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        self.chunks = build_model_chunks(cfg, ps, self.tracker)
+        self.params = [p for c in self.chunks for p in c.parameters()]
+        self.grads = GradBuffer(self.params, ps.dp)
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)
+        self.m = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+        self.schedule_name = par.pipeline_schedule or default_schedule_name(ps.pp_size, par.vp)
+        self.actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m)[ps.pp_rank]
+        self.eval_actions = forward_only_schedule(ps.pp_size, par.vp, self.m)[ps.pp_rank]
+        shape = (cfg.model.seq_length, t.micro_batch_size, cfg.model.hidden_size)
+        self.executor = PipelineExecutor(self.chunks, ps, shape)
+        self.needs_data = any(c.pre_process or c.post_process for c in self.chunks)
+        self.iteration, self.consumed_samples = 0, 0
+        self.skipped_iters = self.nan_iters = 0
+        self.last_stats: Optional[StepStats] = None
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def train_step(self, batches: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+        """Forward/backward over all micro-batches, reduce, clip and update. Returns scalars."""
+        for c in self.chunks:
+            c.train()
+        self.grads.start_step(self.m)
+        stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m)
+        t0 = time.perf_counter()
+        self.grads.finish()
+        self._sync_tied_embeddings()
+        t1 = time.perf_counter()
+        grad_norm = clip_grad_norm_(self.params, self.cfg.optim.clip_grad, self.ps)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.skipped_iters += 1
+        self.scheduler.step()
+        t2 = time.perf_counter()
+        self.last_stats = stats
+        loss = self._reduce_loss(stats.losses)
+        if loss is not None and not math.isfinite(loss):
+            self.nan_iters += 1
+        return {"loss": loss, "grad_norm": grad_norm, "forward": stats.forward, "backward": stats.backward,
+                "p2p": stats.p2p, "grads_sync": t1 - t0, "optimizer": t2 - t1,
+                "bubble": self._bubble(stats)}
+
+    def _sync_tied_embeddings(self) -> None:
+        """Sum the tied word-embedding gradient over the first and last stage (pp > 1)."""
+        if self.ps.embedding.size < 2:
+            return
+        for c in self.chunks:
+            w = c.shared_embedding_weight()
+            if w is not None:
+                dist.all_reduce(w.grad, group=self.ps.embedding.group)
+
+    def _reduce_loss(self, losses: List[torch.Tensor]) -> Optional[float]:
+        """Mean micro-batch loss over DP ranks (last stage only; None elsewhere)."""
+        if not losses:
+            return None
+        loss = torch.stack(losses).mean().reshape(1)
+        if self.ps.dp_size > 1:
+            dist.all_reduce(loss, group=self.ps.dp_group)
+            loss /= self.ps.dp_size
+        return float(loss)
+
+    @staticmethod
+    def _bubble(stats: StepStats) -> float:
+        """Measured idle fraction: (schedule time - compute) / compute, Megatron's bubble definition."""
+        wall = stats.events[-1]["end"] if stats.events else 0.0
+        return max(0.0, wall - stats.compute) / stats.compute if stats.compute > 0 else 0.0
+
+    @torch.no_grad()
+    def evaluate(self, valid) -> Optional[float]:
+        """Mean validation loss over ``eval_iters`` global batches (always the same samples)."""
+        for c in self.chunks:
+            c.eval()
+        losses = []
+        for _ in range(self.cfg.train.eval_iters):
+            batches = valid.next() if valid is not None else [None] * self.m
+            stats = self.executor.run(self.eval_actions, lambda mb: batches[mb], self.m, forward_only=True)
+            losses += stats.losses
+        return self._reduce_loss(losses)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self, train_ds, valid_ds) -> List[Dict[str, float]]:
+        """Run ``train_iters`` iterations with logging and evaluation; return per-iteration scalars."""
+        cfg, t = self.cfg, self.cfg.train
+        data = MicroBatches(train_ds, self.consumed_samples, t.micro_batch_size, self.m, self.ps) \
+            if self.needs_data else None
+        tb = TensorBoard(cfg.logging.tensorboard_dir if self.ps.is_logging_rank else None)
+        flops = flops_per_iteration(cfg.model, t.global_batch_size, self.chunks[0].padded_vocab)
+        history: List[Dict[str, float]] = []
+        window: List[Dict[str, float]] = []
+        t_last = time.perf_counter()
+        while self.iteration < t.train_iters:
+            lr = self.scheduler.get_lr()
+            batches = data.next() if data is not None else [None] * self.m
+            out = self.train_step(batches)
+            self.iteration += 1
+            self.consumed_samples += t.global_batch_size
+            out["lr"] = lr
+            history.append(out)
+            window.append(out)
+            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
+                elapsed = (time.perf_counter() - t_last) / len(window)
+                self._log(window, elapsed, flops, tb)
+                window, t_last = [], time.perf_counter()
+            if t.eval_iters > 0 and t.eval_interval > 0 and self.iteration % t.eval_interval == 0:
+                self._log_eval(valid_ds, tb)
+                t_last = time.perf_counter()
+            if t.exit_interval and self.iteration % t.exit_interval == 0:
+                break
+        if cfg.logging.timeline_out and self.last_stats is not None:
+            self.write_timeline(cfg.logging.timeline_out)
+        tb.close()
+        return history
+
+    def _log(self, window: List[Dict[str, float]], sec_per_iter: float, flops: float, tb: TensorBoard) -> None:
+        t = self.cfg.train
+        losses = [w["loss"] for w in window if w["loss"] is not None]
+        loss = sum(losses) / len(losses) if losses else None
+        bubble = torch.tensor([sum(w["bubble"] for w in window) / len(window)])
+        if self.ps.pp_size > 1:
+            dist.all_reduce(bubble, group=self.ps.pp_group)  # mean over stages
+            bubble /= self.ps.pp_size
+        if not self.ps.is_logging_rank:
+            return
+        tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / sec_per_iter
+        tflops = flops / sec_per_iter / 1e12 / self.ps.world_size
+        last = window[-1]
+        logger.info(format_log_line(self.iteration, t.train_iters, self.consumed_samples, sec_per_iter * 1e3,
+                                    tflops, last["lr"], t.global_batch_size, loss, last["grad_norm"],
+                                    self.skipped_iters, self.nan_iters, tokens_per_s))
+        if self.cfg.logging.log_timers:
+            keys = ("forward", "backward", "p2p", "grads_sync", "optimizer")
+            names = ("forward-compute", "backward-compute", "p2p-wait", "grads-all-reduce", "optimizer")
+            times = {n: 1e3 * sum(w[k] for w in window) / len(window) for n, k in zip(names, keys)}
+            logger.info(format_timers(times) + f" | pipeline bubble: {100 * float(bubble):.1f}%")
+        tb.scalars({"lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
+                    "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
+                    "throughput": tflops, "tokens-per-second": tokens_per_s}, self.iteration)
+
+    def _log_eval(self, valid_ds, tb: TensorBoard) -> None:
+        valid = MicroBatches(valid_ds, 0, self.cfg.train.micro_batch_size, self.m, self.ps) \
+            if (self.needs_data and valid_ds is not None) else None
+        if self.needs_data and valid_ds is None:
+            return
+        loss = self.evaluate(valid)
+        if self.ps.is_logging_rank and loss is not None:
+            ppl = math.exp(min(20.0, loss))
+            line = f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | " \
+                   f"lm loss PPL: {ppl:.6E} |"
+            logger.info("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+            tb.scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.iteration)
+
+    def write_timeline(self, path: str) -> None:
+        """Gather the last iteration's measured events of this pipeline and write the timeline JSON."""
+        events = self.last_stats.events
+        if self.ps.pp_size > 1:
+            gathered: List[Optional[list]] = [None] * self.ps.pp_size
+            dist.all_gather_object(gathered, events, group=self.ps.pp_group)
+            events = [e for part in gathered for e in part]
+        if self.ps.is_logging_rank:
+            with open(path, "w") as f:
+                json.dump({"schedule": self.schedule_name, "pp": self.ps.pp_size, "vp": self.cfg.parallel.vp,
+                           "m": self.m, "source": "measured", "events": events}, f)
+            logger.info(f"wrote pipeline timeline of iteration {self.iteration} to {path}")
+

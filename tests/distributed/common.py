@@ -1,0 +1,88 @@
+"""Shared pieces of the parity tests: a tiny config, a reference run, a layout run."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, List
+
+import torch
+
+from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megalite.data.mock_dataset import MockGPTDataset
+from megalite.parallel_state import ParallelState
+from megalite.training import MicroBatches, Trainer
+
+GPT2_STYLE = dict()
+LLAMA_STYLE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                   untie_embeddings_and_output_weights=True, add_bias_linear=False, num_query_groups=2)
+
+
+def tiny_config(model: Dict = None, gbs: int = 8, mbs: int = 2, num_layers: int = 2,
+                schedule: str = None, tp: int = 1, pp: int = 1, vp: int = 1) -> Config:
+    """A model small enough for 8 CPU ranks: hidden 32, 4 heads, seq 16, vocab 250 (padded per TP)."""
+    m = ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=250, hidden_dropout=0.0, attention_dropout=0.0, **(model or {}))
+    return Config(model=m, parallel=ParallelConfig(tp=tp, pp=pp, vp=vp, pipeline_schedule=schedule),
+                  optim=OptimConfig(lr=1e-2, lr_warmup_iters=1, min_lr=1e-3, clip_grad=1.0),
+                  data=DataConfig(mock_data=True),
+                  train=TrainConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=5, seed=7,
+                                    eval_iters=0))
+
+
+def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, torch.Tensor] = None):
+    """Train ``steps`` iterations; return losses, grad norms and the max relative parameter error.
+
+    The error compares this rank's parameters with ``reference`` (the full state
+    dict the single-process run ended with), sharded for this rank's layout.
+    """
+    trainer = Trainer(cfg, ps)
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                        steps * cfg.train.global_batch_size)
+    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps)
+    losses: List[float] = []
+    norms: List[float] = []
+    for _ in range(steps):
+        out = trainer.train_step(data.next())
+        losses.append(out["loss"])
+        norms.append(out["grad_norm"])
+    err = 0.0
+    if reference is not None:
+        # Relative L2 error over all of this rank's parameters. (Per tensor would be
+        # meaningless for the attention key bias: its true gradient is zero, so
+        # Adam turns round-off noise into updates.)
+        diff_sq = ref_sq = 0.0
+        for chunk in trainer.chunks:
+            expected = chunk.local_from_full(reference)
+            for name, p in chunk.named_parameters():
+                diff_sq += float((p.detach() - expected[name]).square().sum())
+                ref_sq += float(expected[name].square().sum())
+        err = (diff_sq / ref_sq) ** 0.5
+    return {"losses": losses, "norms": norms, "param_err": err, "rank": ps.rank,
+            "last_stage": ps.is_last_stage}
+
+
+def reference_run(cfg: Config, steps: int):
+    """The same run in one process; also returns its final full state dict."""
+    cfg = cfg.with_(parallel=replace(cfg.parallel, tp=1, pp=1, vp=1, pipeline_schedule=None))
+    ps = ParallelState.single()
+    trainer = Trainer(cfg, ps)
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                        steps * cfg.train.global_batch_size)
+    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps)
+    losses, norms = [], []
+    for _ in range(steps):
+        out = trainer.train_step(data.next())
+        losses.append(out["loss"])
+        norms.append(out["grad_norm"])
+    state = {k: v.detach().clone() for k, v in trainer.chunks[0].state_dict().items()}
+    return {"losses": losses, "norms": norms, "state": state}
+
+
+def assert_close_run(results, ref, rtol: float = 1e-5, param_rtol: float = 1e-5) -> None:
+    """Every last-stage rank's losses and every rank's grad norms match the reference."""
+    for r in results:
+        if r["last_stage"]:
+            for step, (a, b) in enumerate(zip(r["losses"], ref["losses"])):
+                assert abs(a - b) <= rtol * abs(b), f"rank {r['rank']} step {step}: loss {a} != {b}"
+        for step, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"rank {r['rank']} step {step}: grad norm {a} != {b}"
+        assert r["param_err"] <= param_rtol, f"rank {r['rank']}: parameters differ by {r['param_err']:.2e}"
