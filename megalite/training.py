@@ -38,8 +38,7 @@ from megalite.optim.optimizer import build_optimizer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.partition import layers_for_stage
-from megalite.pipeline.schedules import (add_communication, build_compute, build_schedule,
-                                        default_schedule_name)
+from megalite.pipeline.schedules import build_schedule, default_schedule_name
 from megalite.tensor_parallel.random import RNGTracker
 
 logger = logging.getLogger("megalite")
@@ -62,12 +61,6 @@ def resolve_data(cfg: Config) -> Config:
     from megalite.data.tokenizers import build_tokenizer
     tokenizer = build_tokenizer(data)
     return cfg.with_(data=data, model=replace(cfg.model, vocab_size=tokenizer.vocab_size))
-
-
-def forward_only_schedule(pp: int, vp: int, m: int) -> list:
-    """Evaluation: GPipe's forward passes only (no activations kept), with their transfers."""
-    compute = build_compute("gpipe" if pp > 1 else "no_pipelining", pp, vp, m)
-    return add_communication([[a for a in r if a.kind == "F"] for r in compute], pp, vp)
 
 
 def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker) -> List[GPTModel]:
@@ -136,7 +129,8 @@ class Trainer:
         self.m = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self.schedule_name = par.pipeline_schedule or default_schedule_name(ps.pp_size, par.vp)
         self.actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m)[ps.pp_rank]
-        self.eval_actions = forward_only_schedule(ps.pp_size, par.vp, self.m)[ps.pp_rank]
+        self.eval_actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m,
+                                           forward_only=True)[ps.pp_rank]
         shape = (cfg.model.seq_length, t.micro_batch_size, cfg.model.hidden_size)
         self.executor = PipelineExecutor(self.chunks, ps, shape)
         self.needs_data = any(c.pre_process or c.post_process for c in self.chunks)

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: layer partition, schedules as data, simulator, executor."""

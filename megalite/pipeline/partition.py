@@ -1,0 +1,141 @@
+"""Which transformer layers live on which (pipeline rank, virtual chunk).
+
+Megatron's layout, drawn for 16 layers, pp=4, vp=2 (S = pp*vp = 8 virtual
+stages, stage s = vp_chunk * pp + pp_rank, stages hold consecutive layers in
+order of s)::
+
+    chunk 0:  rank0 [0,1]   rank1 [2,3]   rank2 [4,5]   rank3 [6,7]
+    chunk 1:  rank0 [8,9]   rank1 [10,11] rank2 [12,13] rank3 [14,15]
+
+Uneven split (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-
+pipeline-num-layers``) follows Megatron's ``get_transformer_layer_offset``:
+the first (last) pipeline rank holds ``first`` (``last``) layers in total,
+``first // vp`` per virtual chunk; the remaining "middle" layers are divided
+evenly over the other pipeline ranks and their chunks. Every virtual round
+(one chunk on every rank) therefore holds the same number of layers.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+_FIRST = "--decoder-first-pipeline-num-layers"
+_LAST = "--decoder-last-pipeline-num-layers"
+_VP = "virtual pipeline size (vp, from --num-layers-per-virtual-pipeline-stage)"
+
+
+def num_stages(pp: int, vp: int) -> int:
+    """Return the number of virtual pipeline stages, ``pp * vp``."""
+    return pp * vp
+
+
+def stage_of(pp: int, vp: int, pp_rank: int, vp_chunk: int) -> int:
+    """Return the global virtual stage index held by (pp_rank, vp_chunk).
+
+    Megatron numbers virtual stages chunk-major: stage ``vp_chunk * pp +
+    pp_rank``, so activations visit every rank once per chunk before wrapping
+    from the last rank back to rank 0 for the next chunk.
+    """
+    if not (0 <= pp_rank < pp and 0 <= vp_chunk < vp):
+        raise ValueError(f"pp_rank={pp_rank}, vp_chunk={vp_chunk} out of range for pp={pp}, vp={vp}")
+    return vp_chunk * pp + pp_rank
+
+
+def rank_of_stage(pp: int, stage: int) -> int:
+    """Return the pipeline rank that holds global virtual stage ``stage``."""
+    return stage % pp
+
+
+def _check_uneven(num_layers: int, pp: int, vp: int, first: Optional[int], last: Optional[int]) -> None:
+    """Validate the uneven (first/last) layout; see ``validate_partition``."""
+    if pp == 1:
+        raise ValueError(f"{_FIRST}/{_LAST} need --pipeline-model-parallel-size > 1 (got 1)")
+    for flag, value in ((_FIRST, first), (_LAST, last)):
+        if value is None:
+            continue
+        if value < 1:
+            raise ValueError(f"{flag}={value} leaves a pipeline stage empty; it must be >= 1")
+        if value % vp != 0:
+            raise ValueError(f"{flag}={value} must be divisible by the {_VP}={vp}")
+    uneven_ranks = (first is not None) + (last is not None)
+    middle_ranks = pp - uneven_ranks
+    middle = num_layers - (first or 0) - (last or 0)
+    if middle < 0 or (middle_ranks > 0 and middle < middle_ranks * vp):
+        raise ValueError(
+            f"{_FIRST}={first} and {_LAST}={last} are too big for --num-layers={num_layers}: "
+            f"{middle} layers left for {middle_ranks} middle pipeline ranks x vp={vp}"
+        )
+    if middle_ranks == 0 and middle != 0:
+        raise ValueError(
+            f"{_FIRST}={first} + {_LAST}={last} must equal --num-layers={num_layers} when pp=2"
+        )
+    if middle_ranks > 0 and middle % (middle_ranks * vp) != 0:
+        raise ValueError(
+            f"--num-layers={num_layers} minus {_FIRST}/{_LAST} leaves {middle} layers, "
+            f"not divisible by {middle_ranks} middle pipeline ranks x vp={vp}"
+        )
+
+
+def validate_partition(
+    num_layers: int, pp: int, vp: int, first: Optional[int] = None, last: Optional[int] = None
+) -> None:
+    """Raise ValueError (one line naming the flags) unless the layout is legal.
+
+    Legal means: positive sizes; vp > 1 only with pp > 1; in the even case
+    ``num_layers`` divisible by ``pp * vp``; in the uneven case ``first`` and
+    ``last`` (when given) are >= 1 and divisible by vp, and the remaining
+    layers split evenly and non-emptily over the other ranks and their chunks.
+    """
+    if num_layers < 1:
+        raise ValueError(f"--num-layers must be >= 1 (got {num_layers})")
+    if pp < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1 (got {pp})")
+    if vp < 1:
+        raise ValueError(f"the {_VP} must be >= 1 (got {vp})")
+    if vp > 1 and pp == 1:
+        raise ValueError(f"virtual pipeline (vp={vp}) needs --pipeline-model-parallel-size > 1")
+    if first is not None or last is not None:
+        _check_uneven(num_layers, pp, vp, first, last)
+        return
+    if num_layers % (pp * vp) != 0:
+        raise ValueError(
+            f"--num-layers={num_layers} must be divisible by --pipeline-model-parallel-size={pp} "
+            f"x vp={vp} (or use {_FIRST}/{_LAST})"
+        )
+
+
+def _layers_per_chunk(num_layers: int, pp: int, vp: int, pp_rank: int,
+                      first: Optional[int], last: Optional[int]) -> int:
+    """Number of layers one virtual chunk on ``pp_rank`` holds (layout already valid)."""
+    if first is None and last is None:
+        return num_layers // (pp * vp)
+    if pp_rank == 0 and first is not None:
+        return first // vp
+    if pp_rank == pp - 1 and last is not None:
+        return last // vp
+    middle_ranks = pp - (first is not None) - (last is not None)
+    middle = num_layers - (first or 0) - (last or 0)
+    return middle // (middle_ranks * vp)
+
+
+def layers_for_stage(
+    num_layers: int,
+    pp: int,
+    vp: int,
+    pp_rank: int,
+    vp_chunk: int,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
+) -> range:
+    """Return the global layer indices held by (pp_rank, vp_chunk).
+
+    Stages are filled in order of their global index ``vp_chunk * pp +
+    pp_rank``; each holds a consecutive run of layers whose length depends only
+    on its pipeline rank (see the module docstring). Raises ValueError for an
+    illegal layout or out-of-range rank/chunk.
+    """
+    validate_partition(num_layers, pp, vp, first, last)
+    stage_of(pp, vp, pp_rank, vp_chunk)  # range-checks rank and chunk
+    per_rank = [_layers_per_chunk(num_layers, pp, vp, r, first, last) for r in range(pp)]
+    # Every virtual round holds sum(per_rank) layers; inside a round ranks go in order.
+    start = vp_chunk * sum(per_rank) + sum(per_rank[:pp_rank])
+    return range(start, start + per_rank[pp_rank])

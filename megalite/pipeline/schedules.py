@@ -1,0 +1,349 @@
+"""Pipeline schedules as data (DESIGN principle 5).
+
+A builder returns, for every pipeline rank, the ordered list of compute
+actions it runs; ``add_communication`` then inserts the point-to-point batches
+(``Comm``) that move activations forward and gradients backward between
+virtual stages. One executor runs any such list; ``simulate.py`` proves it
+deadlock-free and measures bubble and memory. Stage numbering follows
+``partition.py``: global virtual stage ``s = chunk * pp + rank``, S = pp*vp::
+
+    rank 0: F0.0 [sF0->1] F1.0 [sF1->1 rB0<-1] B0.0 ...
+                 ^ Comm: one batch_isend_irecv, all ops waited for together
+
+Supported micro-batch counts m: every schedule needs m >= 1;
+``interleaved_1f1b`` additionally needs m % pp == 0 (Megatron's classic
+interleaved schedule). m < pp is legal for ``gpipe`` and ``1f1b`` (a large
+bubble, but correct).
+
+Communication placement (Megatron's send_forward_recv_backward pattern):
+after each compute action, one Comm holds that action's sends plus the recvs
+needed by the next compute action on this rank; a Comm with the first
+action's recvs comes first. Interleaved 1F1B deadlocks under that rule (two
+neighbours each block in a steady-state gradient send whose matching recv the
+other posts only after its own blocked Comm), so there each F+B pair shares one
+Comm holding both sends and the recvs of the next pair, exactly Megatron's
+send_forward_backward_recv_forward_backward. The simulator proves every
+schedule deadlock-free under conservative rendezvous semantics (a Comm
+completes only when every peer has posted its matching op) for pp 1..8,
+vp 1..4, m up to 4*pp; see tests/unit/test_schedules.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from megalite.pipeline.partition import num_stages, rank_of_stage, stage_of
+
+SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run one micro-batch through one local model chunk.
+
+    ``kind`` is "F" (forward) or "B" (backward); ``chunk`` is the local virtual
+    chunk 0..vp-1, so the global stage is ``chunk * pp + rank``.
+    """
+
+    kind: str
+    mb: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One side of a point-to-point transfer.
+
+    ``kind`` "F" is an activation flowing stage s-1 -> s, "B" a gradient
+    flowing stage s+1 -> s. ``peer`` is the pipeline rank on the other side.
+    """
+
+    op: str
+    kind: str
+    mb: int
+    src_stage: int
+    dst_stage: int
+    peer: int
+
+    def message(self) -> tuple[str, int, int, int]:
+        """Return what both sides of a transfer must agree on."""
+        return (self.kind, self.mb, self.src_stage, self.dst_stage)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A batch of p2p ops issued together (one batch_isend_irecv) and waited for together."""
+
+    ops: tuple[P2POp, ...]
+
+
+Action = Union[Compute, Comm]
+
+
+def _check_sizes(pp: int, vp: int, m: int) -> None:
+    """Reject non-positive sizes with a one-line message."""
+    if pp < 1 or vp < 1 or m < 1:
+        raise ValueError(f"pipeline sizes must be >= 1 (got pp={pp}, vp={vp}, num-microbatches={m})")
+
+
+def build_no_pipelining(m: int) -> list[list[Compute]]:
+    """Gradient accumulation on one rank: F0 B0 F1 B1 ... (pp must be 1)."""
+    _check_sizes(1, 1, m)
+    return [[Compute(kind, mb, 0) for mb in range(m) for kind in ("F", "B")]]
+
+
+def build_gpipe(pp: int, vp: int, m: int) -> list[list[Compute]]:
+    """GPipe: every rank runs all forwards, then all backwards.
+
+    With vp > 1 the forwards go in Megatron's interleaved order (groups of pp
+    micro-batches per chunk, see ``_grouped_order``) so that no rank waits on
+    a chunk boundary; every rank then holds all m*vp chunk activations.
+    """
+    _check_sizes(pp, vp, m)
+    fwd = _grouped_order(pp, vp, m, "F")
+    bwd = _grouped_order(pp, vp, m, "B")
+    return [fwd + bwd for _ in range(pp)]
+
+
+def _one_f_one_b(fwd: Sequence[Compute], bwd: Sequence[Compute], warmup: int) -> list[Compute]:
+    """Interleave ``warmup`` forwards, then F/B pairs, then the remaining backwards."""
+    order = list(fwd[:warmup])
+    steady = len(fwd) - warmup
+    for i in range(steady):
+        order += [fwd[warmup + i], bwd[i]]
+    order += list(bwd[steady:])
+    return order
+
+
+def build_1f1b(pp: int, m: int) -> list[list[Compute]]:
+    """PipeDream-Flush 1F1B: min(pp - rank - 1, m) warmup forwards, steady 1F1B, cooldown."""
+    _check_sizes(pp, 1, m)
+    schedule = []
+    for rank in range(pp):
+        fwd = [Compute("F", mb, 0) for mb in range(m)]
+        bwd = [Compute("B", mb, 0) for mb in range(m)]
+        schedule.append(_one_f_one_b(fwd, bwd, min(pp - rank - 1, m)))
+    return schedule
+
+
+def _grouped_order(pp: int, vp: int, m: int, kind: str) -> list[Compute]:
+    """Megatron's order of forwards (backwards) on every rank: groups of pp per chunk.
+
+    Micro-batches are cut into groups of pp (the last may be smaller); each
+    group visits chunk 0, 1, ..., vp-1 (backward: vp-1, ..., 0). For m % pp
+    == 0 this is Megatron's k -> (chunk (k % (pp*vp)) // pp, micro-batch
+    (k // (pp*vp)) * pp + k % pp).
+    """
+    order = []
+    for group in range(0, m, pp):
+        for c in range(vp):
+            chunk = c if kind == "F" else vp - 1 - c
+            order += [Compute(kind, mb, chunk) for mb in range(group, min(group + pp, m))]
+    return order
+
+
+def interleaved_warmup(pp: int, vp: int, m: int, rank: int) -> int:
+    """Number of warmup forwards of interleaved 1F1B on ``rank``.
+
+    Megatron's ``(pp - rank - 1) * 2 + (vp - 1) * pp``, capped at m*vp. The
+    factor 2 lets each steady-state F+B pair exchange all four tensors in one
+    Comm that meets the neighbours' pair Comms one iteration apart.
+    """
+    return min((pp - rank - 1) * 2 + (vp - 1) * pp, m * vp)
+
+
+def build_interleaved_1f1b(pp: int, vp: int, m: int) -> list[list[Compute]]:
+    """Megatron's interleaved 1F1B (needs m % pp == 0).
+
+    Rank r warms up with ``(pp - r - 1) * 2 + (vp - 1) * pp`` forwards (capped
+    at m*vp), then alternates one forward and one backward, then drains.
+    """
+    _check_sizes(pp, vp, m)
+    if m % pp != 0:
+        raise ValueError(_interleaved_m_error(pp, m))
+    fwd = _grouped_order(pp, vp, m, "F")
+    bwd = _grouped_order(pp, vp, m, "B")
+    return [_one_f_one_b(fwd, bwd, interleaved_warmup(pp, vp, m, rank)) for rank in range(pp)]
+
+
+def _interleaved_m_error(pp: int, m: int) -> str:
+    return (
+        f"interleaved_1f1b needs --num-microbatches (m={m}) divisible by "
+        f"--pipeline-model-parallel-size (pp={pp})"
+    )
+
+
+def _sends(action: Compute, rank: int, pp: int, vp: int) -> list[P2POp]:
+    """The sends ``action`` produces: F output to s+1, B input-gradient to s-1."""
+    s, last = stage_of(pp, vp, rank, action.chunk), num_stages(pp, vp) - 1
+    if action.kind == "F" and s < last:
+        return [P2POp("send", "F", action.mb, s, s + 1, rank_of_stage(pp, s + 1))]
+    if action.kind == "B" and s > 0:
+        return [P2POp("send", "B", action.mb, s, s - 1, rank_of_stage(pp, s - 1))]
+    return []
+
+
+def _recvs(action: Compute, rank: int, pp: int, vp: int) -> list[P2POp]:
+    """The recvs ``action`` needs: F input from s-1, B output-gradient from s+1."""
+    s, last = stage_of(pp, vp, rank, action.chunk), num_stages(pp, vp) - 1
+    if action.kind == "F" and s > 0:
+        return [P2POp("recv", "F", action.mb, s - 1, s, rank_of_stage(pp, s - 1))]
+    if action.kind == "B" and s < last:
+        return [P2POp("recv", "B", action.mb, s + 1, s, rank_of_stage(pp, s + 1))]
+    return []
+
+
+def _comm(ops: list[P2POp]) -> list[Comm]:
+    """Wrap ops into a Comm (sends first, then recvs, each in given order); drop empties."""
+    ordered = [o for o in ops if o.op == "send"] + [o for o in ops if o.op == "recv"]
+    return [Comm(tuple(ordered))] if ordered else []
+
+
+def interleaved_groups(pp: int, vp: int, m: int) -> list[list[int]]:
+    """Compute groups of interleaved 1F1B per rank: warmup singles, steady F+B pairs, cooldown singles.
+
+    Megatron exchanges all four tensors of a steady-state iteration (send F
+    output, send B grad, recv next F input, recv next B grad) in one batch;
+    one Comm per F+B pair reproduces that and is what makes it deadlock-free.
+    """
+    groups = []
+    for rank in range(pp):
+        warmup = interleaved_warmup(pp, vp, m, rank)
+        # warmup forwards alone, F+B pairs, then as many backwards alone as warmup forwards
+        groups.append([1] * warmup + [2] * (m * vp - warmup) + [1] * warmup)
+    return groups
+
+
+def _split(actions: list[Compute], sizes: list[int]) -> list[list[Compute]]:
+    """Cut ``actions`` into consecutive groups of the given sizes."""
+    if sum(sizes) != len(actions):
+        raise ValueError(f"groups cover {sum(sizes)} of {len(actions)} compute actions")
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(actions[start:start + size])
+        start += size
+    return parts
+
+
+def _with_comms(parts: list[list[Compute]], rank: int, pp: int, vp: int) -> list[Action]:
+    """One rank's actions with a Comm before the first group and after every group."""
+
+    def ops(part: list[Compute], which) -> list[P2POp]:
+        return [op for a in part for op in which(a, rank, pp, vp)]
+
+    out: list[Action] = _comm(ops(parts[0], _recvs)) if parts else []
+    for i, part in enumerate(parts):
+        out += part
+        nxt = ops(parts[i + 1], _recvs) if i + 1 < len(parts) else []
+        out += _comm(ops(part, _sends) + nxt)
+    return out
+
+
+def add_communication(
+    compute: list[list[Compute]], pp: int, vp: int, groups: Optional[list[list[int]]] = None
+) -> list[list[Action]]:
+    """Insert Comm batches into per-rank compute lists.
+
+    ``groups[rank]`` cuts the rank's compute list into consecutive groups
+    (default: every action alone). Before the first group: a Comm with its
+    recvs. After each group: one Comm with the group's sends plus the recvs
+    needed by the next group (Megatron's send_forward_recv_backward pattern;
+    F+B pairs give its send_forward_backward_recv_forward_backward). The last
+    group's Comm holds only its sends. Empty Comms are dropped. Within a Comm
+    sends come first, then recvs, each in compute order, so two ops on the same
+    directed channel are listed in the same relative order on both sides.
+    """
+    if len(compute) != pp:
+        raise ValueError(f"expected compute lists for {pp} pipeline ranks, got {len(compute)}")
+    if groups is None:
+        groups = [[1] * len(actions) for actions in compute]
+    return [
+        _with_comms(_split(actions, groups[rank]), rank, pp, vp)
+        for rank, actions in enumerate(compute)
+    ]
+
+
+def validate_schedule(name: str, pp: int, vp: int, m: int) -> None:
+    """Raise ValueError (one line) unless schedule ``name`` supports (pp, vp, m).
+
+    no_pipelining: pp == vp == 1. gpipe: any pp, vp, m >= 1 (vp > 1 needs
+    pp > 1). 1f1b: vp == 1, any m >= 1 (m < pp is legal, with a large bubble).
+    interleaved_1f1b: pp > 1, vp > 1, m % pp == 0.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    _check_sizes(pp, vp, m)
+    if vp > 1 and pp == 1:
+        raise ValueError(f"virtual pipeline (vp={vp}) needs --pipeline-model-parallel-size > 1")
+    if name == "no_pipelining" and pp != 1:
+        raise ValueError(f"schedule no_pipelining needs pp=1 (got pp={pp}); use 1f1b or gpipe")
+    if name == "1f1b" and vp != 1:
+        raise ValueError(f"schedule 1f1b needs vp=1 (got vp={vp}); use interleaved_1f1b")
+    if name == "interleaved_1f1b":
+        if vp < 2:
+            raise ValueError(f"schedule interleaved_1f1b needs vp > 1 (got vp={vp}); use 1f1b")
+        if m % pp != 0:
+            raise ValueError(_interleaved_m_error(pp, m))
+
+
+def build_compute(name: str, pp: int, vp: int, m: int) -> list[list[Compute]]:
+    """Return the compute-only order per rank of schedule ``name`` (validated)."""
+    validate_schedule(name, pp, vp, m)
+    if name == "no_pipelining":
+        return build_no_pipelining(m)
+    if name == "gpipe":
+        return build_gpipe(pp, vp, m)
+    if name == "1f1b":
+        return build_1f1b(pp, m)
+    return build_interleaved_1f1b(pp, vp, m)
+
+
+def build_forward_only(pp: int, vp: int, m: int) -> list[list[Compute]]:
+    """Forwards only (evaluation): every rank runs all forwards in Megatron's grouped order."""
+    _check_sizes(pp, vp, m)
+    if vp > 1 and pp == 1:
+        raise ValueError(f"virtual pipeline (vp={vp}) needs --pipeline-model-parallel-size > 1")
+    return [_grouped_order(pp, vp, m, "F") for _ in range(pp)]
+
+
+def build_schedule(name: str, pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[Action]]:
+    """Return the full action list per rank (compute plus Comm) of schedule ``name``.
+
+    With ``forward_only`` (evaluation) every schedule degenerates to the same
+    forwards-only list, and any m >= 1 is accepted; ``name`` is still checked.
+    """
+    if forward_only:
+        if name not in SCHEDULES:
+            validate_schedule(name, pp, vp, m)
+        return add_communication(build_forward_only(pp, vp, m), pp, vp)
+    groups = interleaved_groups(pp, vp, m) if name == "interleaved_1f1b" else None
+    return add_communication(build_compute(name, pp, vp, m), pp, vp, groups)
+
+
+def default_schedule_name(pp: int, vp: int) -> str:
+    """Megatron's choice: no pipelining for pp=1, interleaved for vp>1, else 1F1B."""
+    if pp == 1:
+        return "no_pipelining"
+    return "interleaved_1f1b" if vp > 1 else "1f1b"
+
+
+def format_action(action: Action) -> str:
+    """Render one action: ``F3.1`` (forward mb 3, chunk 1) or ``[sF3->2 rB1<-0]`` (peer ranks)."""
+    if isinstance(action, Compute):
+        return f"{action.kind}{action.mb}.{action.chunk}"
+    parts = [
+        f"s{o.kind}{o.mb}->{o.peer}" if o.op == "send" else f"r{o.kind}{o.mb}<-{o.peer}"
+        for o in action.ops
+    ]
+    return "[" + " ".join(parts) + "]"
+
+
+def format_schedule(actions: Sequence) -> str:
+    """Compact text rendering for debugging and error messages.
+
+    Accepts one rank's action list (one line) or a per-rank list of lists (one
+    ``rank r: ...`` line per rank).
+    """
+    if actions and all(isinstance(a, (list, tuple)) and not isinstance(a, Comm) for a in actions):
+        return "\n".join(f"rank {r}: {format_schedule(a)}" for r, a in enumerate(actions))
+    return " ".join(format_action(a) for a in actions)

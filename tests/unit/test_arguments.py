@@ -1,0 +1,63 @@
+"""The CLI: Megatron flag names map onto config sections; bad input fails with one line."""
+import subprocess
+import sys
+
+import pytest
+
+from megalite.arguments import parse_args
+from megalite.parallel_state import ConfigError
+
+
+def test_megatron_flags_map_to_config():
+    cfg = parse_args(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8",
+                      "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
+                      "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "16",
+                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--num-layers-per-virtual-pipeline-stage", "2", "--normalization", "RMSNorm", "--swiglu",
+                      "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+                      "--disable-bias-linear", "--lr", "3e-4", "--lr-decay-style", "linear", "--mock-data",
+                      "--vocab-size", "1000"], world_size=8)
+    m, p = cfg.model, cfg.parallel
+    assert (m.num_layers, m.hidden_size, m.num_query_groups, m.max_positions) == (8, 64, 2, 64)
+    assert m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope"
+    assert not m.tied_embeddings and not m.add_bias_linear and m.vocab_size == 1000
+    assert (p.tp, p.pp, p.vp) == (2, 2, 2)
+    assert cfg.optim.lr == 3e-4 and cfg.optim.lr_decay_style == "linear"
+    assert cfg.train.global_batch_size == 16 and cfg.data.mock_data
+
+
+def test_query_groups_need_gqa_flag_semantics():
+    cfg = parse_args(["--num-query-groups", "2", "--mock-data"], world_size=1)
+    assert cfg.model.num_query_groups is None  # as Megatron: ignored without --group-query-attention
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--tensor-model-parallel-size", "3"], 4, r"world size 4 is not divisible"),
+    (["--tensor-model-parallel-size", "8", "--num-attention-heads", "4", "--hidden-size", "64"], 8,
+     r"--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
+    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 2,
+     r"--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "3", "--num-layers", "4"], 3, r"(?i)layers"),
+    (["--global-batch-size", "12", "--micro-batch-size", "4"], 2, r"--global-batch-size 12 is not divisible"),
+    (["--hidden-size", "100", "--num-attention-heads", "3"], 1, r"--hidden-size 100 is not divisible"),
+    (["--no-such-flag", "1"], 1, r"unrecognized arguments: --no-such-flag 1"),
+    (["--bf16"], 1, r"--bf16 is not implemented yet"),
+    (["--sequence-parallel"], 1, r"--sequence-parallel is not implemented yet"),
+    (["--save", "/tmp/x"], 1, r"--save is not implemented yet"),
+    (["--lr-decay-style", "exp"], 1, r"invalid choice: 'exp'"),
+    (["--num-layers", "two"], 1, r"invalid int value: 'two'"),
+    (["--seq-length", "256", "--max-position-embeddings", "128"], 1, r"exceeds --max-position-embeddings"),
+])
+def test_bad_input_is_one_line_error(argv, world, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        parse_args(argv, world_size=world)
+    assert "\n" not in str(e.value)
+
+
+def test_pretrain_cli_reports_error_before_any_process_group(tmp_path):
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--tensor-model-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=120, env={"WORLD_SIZE": "3", "PATH": ""},
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: world size 3")

@@ -1,0 +1,125 @@
+"""Draw a pipeline timeline (one row per rank, one box per forward/backward).
+
+From the simulator::
+
+    python tools/plot_pipeline.py --schedule 1f1b --pp 4 --vp 1 --num-microbatches 8 --out timeline.png
+
+From a real run's TIMELINE JSON (written by the executor)::
+
+    python tools/plot_pipeline.py --timeline run_timeline.json --out timeline.png
+
+``--print`` prints the text schedule (simulator mode) instead of / as well as
+drawing; ``--save-json`` writes the simulated timeline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.pipeline.schedules import SCHEDULES, build_schedule, format_schedule  # noqa: E402
+from megalite.pipeline.simulate import simulate, timeline_bubble  # noqa: E402
+
+
+def _colour(mb: int, kind: str) -> tuple:
+    """Same hue per micro-batch; forward light, backward dark."""
+    import matplotlib
+
+    base = matplotlib.colormaps["tab10"](mb % 10)[:3]
+    if kind == "F":
+        return tuple(0.55 * c + 0.45 for c in base)
+    return tuple(0.8 * c for c in base)
+
+
+def plot_timeline(timeline: dict, out: str) -> None:
+    """Render a TIMELINE dict to an image file ``out`` (PNG, SVG, PDF by suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    pp, vp, events = int(timeline["pp"]), int(timeline["vp"]), timeline["events"]
+    t0 = min((e["start"] for e in events), default=0.0)
+    t1 = max((e["end"] for e in events), default=1.0)
+    fig, ax = plt.subplots(figsize=(max(8.0, min(40.0, len(events) / pp * 0.45)), 0.7 * pp + 1.6))
+    for e in events:
+        y = pp - 1 - e["rank"]  # rank 0 on top
+        width = e["end"] - e["start"]
+        ax.broken_barh([(e["start"] - t0, width)], (y + 0.08, 0.84),
+                       facecolors=_colour(e["mb"], e["kind"]), edgecolors="black", linewidth=0.5,
+                       hatch="//" if e["kind"] == "B" else None)
+        label = f"{e['mb']}" + (f".{e['chunk']}" if vp > 1 else "")
+        ax.text(e["start"] - t0 + width / 2, y + 0.5, label, ha="center", va="center", fontsize=7,
+                color="white" if e["kind"] == "B" else "black", fontweight="bold")
+    ax.set_yticks([pp - 1 - r + 0.5 for r in range(pp)], [f"rank {r}" for r in range(pp)])
+    ax.set_ylim(0, pp)
+    ax.set_xlim(0, t1 - t0)
+    unit = "s" if timeline.get("source") == "measured" else "cost units"
+    ax.set_xlabel(f"time ({unit})")
+    bubble = timeline_bubble(timeline)
+    mean_bubble = sum(bubble) / len(bubble) if bubble else 0.0
+    ax.set_title(f"{timeline['schedule']}  p={pp} v={vp} m={timeline['m']}  "
+                 f"bubble={mean_bubble:.3f}  ({timeline.get('source', '?')})", loc="left")
+    ax.legend(handles=[Patch(facecolor="0.85", edgecolor="black", label="forward"),
+                       Patch(facecolor="0.45", edgecolor="black", hatch="//", label="backward")],
+              loc="lower right", ncol=2, fontsize=7, bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schedule", choices=SCHEDULES, help="simulate this schedule")
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--vp", type=int, default=1)
+    p.add_argument("--num-microbatches", "-m", type=int, default=8)
+    p.add_argument("--f-cost", type=float, default=1.0, help="forward cost of a whole rank")
+    p.add_argument("--b-cost", type=float, default=2.0, help="backward cost of a whole rank")
+    p.add_argument("--timeline", help="TIMELINE JSON of a real (or saved) run")
+    p.add_argument("--out", help="image to write (png/svg/pdf)")
+    p.add_argument("--save-json", help="also write the simulated TIMELINE JSON here")
+    p.add_argument("--print", action="store_true", help="print the text schedule")
+    args = p.parse_args(argv)
+    if (args.schedule is None) == (args.timeline is None):
+        p.error("give exactly one of --schedule or --timeline")
+    if args.timeline and args.print:
+        p.error("--print needs --schedule (a timeline JSON holds no communication)")
+    if not (args.out or args.print or args.save_json):
+        p.error("nothing to do: give --out, --print or --save-json")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the process exit code."""
+    args = _parse(argv)
+    if args.timeline:
+        with open(args.timeline) as f:
+            timeline = json.load(f)
+    else:
+        try:
+            actions = build_schedule(args.schedule, args.pp, args.vp, args.num_microbatches)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.print:
+            print(format_schedule(actions))
+        result = simulate(actions, args.pp, args.vp, args.f_cost, args.b_cost, schedule=args.schedule)
+        print(f"makespan {result.makespan:.3f}  bubble {result.bubble_fraction}  "
+              f"peak in flight {result.peak_in_flight}")
+        timeline = result.to_timeline()
+        if args.save_json:
+            with open(args.save_json, "w") as f:
+                json.dump(timeline, f, indent=1)
+    if args.out:
+        plot_timeline(timeline, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
