@@ -51,7 +51,7 @@ def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float
     parts = [f" iteration {it:8d}/{train_iters:8d}",
              f" consumed samples: {consumed:12d}",
              f" elapsed time per iteration (ms): {ms_per_iter:.1f}",
-             f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f}",
+             f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f}",
              f" learning rate: {lr:.6E}",
              f" global batch size: {gbs:5d}"]
     if loss is not None:

@@ -1,0 +1,67 @@
+"""pretrain_gpt.py end to end: log lines, evaluation, TensorBoard, timeline; torchrun TP=2 x DP=2."""
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TINY = ["--mock-data", "--vocab-size", "200", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--lr-warmup-iters", "1", "--log-interval", "1"]
+
+
+def _losses(text):
+    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", text)]
+
+
+def test_single_process_run_logs_evaluates_and_writes_tensorboard(tmp_path, capsys):
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+
+    tb, timeline = tmp_path / "tb", tmp_path / "timeline.json"
+    rc = pretrain_gpt.main(TINY + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                                   "--tensorboard-dir", str(tb), "--timeline-out", str(timeline)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert len(_losses(out)) == 4
+    assert re.search(r" iteration +4/ +4 \| consumed samples: +32 \|", out)
+    assert out.count("validation loss at iteration") == 2
+    events = json.loads(timeline.read_text())
+    assert events["source"] == "measured" and events["m"] == 4
+    assert sorted((e["kind"], e["mb"]) for e in events["events"]) == \
+        sorted([("F", i) for i in range(4)] + [("B", i) for i in range(4)])
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = ea.EventAccumulator(str(tb))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"lm loss", "learning-rate", "grad-norm", "lm loss validation"} <= set(tags)
+    assert [round(e.value, 5) for e in acc.Scalars("lm loss")] == [round(x, 5) for x in _losses(out)]
+
+
+def test_eval_iters_zero_disables_evaluation(capsys):
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(TINY + ["--train-iters", "2", "--eval-interval", "1", "--eval-iters", "0"]) == 0
+    assert "validation loss" not in capsys.readouterr().out
+
+
+def test_torchrun_tp2_dp2_matches_single_process():
+    args = TINY + ["--train-iters", "3", "--eval-iters", "0"]
+    single = subprocess.run([sys.executable, "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "4", "pretrain_gpt.py", "--tensor-model-parallel-size", "2",
+                            "--num-threads", "1"] + args,
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    assert "world 4 = tp 2 x dp 2 x pp 1" in multi.stdout
+    a, b = _losses(single.stdout), _losses(multi.stdout)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(x), (a, b)
