@@ -28,22 +28,28 @@ def tiny_config(model: Dict = None, gbs: int = 8, mbs: int = 2, num_layers: int 
                                     eval_iters=0))
 
 
+def _train(cfg: Config, ps: ParallelState, steps: int):
+    """``steps`` iterations on mock data; returns the trainer, losses and grad norms."""
+    trainer = Trainer(cfg, ps)
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                        steps * cfg.train.global_batch_size)
+    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
+    losses: List[float] = []
+    norms: List[float] = []
+    for _ in range(steps):
+        out = trainer.train_step(data.next() if data is not None else [None] * trainer.m)
+        losses.append(out["loss"])
+        norms.append(out["grad_norm"])
+    return trainer, losses, norms
+
+
 def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, torch.Tensor] = None):
     """Train ``steps`` iterations; return losses, grad norms and the max relative parameter error.
 
     The error compares this rank's parameters with ``reference`` (the full state
     dict the single-process run ended with), sharded for this rank's layout.
     """
-    trainer = Trainer(cfg, ps)
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                        steps * cfg.train.global_batch_size)
-    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps)
-    losses: List[float] = []
-    norms: List[float] = []
-    for _ in range(steps):
-        out = trainer.train_step(data.next())
-        losses.append(out["loss"])
-        norms.append(out["grad_norm"])
+    trainer, losses, norms = _train(cfg, ps, steps)
     err = 0.0
     if reference is not None:
         # Relative L2 error over all of this rank's parameters. (Per tensor would be
@@ -63,16 +69,7 @@ def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, t
 def reference_run(cfg: Config, steps: int):
     """The same run in one process; also returns its final full state dict."""
     cfg = cfg.with_(parallel=replace(cfg.parallel, tp=1, pp=1, vp=1, pipeline_schedule=None))
-    ps = ParallelState.single()
-    trainer = Trainer(cfg, ps)
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                        steps * cfg.train.global_batch_size)
-    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps)
-    losses, norms = [], []
-    for _ in range(steps):
-        out = trainer.train_step(data.next())
-        losses.append(out["loss"])
-        norms.append(out["grad_norm"])
+    trainer, losses, norms = _train(cfg, ParallelState.single(), steps)
     state = {k: v.detach().clone() for k, v in trainer.chunks[0].state_dict().items()}
     return {"losses": losses, "norms": norms, "state": state}
 

@@ -47,6 +47,15 @@ def test_query_groups_need_gqa_flag_semantics():
     (["--lr-decay-style", "exp"], 1, r"invalid choice: 'exp'"),
     (["--num-layers", "two"], 1, r"invalid int value: 'two'"),
     (["--seq-length", "256", "--max-position-embeddings", "128"], 1, r"exceeds --max-position-embeddings"),
+    # pipeline layouts
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage",
+      "2", "--global-batch-size", "24", "--micro-batch-size", "8"], 2, r"interleaved.*multiple of|m % pp|divisible"),
+    (["--virtual-pipeline-model-parallel-size", "2"], 1, r"needs --pipeline-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "no_pipelining"], 2, r"no_pipelining needs pp=1"),
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--decoder-first-pipeline-num-layers", "8"], 4,
+     r"decoder-first-pipeline-num-layers"),
+    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2", "--num-layers", "8"],
+     2, r"--num-layers-per-virtual-pipeline-stage 3 must divide"),
 ])
 def test_bad_input_is_one_line_error(argv, world, message):
     with pytest.raises(ConfigError, match=message) as e:
