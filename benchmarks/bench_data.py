@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Data pipeline benchmark: preprocessing throughput / peak memory, index build times.
+
+Builds its corpus offline from text every Python install has: pydoc's topic
+documentation and the .py sources under sys.prefix (stdlib first, then
+site-packages, cycled if needed), one document per file. The tokenizer is the
+default corpus's 4k byte-level BPE. Each preprocessing run happens in a fresh
+subprocess so its peak RSS (parent and worker processes) can be read.
+
+  python benchmarks/bench_data.py                 # full run (50 MB, 10 vs 100 MB, 1M/10M docs)
+  python benchmarks/bench_data.py --quick         # 1/25 of the sizes, for a smoke test
+  python benchmarks/bench_data.py --only indices  # one section
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from megalite.data.blended_dataset import build_blending_indices  # noqa: E402
+from megalite.data.default_corpus import prepare_default_corpus  # noqa: E402
+from megalite.data.gpt_dataset import (build_document_index, build_sample_index,  # noqa: E402
+                                       build_shuffle_index)
+
+
+def source_files():
+    """Offline real text: pydoc topics, then .py files under sys.prefix."""
+    from pydoc_data.topics import topics
+    for k in sorted(topics):
+        yield topics[k]
+    for root in sorted(Path(sys.prefix).rglob("*.py")):
+        try:
+            yield root.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+
+
+def build_corpus(path: Path, megabytes: float, pool_megabytes: float | None = None) -> int:
+    """Write a jsonl of at least ``megabytes`` MB; return its size in bytes.
+
+    With ``pool_megabytes``, only the first that many MB of sources are used,
+    cycled: corpora of different sizes then share one document-size
+    distribution, so a memory comparison measures growth with input size
+    rather than the largest file met.
+    """
+    target, written = int(megabytes * 1e6), 0
+    pool_limit = pool_megabytes * 1e6 if pool_megabytes else float("inf")
+    with open(path, "w", encoding="utf-8") as f:
+        while written < target:
+            pooled = 0
+            for text in source_files():
+                line = json.dumps({"text": text}) + "\n"
+                f.write(line)
+                written += len(line.encode("utf-8"))
+                pooled += len(line)
+                if written >= target or pooled >= pool_limit:
+                    break
+    return written
+
+
+_CHILD = """
+import json, resource, sys
+sys.path.insert(0, {repo!r})
+from megalite.config import DataConfig
+from megalite.data.preprocess import PreprocessOptions, preprocess
+tok = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file={vocab!r}, merge_file={merge!r})
+s = preprocess(PreprocessOptions(input={inp!r}, output_prefix={out!r}, tokenizer=tok,
+                                 append_eod=True, workers={workers}, log_interval=0))
+me = resource.getrusage(resource.RUSAGE_SELF)
+kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps(dict(seconds=s.seconds, bytes=s.bytes_read, tokens=sum(s.tokens.values()),
+                      docs=s.lines, rss_main_mb=me.ru_maxrss / 1024,
+                      rss_worker_mb=kids.ru_maxrss / 1024, cpu_main=me.ru_utime + me.ru_stime,
+                      cpu_workers=kids.ru_utime + kids.ru_stime)))
+"""
+
+
+def run_preprocess(inp: Path, out: Path, tok: dict, workers: int) -> dict:
+    code = _CHILD.format(repo=str(REPO), vocab=tok["vocab_file"], merge=tok["merge_file"],
+                         inp=str(inp), out=str(out), workers=workers)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def bench_preprocess(tmp: Path, tok: dict, throughput_mb: float, memory_mb: tuple) -> None:
+    print(f"\n## Preprocessing (GPT2BPETokenizer 4k vocab, --append-eod), {os.cpu_count()} CPUs,"
+          f" load average {os.getloadavg()[0]:.1f} at start")
+    print("| input | workers | docs | seconds | MB/s | tokens/s | CPU s main / workers "
+          "| peak RSS main / worker (MB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    corpora = {("all", throughput_mb): tmp / "corpus_throughput.jsonl"}
+    build_corpus(corpora["all", throughput_mb], throughput_mb)
+    for mb in memory_mb:  # same documents, cycled: only the input size differs
+        corpora["pool", mb] = tmp / f"corpus_pool_{mb:g}MB.jsonl"
+        build_corpus(corpora["pool", mb], mb, pool_megabytes=min(memory_mb))
+    runs = [("all", throughput_mb, 1), ("all", throughput_mb, 2)]
+    runs += [("pool", mb, w) for mb in memory_mb for w in (1, 2)]
+    for kind, mb, workers in runs:
+        r = run_preprocess(corpora[kind, mb], tmp / "out", tok, workers)
+        label = "sources" if kind == "all" else f"first {min(memory_mb):g} MB, cycled"
+        print(f"| {r['bytes'] / 1e6:.0f} MB ({label}) | {workers} | {r['docs']} | "
+              f"{r['seconds']:.1f} | "
+              f"{r['bytes'] / 1e6 / r['seconds']:.2f} | {r['tokens'] / r['seconds']:,.0f} | "
+              f"{r['cpu_main']:.1f} / {r['cpu_workers']:.1f} | "
+              f"{r['rss_main_mb']:.0f} / {r['rss_worker_mb']:.0f} |", flush=True)
+
+
+def bench_indices(doc_counts: list[int], seq_length: int = 2048) -> None:
+    print(f"\n## Index build (one epoch, seq_length {seq_length}, doc sizes ~ lognormal, "
+          "mean ~600 tokens)")
+    print("| documents | samples | document_index s | sample_index s | shuffle_index s | total s |")
+    print("|---|---|---|---|---|---|")
+    for n in doc_counts:
+        sizes = np.random.default_rng(0).lognormal(6.0, 1.0, n).astype(np.int32) + 1
+        rng = np.random.RandomState(1234)
+        t0 = time.perf_counter()
+        doc_index = build_document_index(np.arange(n, dtype=np.int32), 1, rng, False)
+        t1 = time.perf_counter()
+        sample_index = build_sample_index(sizes, doc_index, seq_length)
+        t2 = time.perf_counter()
+        build_shuffle_index(len(sample_index) - 1, len(sample_index) - 1, rng)
+        t3 = time.perf_counter()
+        print(f"| {n:,} | {len(sample_index) - 1:,} | {t1 - t0:.2f} | {t2 - t1:.2f} | "
+              f"{t3 - t2:.2f} | {t3 - t0:.2f} |", flush=True)
+
+
+def bench_blending(sizes: list[int]) -> None:
+    print("\n## Blending index (3 datasets, weights 0.5/0.3/0.2, pure Python greedy loop)")
+    print("| samples | seconds |")
+    print("|---|---|")
+    for n in sizes:
+        t0 = time.perf_counter()
+        build_blending_indices([0.5, 0.3, 0.2], n)
+        print(f"| {n:,} | {time.perf_counter() - t0:.2f} |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--only", choices=("preprocess", "indices"), default=None)
+    args = p.parse_args()
+    scale = 0.04 if args.quick else 1.0
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        tmp = Path(tmp)
+        if args.only in (None, "preprocess"):
+            tok = prepare_default_corpus(str(tmp / "tokenizer"))
+            bench_preprocess(tmp, tok, 50 * scale, (10 * scale, 100 * scale))
+        if args.only in (None, "indices"):
+            bench_indices([int(1_000_000 * scale), int(10_000_000 * scale)])
+            bench_blending([int(1_000_000 * scale)])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Builds the train/valid/test datasets the training loop asks for.
+
+``--data-path`` (one prefix, ``w1 p1 w2 p2 ...`` or bare prefixes weighted
+by their token counts) is cut by ``--split`` into document ranges;
+``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` give a
+split its own blend, used whole. Rank coordination is injected: the primary
+rank builds and caches the indices, then calls ``barrier()``; the others
+call ``barrier()`` first and load the cache. Nothing here talks to
+torch.distributed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from megalite.config import DataConfig
+from megalite.data.blended_dataset import BlendedDataset, parse_blend, samples_per_dataset
+from megalite.data.gpt_dataset import GPTDataset, split_document_ranges
+from megalite.data.indexed_dataset import IndexedDataset
+
+logger = logging.getLogger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def default_cache_dir(prefix: str, kind: str) -> str:
+    """Megatron-like default: a ``cache/{kind}_indices`` directory next to the data."""
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", f"{kind}_indices")
+
+
+class _Builder:
+    """One build pass; opens each prefix once and shares it across splits."""
+
+    def __init__(self, cfg: DataConfig, write_cache: bool):
+        self.cfg = cfg
+        self.write = write_cache
+        self._opened: dict[str, IndexedDataset] = {}
+
+    def open(self, prefix: str) -> IndexedDataset:
+        """The memory-mapped dataset at ``prefix``, opened once per build."""
+        if prefix not in self._opened:
+            self._opened[prefix] = IndexedDataset(prefix)
+        return self._opened[prefix]
+
+    def documents(self, prefix: str, split: int, whole: bool) -> np.ndarray:
+        """Sequence indices of ``prefix`` that belong to split ``split``."""
+        n = len(self.open(prefix))
+        begin, end = (0, n) if whole else split_document_ranges(self.cfg.split, n)[split]
+        return np.arange(begin, end, dtype=np.int32)
+
+    def gpt(self, prefix: str, docs: np.ndarray, num_samples: int, split: int) -> GPTDataset:
+        """A GPTDataset over ``docs`` of ``prefix``, its indices cached per the config."""
+        cache = self.cfg.data_cache_path or default_cache_dir(prefix, "GPTDataset")
+        return GPTDataset(self.open(prefix), docs, num_samples, self.cfg.seq_length,
+                          self.cfg.seed, cache, SPLIT_NAMES[split], self.write)
+
+    def split_dataset(self, paths: Sequence[str], split: int, num_samples: int,
+                      whole: bool):
+        """The dataset for one split, or None when nothing is requested or available."""
+        if num_samples <= 0:
+            return None
+        prefixes, weights = parse_blend(paths)
+        docs = [self.documents(p, split, whole) for p in prefixes]
+        tokens = [int(self.open(p).sequence_lengths[d].sum(dtype=np.int64))
+                  for p, d in zip(prefixes, docs)]
+        if weights is None:  # bare prefixes: each weighs its share of tokens
+            weights = [float(t) for t in tokens]
+        keep = [i for i in range(len(prefixes)) if weights[i] > 0 and tokens[i] > 0]
+        for i in range(len(prefixes)):
+            if i not in keep and weights[i] > 0:
+                logger.warning("%s: no tokens in the %s split; left out of the blend",
+                               prefixes[i], SPLIT_NAMES[split])
+        if not keep:
+            return None
+        if len(keep) == 1:
+            i = keep[0]
+            return self.gpt(prefixes[i], docs[i], num_samples, split)
+        kept_weights = [weights[i] for i in keep]
+        sizes = samples_per_dataset(num_samples, kept_weights)
+        parts = [self.gpt(prefixes[i], docs[i], n, split) for i, n in zip(keep, sizes)]
+        cache = self.cfg.data_cache_path or default_cache_dir(prefixes[keep[0]],
+                                                              "BlendedDataset")
+        description = {"prefixes": [os.path.abspath(prefixes[i]) for i in keep],
+                       "split": SPLIT_NAMES[split], "parts": [len(p) for p in parts],
+                       "seed": self.cfg.seed, "seq_length": self.cfg.seq_length}
+        return BlendedDataset(parts, kept_weights, num_samples, cache, description, self.write)
+
+
+def _build(cfg: DataConfig, num_samples: Sequence[int], write_cache: bool) -> tuple:
+    per_split = (cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path)
+    if not cfg.data_path and not any(per_split):
+        raise ValueError("no data: give --data-path or --train-data-path/--valid-data-path/"
+                         "--test-data-path (or --mock-data)")
+    builder = _Builder(cfg, write_cache)
+    out = []
+    for split, n in enumerate(num_samples):
+        if per_split[split]:
+            out.append(builder.split_dataset(per_split[split], split, int(n), whole=True))
+        elif cfg.data_path:
+            out.append(builder.split_dataset(cfg.data_path, split, int(n), whole=False))
+        else:
+            out.append(None)
+    for name, ds, n in zip(SPLIT_NAMES, out, num_samples):
+        logger.info("%s dataset: %s samples (requested %d)", name,
+                    len(ds) if ds is not None else "no", n)
+    return tuple(out)
+
+
+def build_train_valid_test_datasets(
+        cfg: DataConfig, num_samples: tuple[int, int, int], *, is_primary: bool = True,
+        barrier: Callable[[], None] = lambda: None) -> tuple[Optional[object], ...]:
+    """Build (train, valid, test) datasets with at least ``num_samples`` samples each.
+
+    Each dataset maps ``i`` to ``{"text": int64 array [seq_length + 1]}``; a
+    split with no requested samples or no tokens is None. The primary rank
+    builds and caches the index arrays and then calls ``barrier()``; other
+    ranks call ``barrier()`` first and then load the cache (memory-mapped),
+    so every rank ends with identical datasets and one rank did the work.
+    """
+    if len(num_samples) != 3:
+        raise ValueError("num_samples must be (train, valid, test)")
+    if is_primary:
+        datasets = _build(cfg, num_samples, write_cache=True)
+        barrier()
+        return datasets
+    barrier()
+    return _build(cfg, num_samples, write_cache=False)

@@ -1,0 +1,76 @@
+"""BlendedDataset: greedy proportions at every prefix, blend parsing, builder blends."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megalite.config import DataConfig
+from megalite.data.blended_dataset import (BlendedDataset, build_blending_indices, parse_blend,
+                                           samples_per_dataset)
+from megalite.data.builder import build_train_valid_test_datasets
+from megalite.data.indexed_dataset import IndexedDatasetBuilder
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [1, 1, 1], [0.5, 0.25, 0.2, 0.05], [9, 1]])
+def test_every_prefix_within_one_sample_of_weights(weights):
+    size = 5000
+    d_idx, s_idx = build_blending_indices(weights, size)
+    w = np.array(weights, float) / sum(weights)
+    onehot = np.eye(len(weights))[d_idx]
+    counts = np.cumsum(onehot, axis=0)  # [n, datasets] after each prefix
+    target = np.arange(1, size + 1)[:, None] * w[None, :]
+    assert np.abs(counts - target).max() <= 1.0
+    for d in range(len(weights)):  # each dataset's samples are taken in order 0, 1, 2...
+        np.testing.assert_array_equal(s_idx[d_idx == d], np.arange((d_idx == d).sum()))
+
+
+def test_parse_blend_forms():
+    assert parse_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+    assert parse_blend(["a", "b"]) == (["a", "b"], None)
+    assert parse_blend(["a"]) == (["a"], None)
+    with pytest.raises(ValueError):
+        parse_blend(["0.3", "a", "b"])
+    assert samples_per_dataset(1000, [0.3, 0.7]) == [302, 704]
+
+
+def test_blended_dataset_reads_parts_and_caches(tmp_path):
+    parts = [[{"text": np.full(3, d)} for _ in range(100)] for d in range(2)]
+    ds = BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1})
+    assert [int(ds[i]["text"][0]) for i in range(4)] == [1, 0, 1, 1]
+    assert BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1}).cache_hit
+    with pytest.raises(ValueError, match="needs"):
+        BlendedDataset([parts[0][:10], parts[1]], [0.5, 0.5], 100)
+
+
+def _write(prefix, n_docs, value):
+    b = IndexedDatasetBuilder(prefix, np.uint16)
+    for _ in range(n_docs):
+        b.add_item(np.full(20, value))
+        b.end_document()
+    b.finalize()
+    return str(prefix)
+
+
+def test_builder_blends_weighted_and_by_size(tmp_path):
+    a, b = _write(tmp_path / "a", 100, 1), _write(tmp_path / "b", 300, 2)
+    cfg = DataConfig(data_path=("0.3", a, "0.7", b), seq_length=8, split="90,10,0",
+                     data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_train_valid_test_datasets(cfg, (400, 40, 10))
+    assert len(train) == 400 and len(valid) == 40 and test is None
+    share = np.mean([train[i]["text"][0] == 1 for i in range(400)])
+    assert abs(share - 0.3) <= 1 / 400
+    cfg = DataConfig(data_path=(a, b), seq_length=8, split="1,0,0",
+                     data_cache_path=str(tmp_path / "c"))
+    train, _, _ = build_train_valid_test_datasets(cfg, (400, 0, 0))
+    share = np.mean([train[i]["text"][0] == 1 for i in range(400)])
+    assert abs(share - 0.25) <= 1 / 400  # 100 vs 300 documents of equal length
+
+
+def test_builder_separate_split_paths(tmp_path):
+    a, b = _write(tmp_path / "a", 50, 1), _write(tmp_path / "b", 50, 2)
+    cfg = DataConfig(train_data_path=(a,), valid_data_path=("1", a, "1", b), seq_length=8,
+                     data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_train_valid_test_datasets(cfg, (100, 20, 5))
+    assert all(train[i]["text"][0] == 1 for i in range(100))
+    assert {int(valid[i]["text"][0]) for i in range(20)} == {1, 2}
+    assert test is None

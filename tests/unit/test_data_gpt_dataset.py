@@ -1,0 +1,146 @@
+"""GPTDataset indices (against a transcription of Megatron's C++ loop), caching, builder."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from megalite.config import DataConfig
+from megalite.data.builder import build_train_valid_test_datasets
+from megalite.data.gpt_dataset import (GPTDataset, build_document_index, build_sample_index,
+                                       num_epochs_needed, split_document_ranges)
+from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+
+def _reference_sample_index(sizes, doc_idx, seq_length):
+    """Megatron's helpers.cpp build_sample_idx, line for line in Python (add_extra_token=1)."""
+    total = int(sum(sizes[d] for d in doc_idx))
+    num_samples = (total - 1) // seq_length
+    out = [(0, 0)]
+    doc_idx_index, doc_offset = 0, 0
+    for sample in range(1, num_samples + 1):
+        remaining = seq_length + 1
+        while remaining != 0:
+            doc_length = int(sizes[doc_idx[doc_idx_index]]) - doc_offset
+            remaining -= doc_length
+            if remaining <= 0:
+                doc_offset += remaining + doc_length - 1
+                remaining = 0
+            else:
+                if doc_idx_index == len(doc_idx) - 1:
+                    assert sample == num_samples
+                    doc_offset = int(sizes[doc_idx[doc_idx_index]]) - 1
+                    break
+                doc_idx_index += 1
+                doc_offset = 0
+        out.append((doc_idx_index, doc_offset))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed, seq", [(0, 7), (1, 16), (2, 1), (3, 50)])
+def test_sample_index_equals_megatron_loop(seed, seq):
+    rng = np.random.RandomState(seed)
+    sizes = rng.randint(0, 30, size=200).astype(np.int32)
+    sizes[0] = max(sizes[0], 1)
+    doc_idx = build_document_index(np.arange(200), 3, rng, False)
+    np.testing.assert_array_equal(build_sample_index(sizes, doc_idx, seq),
+                                  _reference_sample_index(sizes, doc_idx, seq))
+
+
+def test_split_ranges_megatron_rounding():
+    assert split_document_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_document_ranges("98,2", 10) == [(0, 10), (10, 10), (10, 10)]
+    assert split_document_ranges("1,1,1", 10) == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError, match="--split"):
+        split_document_ranges("a,b", 10)
+
+
+def _dataset(tmp_path, n_docs=120, seed=0, max_len=40):
+    rng = np.random.RandomState(seed)
+    b = IndexedDatasetBuilder(tmp_path / "d", np.uint16)
+    token = 0
+    for _ in range(n_docs):
+        n = rng.randint(1, max_len)
+        b.add_item(np.arange(token, token + n) % 60000)  # every token value unique
+        token += n
+        b.end_document()
+    b.finalize()
+    return IndexedDataset(tmp_path / "d")
+
+
+def test_samples_cover_every_token_once_per_epoch(tmp_path):
+    ds = _dataset(tmp_path)
+    docs = np.arange(100, dtype=np.int32)
+    seq = 16
+    total = int(ds.sequence_lengths[:100].sum())
+    n = (total - 1) // seq
+    gpt = GPTDataset(ds, docs, n, seq, seed=5, cache_dir=str(tmp_path / "c"))
+    assert len(gpt) == n
+    seen = []
+    for i in range(len(gpt)):
+        s = gpt[i]["text"]
+        assert s.shape == (seq + 1,) and s.dtype == np.int64
+        seen.append(s[:-1])
+    seen = np.concatenate(seen)
+    expected = np.concatenate([ds[d] for d in docs]).astype(np.int64)
+    assert len(np.unique(seen)) == len(seen)  # nothing twice
+    assert set(seen.tolist()) <= set(expected.tolist()) and len(seen) >= len(expected) - seq
+
+
+def test_more_epochs_determinism_and_cache(tmp_path):
+    ds = _dataset(tmp_path)
+    docs = np.arange(20, 80, dtype=np.int32)
+    args = (ds, docs, 500, 32, 1234, str(tmp_path / "cache"))
+    a = GPTDataset(*args)
+    assert not a.cache_hit and len(a) >= 500
+    assert num_epochs_needed(int(ds.sequence_lengths[docs].sum()), 32, 500) > 1
+    b = GPTDataset(*args)
+    assert b.cache_hit and isinstance(b.sample_index, np.memmap)
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    c = GPTDataset(ds, docs, 500, 32, 1234, None)
+    np.testing.assert_array_equal(a.shuffle_index, c.shuffle_index)
+    d = GPTDataset(ds, docs, 500, 32, 99, str(tmp_path / "cache"))
+    assert not d.cache_hit and not np.array_equal(a.document_index, d.document_index)
+    assert all(len(a[i]["text"]) == 33 for i in range(len(a)))
+    files = os.listdir(tmp_path / "cache")
+    assert len([f for f in files if f.endswith("description.json")]) == 2
+    assert not [f for f in files if "tmp" in f]
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(data_path=(str(tmp_path / "d"),), split="80,10,10", seq_length=16, seed=3,
+                data_cache_path=str(tmp_path / "cache"))
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def test_builder_single_prefix_and_none_cases(tmp_path):
+    _dataset(tmp_path)
+    train, valid, test = build_train_valid_test_datasets(_cfg(tmp_path), (300, 20, 0))
+    assert len(train) >= 300 and len(valid) >= 20 and test is None
+    assert train[0]["text"].shape == (17,)
+    t2, v2, _ = build_train_valid_test_datasets(_cfg(tmp_path, split="100,0,0"), (10, 10, 10))
+    assert t2 is not None and v2 is None
+    with pytest.raises(ValueError, match="--data-path"):
+        build_train_valid_test_datasets(DataConfig(), (1, 1, 1))
+
+
+def test_builder_primary_builds_then_barrier_others_load(tmp_path):
+    _dataset(tmp_path)
+    events = []
+    cfg = _cfg(tmp_path)
+    build_train_valid_test_datasets(cfg, (50, 5, 5), is_primary=True,
+                                    barrier=lambda: events.append(("primary", len(
+                                        os.listdir(tmp_path / "cache")))))
+    assert events[0][1] > 0  # the cache was written before the barrier
+    out = build_train_valid_test_datasets(cfg, (50, 5, 5), is_primary=False,
+                                          barrier=lambda: events.append(("other", 0)))
+    assert events[1] == ("other", 0) and all(ds.cache_hit for ds in out)
+
+
+def test_builder_default_cache_next_to_data(tmp_path):
+    _dataset(tmp_path)
+    build_train_valid_test_datasets(_cfg(tmp_path, data_cache_path=None), (10, 0, 0))
+    assert os.listdir(tmp_path / "cache" / "GPTDataset_indices")

@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""Tokenize a jsonl corpus into Megatron .bin/.idx files (Megatron's flags).
+
+Example:
+  python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+      --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
+      --append-eod --workers 8
+writes data/corpus_text_document.bin/.idx (one pair per --json-keys key).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megalite.config import DataConfig  # noqa: E402
+from megalite.data.preprocess import PreprocessError, PreprocessOptions, preprocess  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("input/output")
+    g.add_argument("--input", required=True, help=".jsonl or .jsonl.gz, one JSON object a line")
+    g.add_argument("--output-prefix", required=True)
+    g.add_argument("--json-keys", nargs="+", default=["text"])
+    g.add_argument("--skip-invalid", action="store_true",
+                   help="skip (and count) invalid JSON lines / lines missing a key, "
+                        "instead of stopping at the first one")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..N-1, eod is N")
+    g.add_argument("--append-eod", action="store_true")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1)
+    g.add_argument("--partitions", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=10000, help="documents between lines")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    tok = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                     merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                     vocab_size=args.vocab_size)
+    opts = PreprocessOptions(input=args.input, output_prefix=args.output_prefix, tokenizer=tok,
+                             json_keys=tuple(args.json_keys), append_eod=args.append_eod,
+                             workers=args.workers, partitions=args.partitions,
+                             log_interval=args.log_interval, skip_invalid=args.skip_invalid)
+    try:
+        stats = preprocess(opts)
+    except (PreprocessError, ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, no traceback
+    print(f"summary: {stats.summary()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
