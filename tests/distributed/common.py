@@ -9,7 +9,7 @@ import torch
 from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel_state import ParallelState
-from megalite.training import MicroBatches, Trainer
+from megalite.training import MicroBatches, Trainer, build_datasets
 
 GPT2_STYLE = dict()
 LLAMA_STYLE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
@@ -31,8 +31,11 @@ def tiny_config(model: Dict = None, gbs: int = 8, mbs: int = 2, num_layers: int 
 def _train(cfg: Config, ps: ParallelState, steps: int):
     """``steps`` iterations on mock data; returns the trainer, losses and grad norms."""
     trainer = Trainer(cfg, ps)
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                        steps * cfg.train.global_batch_size)
+    if cfg.data.mock_data:
+        ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                            steps * cfg.train.global_batch_size)
+    else:  # real .bin/.idx data: index caches built by rank 0 while the others wait
+        ds, _ = build_datasets(cfg.with_(train=replace(cfg.train, train_iters=steps, eval_iters=0)), ps)
     data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
     losses: List[float] = []
     norms: List[float] = []
