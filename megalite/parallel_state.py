@@ -95,9 +95,14 @@ class ParallelState:
     """
 
     def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1, vp: int = 1,
-                 create_groups: bool = True, backend: Optional[str] = None):
+                 create_groups: bool = True, backend: Optional[str] = None,
+                 device: Optional[torch.device] = None):
         self.world_size, self.rank, self.vp_size = world_size, rank, vp
         self.backend = backend
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                      else torch.device("cpu"))
+        self.device = device
         self.memberships = grid_groups(world_size, tp, pp)
         self.axes: Dict[str, AxisGroup] = {}
         use_dist = create_groups and world_size > 1
@@ -112,9 +117,9 @@ class ParallelState:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def single(cls, vp: int = 1) -> "ParallelState":
+    def single(cls, vp: int = 1, device: Optional[torch.device] = None) -> "ParallelState":
         """A one-process state: every axis has size 1 and nothing is distributed."""
-        return cls(1, 0, 1, 1, vp, create_groups=False)
+        return cls(1, 0, 1, 1, vp, create_groups=False, device=device)
 
     @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, vp: int = 1, backend: Optional[str] = None,
@@ -128,7 +133,8 @@ class ParallelState:
         rank = int(os.environ.get("RANK", "0"))
         grid_groups(world, tp, pp)  # validate before any communication
         if world == 1 and not dist.is_initialized():
-            return cls.single(vp)
+            use_cuda = torch.cuda.is_available() and backend != "gloo"
+            return cls.single(vp, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -208,12 +214,6 @@ class ParallelState:
     def is_logging_rank(self) -> bool:
         """The last global rank: it sits on the last pipeline stage, where the loss lives."""
         return self.rank == self.world_size - 1
-
-    @property
-    def device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process)."""

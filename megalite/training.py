@@ -239,7 +239,7 @@ class Trainer:
         t = self.cfg.train
         losses = [w["loss"] for w in window if w["loss"] is not None]
         loss = sum(losses) / len(losses) if losses else None
-        bubble = torch.tensor([sum(w["bubble"] for w in window) / len(window)])
+        bubble = torch.tensor([sum(w["bubble"] for w in window) / len(window)], device=self.ps.device)
         if self.ps.pp_size > 1:
             dist.all_reduce(bubble, group=self.ps.pp_group)  # mean over stages
             bubble /= self.ps.pp_size
