@@ -84,3 +84,12 @@ def test_global_batch_union_is_layout_independent(mbs, dp):
     for it in range(3):
         union = sorted(i for r in range(dp) for mb in per_rank[r][it * m:(it + 1) * m] for i in mb)
         assert union == list(range(16 + it * gbs, 16 + (it + 1) * gbs))
+
+
+@pytest.mark.parametrize("dp_rank", [0, 1])
+def test_sampler_resumed_at_consumed_samples_reads_what_the_run_would_have(dp_rank):
+    full = list(PretrainingSampler(100, 0, 2, dp_rank, 2))
+    resumed = list(PretrainingSampler(100, 40, 2, dp_rank, 2))
+    assert resumed == full[10:]  # 40 consumed samples = 10 micro-steps of 2 x dp 2
+    assert {i for mb in full for i in mb}.isdisjoint(
+        {i for mb in PretrainingSampler(100, 0, 2, 1 - dp_rank, 2) for i in mb})
