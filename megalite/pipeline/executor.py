@@ -6,7 +6,8 @@ The executor is the only place that knows how an action becomes work::
               output = chunk c(input); on the last stage: loss = lm_loss / m
     B(mb, c): backward from the loss (last stage) or from the received gradient
               of the output; the input's gradient becomes the next send
-    Comm:     one batched exchange (p2p.run_comm)
+    Comm:     post one batch of sends/receives (p2p.P2PState); a compute waits
+              only for the receive it reads, sends are waited at the end
 
 Inputs and outputs of micro-batches in flight are held in dicts keyed by
 (mb, chunk) and dropped as soon as their backward is done. Times of every
@@ -22,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.p2p import run_comm
+from megalite.pipeline.p2p import P2PState
 from megalite.pipeline.schedules import Comm, Compute
 
 Batch = Dict[str, torch.Tensor]
@@ -65,21 +66,23 @@ class PipelineExecutor:
         st = StepStats()
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}
-        payloads: Dict = {}
-        received: Dict = {}
+        p2p = P2PState()
         t0 = self._now()
         for action in actions:
             start = self._now()
             if isinstance(action, Comm):
-                run_comm(action, self.ps, payloads, received, self.shape, self.dtype)
+                p2p.post(action, self.ps, self.shape, self.dtype)
                 st.p2p += self._now() - start
                 continue
             assert isinstance(action, Compute)
+            received = self._wait_input(action, p2p)
+            now = self._now()
+            st.p2p, start = st.p2p + (now - start), now
             if action.kind == "F":
                 self._forward(action, get_batch, num_microbatches, forward_only,
-                              inputs, outputs, payloads, received, st)
+                              inputs, outputs, p2p.payloads, received, st)
             else:
-                self._backward(action, inputs, outputs, payloads, received)
+                self._backward(action, inputs, outputs, p2p.payloads, received)
             end = self._now()
             if action.kind == "F":
                 st.forward += end - start
@@ -87,13 +90,22 @@ class PipelineExecutor:
                 st.backward += end - start
             st.events.append({"rank": self.ps.pp_rank, "kind": action.kind, "mb": action.mb,
                               "chunk": action.chunk, "start": start - t0, "end": end - t0})
-        if payloads or received:
-            raise RuntimeError(f"schedule left transfers unmatched: sends {sorted(payloads)}, "
-                               f"receives {sorted(received)}")
+        start = self._now()
+        p2p.finish()
+        st.p2p += self._now() - start
         return st
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.ps.pp_rank
+
+    def _wait_input(self, a: Compute, p2p: P2PState) -> Optional[torch.Tensor]:
+        """The received tensor this compute reads (activation or gradient), once it has arrived."""
+        stage = self._stage(a.chunk)
+        if a.kind == "F" and stage > 0:
+            return p2p.take(("F", a.mb, stage))
+        if a.kind == "B" and stage < self.num_stages - 1:
+            return p2p.take(("B", a.mb, stage))
+        return None
 
     def _forward(self, a: Compute, get_batch, m: int, forward_only: bool, inputs, outputs,
                  payloads, received, st: StepStats) -> None:
@@ -103,7 +115,7 @@ class PipelineExecutor:
             x = get_batch(a.mb)["tokens"]
             inputs[(a.mb, a.chunk)] = None
         else:
-            x = received.pop(("F", a.mb, stage))
+            x = received
             if not forward_only:
                 x.requires_grad_()
             inputs[(a.mb, a.chunk)] = x
@@ -127,6 +139,6 @@ class PipelineExecutor:
         if stage == self.num_stages - 1:
             torch.autograd.backward(out)
         else:
-            torch.autograd.backward(out, grad_tensors=received.pop(("B", a.mb, stage)))
+            torch.autograd.backward(out, grad_tensors=received)
         if stage > 0:
             payloads[("B", a.mb, stage - 1)] = x.grad

@@ -1,10 +1,14 @@
-"""Point-to-point transfers between pipeline stages, one batch at a time.
+"""Point-to-point transfers between pipeline stages.
 
-A schedule's ``Comm`` action lists sends and receives that are issued together
-(``batch_isend_irecv``) and waited for together, so two neighbours that each
-send and receive never wait on each other in the wrong order (on NCCL, an
-unbatched send then recv on both sides deadlocks). The schedule simulator
-proves each schedule's batches match up before anything runs.
+A schedule's ``Comm`` action lists sends and receives that are posted together
+(one ``batch_isend_irecv``), so two neighbours that each send and receive
+never wait on each other in the wrong order (on NCCL, an unbatched send then
+recv on both sides deadlocks). Posting does not block: a receive is waited for
+only by the compute action that reads it, and sends only at the end of the
+step. That blocks strictly later than the simulator's rendezvous model
+(everything in a Comm completes before the rank moves on), so every schedule
+the simulator proves deadlock-free stays deadlock-free, while a rank can run
+the forward whose input already arrived before the gradient it will need next.
 """
 from __future__ import annotations
 
@@ -16,26 +20,55 @@ import torch.distributed as dist
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedules import Comm
 
-Key = Tuple[str, int, int]  # (kind, mb, dst_stage)
+Key = Tuple[str, int, int]  # (kind, mb, dst_stage): how both sides name a transfer
 
 
-def run_comm(comm: Comm, ps: ParallelState, payloads: Dict[Key, torch.Tensor],
-             received: Dict[Key, torch.Tensor], shape: Tuple[int, ...], dtype: torch.dtype) -> None:
-    """Issue every op of ``comm`` at once and wait for all of them.
+class P2PState:
+    """Transfers of one step in flight: receive buffers with their handles, send handles."""
 
-    Sends take their tensor from ``payloads`` (keyed by what the receiver will
-    call it); receives allocate a ``shape`` buffer and store it in ``received``.
-    """
-    ops: List[dist.P2POp] = []
-    for op in comm.ops:
-        key = (op.kind, op.mb, op.dst_stage)
-        peer = ps.pp.ranks[op.peer]
-        if op.op == "send":
-            ops.append(dist.P2POp(dist.isend, payloads.pop(key).contiguous(), peer, ps.pp_group))
-        else:
-            buf = torch.empty(shape, dtype=dtype, device=ps.device)
-            received[key] = buf
-            ops.append(dist.P2POp(dist.irecv, buf, peer, ps.pp_group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    def __init__(self) -> None:
+        self.payloads: Dict[Key, torch.Tensor] = {}  # produced, to be sent by a later Comm
+        self._recvs: Dict[Key, Tuple[torch.Tensor, List]] = {}
+        self._sends: List[Tuple[torch.Tensor, List]] = []
+
+    def post(self, comm: Comm, ps: ParallelState, shape: Tuple[int, ...], dtype: torch.dtype) -> None:
+        """Post every op of ``comm`` as one batch without waiting."""
+        ops: List[dist.P2POp] = []
+        tensors: List[Tuple[str, Key, torch.Tensor]] = []
+        for op in comm.ops:
+            key = (op.kind, op.mb, op.dst_stage)
+            peer = ps.pp.ranks[op.peer]
+            if op.op == "send":
+                t = self.payloads.pop(key).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, peer, ps.pp_group))
+            else:
+                t = torch.empty(shape, dtype=dtype, device=ps.device)
+                ops.append(dist.P2POp(dist.irecv, t, peer, ps.pp_group))
+            tensors.append((op.op, key, t))
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        # gloo returns one handle per op; NCCL may return one for the whole batch.
+        per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
+        for (kind, key, t), w in zip(tensors, per_op):
+            if kind == "send":
+                self._sends.append((t, w))  # keep the tensor alive until the send completes
+            else:
+                self._recvs[key] = (t, w)
+
+    def take(self, key: Key) -> torch.Tensor:
+        """Wait for the receive named ``key`` and hand over its buffer."""
+        t, works = self._recvs.pop(key)
+        for w in works:
+            w.wait()
+        return t
+
+    def finish(self) -> None:
+        """Wait for every send; fail loudly if the schedule left anything unmatched."""
+        for _, works in self._sends:
+            for w in works:
+                w.wait()
+        self._sends.clear()
+        if self.payloads or self._recvs:
+            raise RuntimeError(f"schedule left transfers unmatched: unsent {sorted(self.payloads)}, "
+                               f"unread {sorted(self._recvs)}")

@@ -113,6 +113,8 @@ class RowParallelLinear(nn.Module):
         return full.chunk(self.tp.size, dim=1)[self.tp.rank] if name == "weight" else full
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)  # fused bias add, nothing to reduce
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
         y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)

@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""Pipeline schedules: megalite's executor vs torch.distributed.pipelining, pp=2 on 2 gloo processes.
+
+For every schedule (gpipe, 1f1b, interleaved_1f1b with vp=2) and micro-batch
+count m, both implementations train the same model chunks (megalite's
+GPTModel chunks, built twice with the same seed) on the same micro-batches,
+in the same two processes, doing the same step: pipeline forward/backward
+(loss / m), tied-embedding gradient sum over the first and last stage,
+global-norm clipping, AdamW and the LR schedule.
+
+* megalite: ``Trainer.train_step`` (as tests/distributed/common.py drives it).
+* torch: ``PipelineStage`` per chunk + ``ScheduleGPipe`` / ``Schedule1F1B`` /
+  ``ScheduleInterleaved1F1B``, loss_fn = the chunk's own ``loss`` (same math).
+
+Steps alternate megalite / torch one by one (order flipped each step) so
+load from other processes hits both alike. A step's time is the slower
+rank's, after a barrier; the table gives tokens/s from the median step time,
+megalite's measured bubble (mean over ranks, Trainer.train_step's "bubble"),
+the simulator's bubble with b/f = 2 and with megalite's measured b/f, and
+where megalite's time goes per rank (forward+backward compute, p2p wait; ms
+per step) plus grad sync + clip + optimizer.
+
+  python benchmarks/bench_pipeline.py            # m in 2 4 8 16, a few minutes
+  python benchmarks/bench_pipeline.py --quick    # 4 layers, m in 2 4, 2 steps (smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megalite.config import (Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig,  # noqa: E402
+                             TrainConfig)
+from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
+from megalite.optim.clip_grads import clip_grad_norm_  # noqa: E402
+from megalite.optim.lr_scheduler import LRScheduler  # noqa: E402
+from megalite.optim.optimizer import build_optimizer  # noqa: E402
+from megalite.parallel_state import ParallelState  # noqa: E402
+from megalite.pipeline.simulate import simulate_schedule  # noqa: E402
+from megalite.tensor_parallel.random import RNGTracker  # noqa: E402
+from megalite.training import MicroBatches, Trainer, build_model_chunks  # noqa: E402
+
+PP = 2
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+Batch = Dict[str, torch.Tensor]
+
+
+def make_config(a: argparse.Namespace, schedule: str, vp: int, m: int) -> Config:
+    """The benchmark model: GPT-2 style, dropout 0.1, mock data with a 4096 vocabulary."""
+    model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=4,
+                        seq_length=a.seq_length, vocab_size=4096)
+    return Config(model=model, parallel=ParallelConfig(pp=PP, vp=vp, pipeline_schedule=schedule),
+                  optim=OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, clip_grad=1.0),
+                  data=DataConfig(mock_data=True),
+                  train=TrainConfig(micro_batch_size=a.micro_batch_size,
+                                    global_batch_size=a.micro_batch_size * m, train_iters=10_000,
+                                    seed=1234, eval_iters=0))
+
+
+class TorchPipeline:
+    """The same model chunks and training step, scheduled by torch.distributed.pipelining."""
+
+    def __init__(self, cfg: Config, ps: ParallelState, schedule: str, m: int):
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+        self.cfg, self.ps = cfg, ps
+        tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        self.chunks = build_model_chunks(cfg, ps, tracker)
+        self.params = [p for c in self.chunks for p in c.parameters()]
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.train_iters)
+        n = PP * cfg.parallel.vp
+        stages = [PipelineStage(c, stage_index=i * PP + ps.pp_rank, num_stages=n, device=ps.device,
+                                group=ps.pp_group) for i, c in enumerate(self.chunks)]
+        last = self.chunks[-1]
+        mbs, s = cfg.train.micro_batch_size, cfg.model.seq_length
+        mask = torch.ones(mbs, s)
+        loss_fn = lambda logits, labels: last.loss(logits, labels, mask)  # noqa: E731
+        if schedule == "interleaved_1f1b":
+            self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        else:
+            cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = cls(stages[0], m, loss_fn=loss_fn)
+        self.first = any(c.pre_process for c in self.chunks)
+        self.last = any(c.post_process for c in self.chunks)
+
+    def train_step(self, batches: List[Batch]) -> Dict[str, object]:
+        """Pipeline forward/backward, tied-embedding sync, clip, AdamW, LR (as Trainer.train_step)."""
+        for c in self.chunks:
+            c.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        args = (torch.cat([b["tokens"] for b in batches]),) if self.first else ()
+        target = torch.cat([b["labels"] for b in batches]) if self.last else None
+        losses: List[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses if self.last else None,
+                           return_outputs=False)
+        if self.ps.embedding.size > 1:
+            for c in self.chunks:
+                w = c.shared_embedding_weight()
+                if w is not None:
+                    dist.all_reduce(w.grad, group=self.ps.embedding.group)
+        if math.isfinite(clip_grad_norm_(self.params, self.cfg.optim.clip_grad, self.ps)):
+            self.optimizer.step()
+        self.scheduler.step()
+        return {"loss": float(torch.stack(losses).detach().mean()) if losses else None}
+
+
+def timed_step(ps: ParallelState, step: Callable[[], object]) -> Tuple[float, object]:
+    """Barrier, run one step, return (this rank's seconds, the step's result)."""
+    ps.barrier()
+    t0 = time.perf_counter()
+    out = step()
+    return time.perf_counter() - t0, out
+
+
+def run_row(ps: ParallelState, a: argparse.Namespace, schedule: str, vp: int, m: int) -> Dict:
+    """Train both implementations on one (schedule, m); return this rank's per-step numbers."""
+    cfg = make_config(a, schedule, vp, m)
+    trainer = Trainer(cfg, ps)
+    torch_pp = TorchPipeline(cfg, ps, schedule, m)
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                        4 * m * a.micro_batch_size)
+    data = MicroBatches(ds, 0, a.micro_batch_size, m, ps)
+    batches = [data.next() for _ in range(4)]
+    impls = {"megalite": lambda b: trainer.train_step(b), "torch": lambda b: torch_pp.train_step(b)}
+    res: Dict[str, List] = {"megalite": [], "torch": [], "stats": [], "first_loss": []}
+    for i in range(a.warmup):
+        for step in impls.values():
+            out = step(batches[i % 4])
+            if i == 0:  # same weights, same batch: the losses must agree (up to dropout)
+                res["first_loss"].append(out["loss"])
+    for i in range(a.steps):
+        order = list(impls) if i % 2 == 0 else list(reversed(impls))
+        for name in order:
+            sec, out = timed_step(ps, lambda: impls[name](batches[i % 4]))
+            res[name].append(sec)
+            if name == "megalite":
+                res["stats"].append(out)
+    return res
+
+
+def rank_main(rank: int, port: int, a: argparse.Namespace, rows: List[Tuple[str, int, int]],
+              queue) -> None:
+    """One process: one thread, a gloo group, every row in turn."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        torch.set_num_threads(1)
+        ps = ParallelState.init_for_test(rank, PP, f"tcp://127.0.0.1:{port}", tp=1, pp=PP, vp=1,
+                                         timeout_s=600)
+        results = []
+        for schedule, vp, m in rows:
+            # ps.vp_size is informational only; the chunk count comes from cfg.parallel.vp.
+            results.append(run_row(ps, a, schedule, vp, m))
+            if rank == 0:
+                print(f"  done {schedule} m={m}", file=sys.stderr, flush=True)
+        ps.destroy()
+        queue.put((rank, "ok", results))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def launch(a: argparse.Namespace, rows: List[Tuple[str, int, int]]) -> List[List[Dict]]:
+    """Fork PP workers (torch imported, no op run yet); return each rank's row results."""
+    ctx = mp.get_context("fork")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, a, rows, queue)) for r in range(PP)]
+    for p in procs:
+        p.start()
+    out: Dict[int, List[Dict]] = {}
+    try:
+        for _ in range(PP):
+            rank, status, value = queue.get(timeout=3600)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(PP)]
+
+
+def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[Dict]) -> Dict:
+    """Per-step times are the slower rank's; stats are megalite's, averaged over ranks and steps."""
+    schedule, vp, m = row
+    tokens = m * a.micro_batch_size * a.seq_length
+    step = {k: [max(ts) for ts in zip(*(r[k] for r in per_rank))] for k in ("megalite", "torch")}
+    stats = [s for r in per_rank for s in r["stats"]]
+    mean = {k: statistics.mean(s[k] for s in stats) for k in
+            ("forward", "backward", "p2p", "grads_sync", "optimizer", "bubble")}
+    # Per rank: the pipeline is as fast as its slowest stage, and p2p wait is mostly imbalance.
+    compute = [1e3 * statistics.mean(s["forward"] + s["backward"] for s in r["stats"]) for r in per_rank]
+    p2p = [1e3 * statistics.mean(s["p2p"] for s in r["stats"]) for r in per_rank]
+    ratio_bf = mean["backward"] / mean["forward"]
+    sim2 = statistics.mean(simulate_schedule(schedule, PP, vp, m, 1.0, 2.0).bubble_fraction)
+    sim_meas = statistics.mean(simulate_schedule(schedule, PP, vp, m, 1.0, ratio_bf).bubble_fraction)
+    pair = statistics.median(x / y for x, y in zip(step["torch"], step["megalite"]))
+    losses = [x for r in per_rank for x in r["first_loss"] if x is not None]
+    loss_diff = abs(losses[0] - losses[1]) / abs(losses[1]) if len(losses) == 2 else float("nan")
+    ml_s, tt_s = statistics.median(step["megalite"]), statistics.median(step["torch"])
+    return {"schedule": schedule, "m": m, "loss_diff": loss_diff, "ml": tokens / ml_s, "tt": tokens / tt_s,
+            "pair": pair, "bf": ratio_bf, "sim2": sim2, "sim_meas": sim_meas, "compute": compute,
+            "p2p_rank": p2p, **mean}
+
+
+def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
+    """One line per (schedule, m), plus a sanity line on the first-step losses."""
+    print(f"pp={PP} on 2 gloo processes (1 thread each), GPT-2 style {a.num_layers} layers, hidden "
+          f"{a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, vocab 4096, dropout 0.1; "
+          f"{a.steps} timed steps per row after {a.warmup} warmup, alternating megalite/torch")
+    print("tok/s from the median step time (slower rank); ratio = megalite/torch tok/s (median of "
+          "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated with b/f=2 and "
+          "with measured b/f;\nmegalite ms per step: forward+backward compute and p2p wait on rank 0 / rank 1, "
+          "grad sync + clip + optimizer (mean of ranks)")
+    head = (f"{'schedule':<17}|{'m':>3} |{'megalite tok/s':>15} |{'torch tok/s':>12} |{'ratio':>6} |"
+            f"{'meas bubble':>12} |{'sim b/f=2':>10} |{'sim meas b/f':>13} |{'b/f':>5} |"
+            f"{'compute r0/r1':>13}|{'p2p r0/r1':>11}|{'opt ms':>7}")
+    print(head)
+    print("-" * len(head))
+    for s in summaries:
+        print(f"{s['schedule']:<17}|{s['m']:>3} |{s['ml']:>15.0f} |{s['tt']:>12.0f} |{s['pair']:>6.2f} |"
+              f"{100 * s['bubble']:>11.1f}% |{100 * s['sim2']:>9.1f}% |{100 * s['sim_meas']:>12.1f}% |"
+              f"{s['bf']:>5.2f} |{s['compute'][0]:>6.0f}/{s['compute'][1]:<6.0f}|"
+              f"{s['p2p_rank'][0]:>5.0f}/{s['p2p_rank'][1]:<5.0f}|"
+              f"{1e3 * (s['grads_sync'] + s['optimizer']):>7.0f}")
+    worst = max(s["loss_diff"] for s in summaries)
+    print(f"sanity: first-step loss, megalite vs torch (same weights and batch, different dropout "
+          f"masks): max relative difference {100 * worst:.2f}%")
+
+
+def main(argv: Sequence[str] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULES],
+                   choices=[s for s, _ in SCHEDULES])
+    p.add_argument("--steps", type=int, default=4, help="timed steps per row and implementation")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 layers, m in 2 4, 2 timed steps")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.micro_batches, a.steps, a.warmup, a.num_layers = [2, 4], 2, 1, 4
+    vps = dict(SCHEDULES)
+    rows = [(s, vps[s], m) for s in a.schedules for m in a.micro_batches
+            if not (vps[s] > 1 and m % PP)]  # interleaved needs m % pp == 0
+    per_rank = launch(a, rows)
+    summaries = [summarize(a, row, [per_rank[r][i] for r in range(PP)]) for i, row in enumerate(rows)]
+    print_table(a, summaries)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
