@@ -17,11 +17,14 @@ LLAMA_STYLE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type
 
 
 def tiny_config(model: Dict = None, gbs: int = 8, mbs: int = 2, num_layers: int = 2,
-                schedule: str = None, tp: int = 1, pp: int = 1, vp: int = 1) -> Config:
+                schedule: str = None, tp: int = 1, pp: int = 1, vp: int = 1,
+                first: int = None, last: int = None) -> Config:
     """A model small enough for 8 CPU ranks: hidden 32, 4 heads, seq 16, vocab 250 (padded per TP)."""
     m = ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=16,
                     vocab_size=250, hidden_dropout=0.0, attention_dropout=0.0, **(model or {}))
-    return Config(model=m, parallel=ParallelConfig(tp=tp, pp=pp, vp=vp, pipeline_schedule=schedule),
+    return Config(model=m, parallel=ParallelConfig(tp=tp, pp=pp, vp=vp, pipeline_schedule=schedule,
+                                            decoder_first_pipeline_num_layers=first,
+                                            decoder_last_pipeline_num_layers=last),
                   optim=OptimConfig(lr=1e-2, lr_warmup_iters=1, min_lr=1e-3, clip_grad=1.0),
                   data=DataConfig(mock_data=True),
                   train=TrainConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=5, seed=7,
