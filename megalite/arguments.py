@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _virtual_size(a: argparse.Namespace) -> int:
+    if a.num_layers_per_virtual_pipeline_stage is not None and a.virtual_pipeline_model_parallel_size:
+        raise ConfigError("give --num-layers-per-virtual-pipeline-stage or "
+                          "--virtual-pipeline-model-parallel-size, not both")
     if a.num_layers_per_virtual_pipeline_stage is not None:
         per = a.num_layers_per_virtual_pipeline_stage
         stage_layers = a.num_layers // max(1, a.pipeline_model_parallel_size)

@@ -54,6 +54,8 @@ def test_query_groups_need_gqa_flag_semantics():
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "no_pipelining"], 2, r"no_pipelining needs pp=1"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--decoder-first-pipeline-num-layers", "8"], 4,
      r"decoder-first-pipeline-num-layers"),
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--virtual-pipeline-model-parallel-size", "2",
+      "--pipeline-model-parallel-size", "2", "--num-layers", "8"], 2, r"not both"),
     (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2", "--num-layers", "8"],
      2, r"--num-layers-per-virtual-pipeline-stage 3 must divide"),
 ])
