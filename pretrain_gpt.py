@@ -34,7 +34,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n_params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     log.info(f"schedule {trainer.schedule_name}, {trainer.m} micro-batches per step; "
              f"parameters on this rank: {n_params:,}")
-    train_ds, valid_ds = build_datasets(cfg, ps)
+    try:
+        train_ds, valid_ds = build_datasets(cfg, ps)
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad data files or split
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        ps.destroy()
+        return 2
     trainer.train(train_ds, valid_ds)
     ps.destroy()
     return 0

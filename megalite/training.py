@@ -35,7 +35,7 @@ from megalite.model.gpt import GPTModel
 from megalite.optim.clip_grads import clip_grad_norm_
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import build_optimizer
-from megalite.parallel_state import ParallelState
+from megalite.parallel_state import ConfigError, ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.partition import layers_for_stage
 from megalite.pipeline.schedules import build_schedule, default_schedule_name
@@ -55,7 +55,6 @@ def resolve_data(cfg: Config) -> Config:
         data = replace(data, data_path=(corpus["data_prefix"],), tokenizer_type=corpus["tokenizer_type"],
                        vocab_file=corpus["vocab_file"], merge_file=corpus["merge_file"])
     if not data.tokenizer_type:
-        from megalite.parallel_state import ConfigError
         raise ConfigError("--data-path needs --tokenizer-type (e.g. GPT2BPETokenizer with --vocab-file "
                           "and --merge-file)")
     from megalite.data.tokenizers import build_tokenizer
@@ -91,6 +90,9 @@ def build_datasets(cfg: Config, ps: ParallelState):
     data = replace(cfg.data, seq_length=cfg.model.seq_length, seed=cfg.train.seed)
     train, valid, _ = build_train_valid_test_datasets(data, (n_train, n_valid, 0),
                                                       is_primary=ps.rank == 0, barrier=ps.barrier)
+    if train is None and n_train > 0:
+        raise ConfigError(f"--split {cfg.data.split!r} leaves no training documents; give the train "
+                          f"part a weight or pass --train-data-path")
     return train, valid
 
 
@@ -207,6 +209,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         data = MicroBatches(train_ds, self.consumed_samples, t.micro_batch_size, self.m, self.ps) \
             if self.needs_data else None
+        if valid_ds is None and t.eval_iters > 0 and t.eval_interval > 0 and self.ps.is_logging_rank:
+            logger.warning("no validation samples (see --split / --valid-data-path): evaluation is skipped")
         tb = TensorBoard(cfg.logging.tensorboard_dir if self.ps.is_logging_rank else None)
         flops = flops_per_iteration(cfg.model, t.global_batch_size, self.chunks[0].padded_vocab)
         history: List[Dict[str, float]] = []
@@ -261,10 +265,10 @@ class Trainer:
                     "throughput": tflops, "tokens-per-second": tokens_per_s}, self.iteration)
 
     def _log_eval(self, valid_ds, tb: TensorBoard) -> None:
-        valid = MicroBatches(valid_ds, 0, self.cfg.train.micro_batch_size, self.m, self.ps) \
-            if (self.needs_data and valid_ds is not None) else None
-        if self.needs_data and valid_ds is None:
+        if valid_ds is None:  # the same on every rank: no validation split, nothing to run
             return
+        valid = MicroBatches(valid_ds, 0, self.cfg.train.micro_batch_size, self.m, self.ps) \
+            if self.needs_data else None
         loss = self.evaluate(valid)
         if self.ps.is_logging_rank and loss is not None:
             ppl = math.exp(min(20.0, loss))

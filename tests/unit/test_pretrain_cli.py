@@ -65,3 +65,18 @@ def test_torchrun_tp2_dp2_matches_single_process():
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(x), (a, b)
+
+
+def test_bad_data_is_one_line_error(tmp_path):
+    (tmp_path / "x_text_document.idx").write_bytes(b"NOTMMIDIDX" + bytes(40))
+    (tmp_path / "x_text_document.bin").write_bytes(bytes(8))
+    corpus_args = ["--vocab-size", "100", "--tokenizer-type", "NullTokenizer", "--train-iters", "1"]
+    for extra, message in [
+        (["--data-path", str(tmp_path / "x_text_document")], "x_text_document.idx"),
+        (["--data-path", str(tmp_path / "missing")], "missing"),
+    ]:
+        proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + corpus_args + extra, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error:") and message in lines[0], lines
