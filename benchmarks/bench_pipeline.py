@@ -16,7 +16,7 @@ Steps alternate megalite / torch one by one (order flipped each step) so
 load from other processes hits both alike. A step's time is the slower
 rank's, after a barrier; the table gives tokens/s from the median step time,
 megalite's measured bubble (mean over ranks, Trainer.train_step's "bubble"),
-the simulator's bubble with b/f = 2 and with megalite's measured b/f, and
+the simulator's bubble with b/f = 2 and with each rank's measured costs, and
 where megalite's time goes per rank (forward+backward compute, p2p wait; ms
 per step) plus grad sync + clip + optimizer.
 
@@ -211,7 +211,12 @@ def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[D
     p2p = [1e3 * statistics.mean(s["p2p"] for s in r["stats"]) for r in per_rank]
     ratio_bf = mean["backward"] / mean["forward"]
     sim2 = statistics.mean(simulate_schedule(schedule, PP, vp, m, 1.0, 2.0).bubble_fraction)
-    sim_meas = statistics.mean(simulate_schedule(schedule, PP, vp, m, 1.0, ratio_bf).bubble_fraction)
+    # The simulator fed with each rank's measured forward/backward time per chunk: it then sees
+    # the last stage's extra output layer and loss, not just an average b/f ratio.
+    fb = [tuple(statistics.mean(s[k] for s in r["stats"]) / (m * vp) for k in ("forward", "backward"))
+          for r in per_rank]
+    sim_meas = statistics.mean(simulate_schedule(schedule, PP, vp, m, stage_costs=[
+        fb[stage % PP] for stage in range(PP * vp)]).bubble_fraction)
     pair = statistics.median(x / y for x, y in zip(step["torch"], step["megalite"]))
     losses = [x for r in per_rank for x in r["first_loss"] if x is not None]
     loss_diff = abs(losses[0] - losses[1]) / abs(losses[1]) if len(losses) == 2 else float("nan")
@@ -228,10 +233,10 @@ def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
           f"{a.steps} timed steps per row after {a.warmup} warmup, alternating megalite/torch")
     print("tok/s from the median step time (slower rank); ratio = megalite/torch tok/s (median of "
           "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated with b/f=2 and "
-          "with measured b/f;\nmegalite ms per step: forward+backward compute and p2p wait on rank 0 / rank 1, "
+          "with each rank's measured forward/backward costs;\nmegalite ms per step: forward+backward compute and p2p wait on rank 0 / rank 1, "
           "grad sync + clip + optimizer (mean of ranks)")
     head = (f"{'schedule':<17}|{'m':>3} |{'megalite tok/s':>15} |{'torch tok/s':>12} |{'ratio':>6} |"
-            f"{'meas bubble':>12} |{'sim b/f=2':>10} |{'sim meas b/f':>13} |{'b/f':>5} |"
+            f"{'meas bubble':>12} |{'sim b/f=2':>10} |{'sim measured':>13} |{'b/f':>5} |"
             f"{'compute r0/r1':>13}|{'p2p r0/r1':>11}|{'opt ms':>7}")
     print(head)
     print("-" * len(head))

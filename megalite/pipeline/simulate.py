@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Callable, NoReturn, Optional, Sequence
 
 from megalite.pipeline.partition import num_stages, rank_of_stage, stage_of
 from megalite.pipeline.schedules import Action, Comm, Compute, P2POp, build_schedule, format_action
@@ -187,7 +187,7 @@ def _infer_m(actions: list[list[Action]]) -> int:
 
 
 def _run(
-    actions: list[list[Action]], needs: dict[Pos, list[Pos]], cost: dict[str, float]
+    actions: list[list[Action]], needs: dict[Pos, list[Pos]], cost: Callable[[int, Compute], float]
 ) -> tuple[list[float], list[float], list[int], list[dict]]:
     """Event-driven run; returns per-rank end time, busy time, peak in flight, and events.
 
@@ -205,7 +205,7 @@ def _run(
         while pc[rank] < len(actions[rank]):
             action, pos = actions[rank][pc[rank]], (rank, pc[rank])
             if isinstance(action, Compute):
-                end = now[rank] + cost[action.kind]
+                end = now[rank] + cost(rank, action)
                 events.append({"rank": rank, "kind": action.kind, "mb": action.mb,
                                "chunk": action.chunk, "start": now[rank], "end": end})
                 busy[rank] += end - now[rank]
@@ -235,6 +235,7 @@ def simulate(
     *,
     schedule: str = "custom",
     forward_only: bool = False,
+    stage_costs: Optional[Sequence[tuple[float, float]]] = None,
 ) -> SimResult:
     """Check and time a per-rank action list; return bubble, memory and events.
 
@@ -242,7 +243,10 @@ def simulate(
     DeadlockError when ranks remain but none can progress. A rank at a Comm
     resumes at the latest of its own time and the times its counterparts were
     posted. ``schedule`` only names the result; ``forward_only`` accepts
-    (and requires) a schedule without backwards.
+    (and requires) a schedule without backwards. ``stage_costs`` gives
+    (forward, backward) cost per global virtual stage, for unequal stages
+    (e.g. the last one also running the output layer and loss); by default
+    every chunk costs f_cost/vp and b_cost/vp.
     """
     if len(actions) != pp:
         raise ScheduleError(f"expected action lists for {pp} pipeline ranks, got {len(actions)}")
@@ -250,7 +254,15 @@ def simulate(
     for rank, rank_actions in enumerate(actions):
         _check_rank(rank, rank_actions, pp, vp, m, "F" if forward_only else "FB")
     needs = _match_channels(actions)
-    cost = {"F": f_cost / vp, "B": b_cost / vp}
+    if stage_costs is None:
+        stage_costs = [(f_cost / vp, b_cost / vp)] * (pp * vp)
+    if len(stage_costs) != pp * vp:
+        raise ScheduleError(f"stage_costs needs {pp * vp} (forward, backward) pairs, got {len(stage_costs)}")
+
+    def cost(rank: int, a: Compute) -> float:
+        f, b = stage_costs[a.chunk * pp + rank]
+        return f if a.kind == "F" else b
+
     now, busy, peak, events = _run(actions, needs, cost)
     makespan = max(now) if now else 0.0
     bubble = [(makespan - b) / b if b > 0 else 0.0 for b in busy]
@@ -275,7 +287,9 @@ def timeline_bubble(timeline: dict) -> list[float]:
 
 
 def simulate_schedule(name: str, pp: int, vp: int, m: int, f_cost: float = 1.0,
-                      b_cost: float = 2.0) -> SimResult:
+                      b_cost: float = 2.0,
+                      stage_costs: Optional[Sequence[tuple[float, float]]] = None) -> SimResult:
     """Build schedule ``name`` with communication and simulate it."""
-    return simulate(build_schedule(name, pp, vp, m), pp, vp, f_cost, b_cost, schedule=name)
+    return simulate(build_schedule(name, pp, vp, m), pp, vp, f_cost, b_cost, schedule=name,
+                    stage_costs=stage_costs)
 

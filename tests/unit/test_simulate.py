@@ -165,3 +165,18 @@ def test_plot_tool_rejects_bad_schedule(tmp_path):
     out = _run_tool("--schedule", "interleaved_1f1b", "--pp", "4", "--vp", "2",
                     "--num-microbatches", "6", "--print")
     assert out.returncode == 2 and "divisible" in out.stderr
+
+
+def test_stage_costs_model_a_heavier_last_stage():
+    from megalite.pipeline.simulate import simulate_schedule
+
+    even = simulate_schedule("1f1b", 2, 1, 8)
+    same = simulate_schedule("1f1b", 2, 1, 8, stage_costs=[(1.0, 2.0), (1.0, 2.0)])
+    assert same.makespan == even.makespan and same.bubble_fraction == even.bubble_fraction
+    heavy = simulate_schedule("1f1b", 2, 1, 8, stage_costs=[(1.0, 2.0), (1.5, 3.0)])
+    # The heavy stage sets the pace: 8 micro-batches x 4.5 plus the first stage's first forward
+    # and last backward around it; the light stage idles more than in the even case.
+    assert heavy.makespan == pytest.approx(8 * 4.5 + 1.0 + 2.0)
+    assert heavy.bubble_fraction[0] > even.bubble_fraction[0] > heavy.bubble_fraction[1]
+    with pytest.raises(Exception, match="stage_costs needs 2"):
+        simulate_schedule("1f1b", 2, 1, 8, stage_costs=[(1.0, 2.0)])
