@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -53,6 +49,7 @@ from megalite.parallel_state import ParallelState  # noqa: E402
 from megalite.pipeline.simulate import simulate_schedule  # noqa: E402
 from megalite.tensor_parallel.random import RNGTracker  # noqa: E402
 from megalite.training import MicroBatches, Trainer, build_model_chunks  # noqa: E402
+from tests.distributed.harness import run_distributed  # noqa: E402
 
 PP = 2
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
@@ -153,49 +150,15 @@ def run_row(ps: ParallelState, a: argparse.Namespace, schedule: str, vp: int, m:
     return res
 
 
-def rank_main(rank: int, port: int, a: argparse.Namespace, rows: List[Tuple[str, int, int]],
-              queue) -> None:
-    """One process: one thread, a gloo group, every row in turn."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        torch.set_num_threads(1)
-        ps = ParallelState.init_for_test(rank, PP, f"tcp://127.0.0.1:{port}", tp=1, pp=PP, vp=1,
-                                         timeout_s=600)
-        results = []
-        for schedule, vp, m in rows:
-            # ps.vp_size is informational only; the chunk count comes from cfg.parallel.vp.
-            results.append(run_row(ps, a, schedule, vp, m))
-            if rank == 0:
-                print(f"  done {schedule} m={m}", file=sys.stderr, flush=True)
-        ps.destroy()
-        queue.put((rank, "ok", results))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-
-
-def launch(a: argparse.Namespace, rows: List[Tuple[str, int, int]]) -> List[List[Dict]]:
-    """Fork PP workers (torch imported, no op run yet); return each rank's row results."""
-    ctx = mp.get_context("fork")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, port, a, rows, queue)) for r in range(PP)]
-    for p in procs:
-        p.start()
-    out: Dict[int, List[Dict]] = {}
-    try:
-        for _ in range(PP):
-            rank, status, value = queue.get(timeout=3600)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(PP)]
+def run_rows(ps: ParallelState, a: argparse.Namespace, rows: List[Tuple[str, int, int]]) -> List[Dict]:
+    """One rank (one thread, a gloo group from the test harness): every row in turn."""
+    results = []
+    for schedule, vp, m in rows:
+        # ps.vp_size is informational only; the chunk count comes from cfg.parallel.vp.
+        results.append(run_row(ps, a, schedule, vp, m))
+        if ps.rank == 0:
+            print(f"  done {schedule} m={m}", file=sys.stderr, flush=True)
+    return results
 
 
 def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[Dict]) -> Dict:
@@ -269,7 +232,7 @@ def main(argv: Sequence[str] = None) -> int:
     vps = dict(SCHEDULES)
     rows = [(s, vps[s], m) for s in a.schedules for m in a.micro_batches
             if not (vps[s] > 1 and m % PP)]  # interleaved needs m % pp == 0
-    per_rank = launch(a, rows)
+    per_rank = run_distributed(run_rows, PP, a, rows, pp=PP, timeout=3600)
     summaries = [summarize(a, row, [per_rank[r][i] for r in range(PP)]) for i, row in enumerate(rows)]
     print_table(a, summaries)
     return 0
