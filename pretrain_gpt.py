@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 
 from megalite.arguments import parse_args
 from megalite.logging import setup_logging
-from megalite.parallel_state import ConfigError, ParallelState
+from megalite.config import ConfigError
+from megalite.parallel_state import ParallelState
 from megalite.training import Trainer, build_datasets, resolve_data
 
 
@@ -22,7 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
     par = cfg.parallel
-    ps = ParallelState.from_env(par.tp, par.pp, par.vp, par.distributed_backend)
+    ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend)
     log = setup_logging(ps.is_logging_rank, ps.rank)
     m = cfg.model
     log.info(f"megalite: world {ps.world_size} = tp {ps.tp_size} x dp {ps.dp_size} x pp {ps.pp_size} "

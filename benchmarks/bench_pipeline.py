@@ -154,7 +154,6 @@ def run_rows(ps: ParallelState, a: argparse.Namespace, rows: List[Tuple[str, int
     """One rank (one thread, a gloo group from the test harness): every row in turn."""
     results = []
     for schedule, vp, m in rows:
-        # ps.vp_size is informational only; the chunk count comes from cfg.parallel.vp.
         results.append(run_row(ps, a, schedule, vp, m))
         if ps.rank == 0:
             print(f"  done {schedule} m={m}", file=sys.stderr, flush=True)

@@ -9,87 +9,130 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
-from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
-                             OptimConfig, ParallelConfig, TrainConfig)
-from megalite.parallel_state import ConfigError, grid_groups
+from megalite.config import (CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
+                             ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from megalite.parallel_state import grid_groups
 
 # Flags a later milestone implements: recognised so they fail loudly instead of being ignored.
 NOT_IMPLEMENTED: Dict[str, str] = {
-    "--bf16": "mixed precision", "--fp16": "mixed precision",
-    "--use-distributed-optimizer": "the distributed optimizer",
-    "--recompute-activations": "activation recomputation",
-    "--recompute-granularity": "activation recomputation",
-    "--sequence-parallel": "sequence parallelism",
     "--context-parallel-size": "context parallelism",
     "--expert-model-parallel-size": "expert parallelism", "--num-experts": "mixture of experts",
     "--save": "checkpointing", "--load": "checkpointing", "--save-interval": "checkpointing",
 }
 
 _SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
+_M, _P, _O, _D, _T, _L = (ModelConfig(), ParallelConfig(), OptimConfig(), DataConfig(), TrainConfig(),
+                          LoggingConfig())  # the single source of every default below
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=_M.num_layers)
+    g.add_argument("--hidden-size", type=int, default=_M.hidden_size)
+    g.add_argument("--ffn-hidden-size", type=int, default=_M.ffn_hidden_size,
+                   help="default 4 x hidden (8/3 x hidden rounded to 64 with --swiglu)")
+    g.add_argument("--num-attention-heads", type=int, default=_M.num_attention_heads)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=_M.num_query_groups)
+    g.add_argument("--seq-length", type=int, default=_M.seq_length)
+    g.add_argument("--max-position-embeddings", type=int, default=_M.max_position_embeddings,
+                   help="default --seq-length")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary for --mock-data and NullTokenizer (default 4096 for mock data)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=_M.make_vocab_size_divisible_by)
+    g.add_argument("--init-method-std", type=float, default=_M.init_method_std)
+    g.add_argument("--hidden-dropout", type=float, default=_M.hidden_dropout)
+    g.add_argument("--attention-dropout", type=float, default=_M.attention_dropout)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=_M.normalization)
+    g.add_argument("--norm-epsilon", type=float, default=_M.layernorm_epsilon)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
-                   default="learned_absolute")
-    g.add_argument("--rotary-base", type=int, default=10000)
+                   default=_M.position_embedding_type)
+    g.add_argument("--rotary-base", type=int, default=_M.rotary_base)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                   default=_M.attention_backend,
+                   help="auto/flash/fused: torch scaled_dot_product_attention (flash kernels where the "
+                        "device has them); unfused/local: explicit QK^T, softmax, dropout, x V")
+
+
+def _add_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision and memory")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 main weights")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and activations, fp32 main weights, dynamic loss scaling")
+    g.add_argument("--loss-scale", type=float, default=_O.loss_scale,
+                   help="constant fp16 loss scale (default: dynamic scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=_O.initial_loss_scale)
+    g.add_argument("--min-loss-scale", type=float, default=_O.min_loss_scale)
+    g.add_argument("--loss-scale-window", type=int, default=_O.loss_scale_window,
+                   help="iterations without overflow before the scale doubles")
+    g.add_argument("--hysteresis", type=int, default=_O.hysteresis,
+                   help="overflows tolerated before the scale halves")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="fp32 gradient accumulation and reduction (always on with --bf16)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="alias of --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"),
+                   default=_M.recompute_granularity,
+                   help="full: recompute whole layers (needs --recompute-method); selective: core attention")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=_M.recompute_method,
+                   help="uniform: checkpoint every group of --recompute-num-layers layers; block: "
+                        "recompute the first --recompute-num-layers layers of each pipeline chunk")
+    g.add_argument("--recompute-num-layers", type=int, default=_M.recompute_num_layers)
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each transformer layer (needs a C++ compiler on CPU)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=_P.tp)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=_P.pp)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--pipeline-schedule", choices=_SCHEDULES, default=None,
+    g.add_argument("--pipeline-schedule", choices=_SCHEDULES, default=_P.pipeline_schedule,
                    help="default: 1f1b, or interleaved_1f1b with virtual stages")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms, dropout and residuals along the sequence over the TP group")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 main weights and Adam states over the data-parallel group (ZeRO-1)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each bucket's gradient reduction as soon as backward has filled it")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: gather updated weights in the background, "
+                        "each bucket waited for by the first forward that uses it")
+    g.add_argument("--ddp-bucket-size", type=int, default=_O.ddp_bucket_size,
+                   help="gradient bucket size in elements (default max(40M, 1M x data-parallel size))")
+    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=_P.distributed_backend,
                    help="default: nccl when CUDA is available, else gloo")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=8)
-    g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument("--train-iters", type=int, default=200)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=1e-4)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=20)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--eval-interval", type=int, default=50)
-    g.add_argument("--eval-iters", type=int, default=5)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--num-threads", type=int, default=None,
+    g.add_argument("--micro-batch-size", type=int, default=_T.micro_batch_size)
+    g.add_argument("--global-batch-size", type=int, default=_T.global_batch_size)
+    g.add_argument("--train-iters", type=int, default=_T.train_iters)
+    g.add_argument("--lr", type=float, default=_O.lr)
+    g.add_argument("--min-lr", type=float, default=_O.min_lr)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default=_O.lr_decay_style)
+    g.add_argument("--lr-warmup-iters", type=int, default=_O.lr_warmup_iters)
+    g.add_argument("--lr-decay-iters", type=int, default=_O.lr_decay_iters, help="default --train-iters")
+    g.add_argument("--weight-decay", type=float, default=_O.weight_decay)
+    g.add_argument("--adam-beta1", type=float, default=_O.adam_beta1)
+    g.add_argument("--adam-beta2", type=float, default=_O.adam_beta2)
+    g.add_argument("--adam-eps", type=float, default=_O.adam_eps)
+    g.add_argument("--clip-grad", type=float, default=_O.clip_grad)
+    g.add_argument("--seed", type=int, default=_T.seed)
+    g.add_argument("--eval-interval", type=int, default=_T.eval_interval)
+    g.add_argument("--eval-iters", type=int, default=_T.eval_iters)
+    g.add_argument("--exit-interval", type=int, default=_T.exit_interval)
+    g.add_argument("--num-threads", type=int, default=_T.num_threads,
                    help="torch intra-op threads (default: left to OMP_NUM_THREADS / torch)")
 
 
@@ -100,30 +143,46 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--split", default=_D.split)
+    g.add_argument("--data-cache-path", default=_D.data_cache_path)
+    g.add_argument("--num-workers", type=int, default=_D.num_workers,
+                   help="DataLoader worker processes per rank (0: load in the training process)")
+    g.add_argument("--tokenizer-type", default=_D.tokenizer_type)
+    g.add_argument("--vocab-file", default=_D.vocab_file)
+    g.add_argument("--merge-file", default=_D.merge_file)
+    g.add_argument("--tokenizer-model", default=_D.tokenizer_model)
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--timeline-out", default=None,
+    g.add_argument("--log-interval", type=int, default=_L.log_interval)
+    g.add_argument("--tensorboard-dir", default=_L.tensorboard_dir)
+    g.add_argument("--timeline-out", default=_L.timeline_out,
                    help="write the measured pipeline timeline (JSON) of the last iteration here")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option that takes a value shows its default (the config dataclasses' value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if text and action.option_strings and action.nargs != 0 and action.default is not argparse.SUPPRESS \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full CLI (Megatron flag names)."""
     p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, exit_on_error=False,
-                                description="Pretrain a GPT with tensor, pipeline and data parallelism.")
-    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_data_args,
-                _add_logging_args):
+                                description="Pretrain a GPT with tensor, pipeline and data parallelism.",
+                                formatter_class=_HelpFormatter)
+    for add in (_add_model_args, _add_precision_args, _add_parallel_args, _add_training_args,
+                _add_data_args, _add_logging_args):
         add(p)
+    for action in p._actions:
+        if action.help is None and action.nargs != 0:
+            action.help = "(default: %(default)s)"
     for flag in NOT_IMPLEMENTED:
         p.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
     return p
@@ -156,23 +215,34 @@ def _to_config(a: argparse.Namespace) -> Config:
         normalization=a.normalization, layernorm_epsilon=a.norm_epsilon, swiglu=a.swiglu,
         position_embedding_type=a.position_embedding_type, rotary_base=a.rotary_base,
         untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
-        add_bias_linear=not a.disable_bias_linear)
+        add_bias_linear=not a.disable_bias_linear,
+        params_dtype="bfloat16" if a.bf16 else "float16" if a.fp16 else "float32",
+        attention_backend=a.attention_backend,
+        recompute_granularity="selective" if a.recompute_activations else a.recompute_granularity,
+        recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
+        torch_compile=a.torch_compile)
     parallel = ParallelConfig(
         tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, vp=_virtual_size(a),
         distributed_backend=a.distributed_backend, pipeline_schedule=a.pipeline_schedule,
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers)
+        decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
+        sequence_parallel=a.sequence_parallel)
     optim = OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_decay_style=a.lr_decay_style,
                         lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters,
                         weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
-                        adam_eps=a.adam_eps, clip_grad=a.clip_grad)
+                        adam_eps=a.adam_eps, clip_grad=a.clip_grad, loss_scale=a.loss_scale,
+                        initial_loss_scale=a.initial_loss_scale, min_loss_scale=a.min_loss_scale,
+                        loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
+                        accumulate_allreduce_grads_in_fp32=a.accumulate_allreduce_grads_in_fp32 or a.bf16,
+                        use_distributed_optimizer=a.use_distributed_optimizer,
+                        overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
+                        ddp_bucket_size=a.ddp_bucket_size)
     data = DataConfig(
         mock_data=a.mock_data, data_path=tuple(a.data_path or ()),
         train_data_path=tuple(a.train_data_path or ()), valid_data_path=tuple(a.valid_data_path or ()),
         test_data_path=tuple(a.test_data_path or ()), split=a.split, data_cache_path=a.data_cache_path,
         tokenizer_type=a.tokenizer_type, vocab_file=a.vocab_file, merge_file=a.merge_file,
-        tokenizer_model=a.tokenizer_model, vocab_size=a.vocab_size, seq_length=a.seq_length,
-        seed=a.seed, num_workers=a.num_workers)
+        tokenizer_model=a.tokenizer_model, num_workers=a.num_workers)
     train = TrainConfig(micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
                         train_iters=a.train_iters, seed=a.seed, eval_interval=a.eval_interval,
                         eval_iters=a.eval_iters, num_threads=a.num_threads, exit_interval=a.exit_interval)
@@ -236,10 +306,33 @@ def validate(cfg: Config, world_size: int) -> None:
         validate_schedule(name, par.pp, par.vp, num_mb)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _validate_precision_and_memory(cfg, dp)
     if cfg.data.mock_data and (cfg.data.data_path or cfg.data.train_data_path):
         raise ConfigError("--mock-data and --data-path/--train-data-path are exclusive; pass one")
     if cfg.data.mock_data and m.vocab_size < 2:
         raise ConfigError("--mock-data needs --vocab-size >= 2")
+
+
+def _validate_precision_and_memory(cfg: Config, dp: int) -> None:
+    m, o, par = cfg.model, cfg.optim, cfg.parallel
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ConfigError("--recompute-method applies to --recompute-granularity full only; "
+                          "drop it or add --recompute-granularity full")
+    if m.recompute_num_layers < 1:
+        raise ConfigError(f"--recompute-num-layers must be >= 1, got {m.recompute_num_layers}")
+    if par.sequence_parallel and m.seq_length % par.tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+                          f"--tensor-model-parallel-size {par.tp}")
+    if o.overlap_param_gather and not (o.use_distributed_optimizer and o.overlap_grad_reduce):
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+    if m.params_dtype == "float16":
+        _positive(initial_loss_scale=o.initial_loss_scale, min_loss_scale=o.min_loss_scale,
+                  loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, loss_scale=o.loss_scale)
+    _positive(ddp_bucket_size=o.ddp_bucket_size)
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {cfg.data.num_workers}")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> Config:
@@ -256,6 +349,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         flag = used[0]
         raise ConfigError(f"{flag} is not implemented yet ({NOT_IMPLEMENTED[flag]} is on the roadmap); "
                           f"remove the flag")
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pass one")
     cfg = _to_config(args)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:  # as Megatron: nothing to split
+        cfg = cfg.with_(parallel=replace(cfg.parallel, sequence_parallel=False))
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
     return cfg

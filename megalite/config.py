@@ -10,10 +10,17 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 
+class ConfigError(ValueError):
+    """A bad flag or flag combination; the message is one line saying what to change."""
+
+
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     num_layers: int = 4
-    hidden_size: int = 128
+    hidden_size: int = 256
     ffn_hidden_size: Optional[int] = None  # default 4h (or 8h/3 rounded for SwiGLU)
     num_attention_heads: int = 4
     num_query_groups: Optional[int] = None  # None: multi-head attention (groups == heads)
@@ -31,7 +38,17 @@ class ModelConfig:
     rotary_base: int = 10000
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
-    params_dtype: str = "float32"
+    params_dtype: str = "float32"  # float32 | bfloat16 (--bf16) | float16 (--fp16)
+    attention_backend: str = "auto"  # auto/flash/fused: torch SDPA; unfused/local: explicit softmax
+    recompute_granularity: Optional[str] = None  # None | "full" | "selective" (core attention)
+    recompute_method: Optional[str] = None  # "uniform" | "block" (full granularity)
+    recompute_num_layers: int = 1
+    torch_compile: bool = False  # torch.compile each transformer layer
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.params_dtype)
 
     @property
     def ffn_size(self) -> int:
@@ -73,20 +90,33 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = None  # None: 1f1b, or interleaved when vp > 1
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 0.0
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     lr_decay_style: str = "cosine"  # constant | linear | cosine
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = 20
     lr_decay_iters: Optional[int] = None  # default train_iters
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # fp16 loss scaling (Megatron's flags and defaults); loss_scale set = a constant scale
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # gradient reduction and the distributed optimizer (ZeRO-1)
+    accumulate_allreduce_grads_in_fp32: bool = False  # forced on for bf16, as Megatron
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    ddp_bucket_size: Optional[int] = None  # elements; None: max(40M, 1M x dp)
 
 
 @dataclass(frozen=True)
@@ -102,20 +132,17 @@ class DataConfig:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
-    vocab_size: Optional[int] = None  # NullTokenizer / mock data
-    seq_length: int = 128
-    seed: int = 1234
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes per rank
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = 4
+    micro_batch_size: int = 8
     global_batch_size: int = 16
     train_iters: int = 200
     seed: int = 1234
-    eval_interval: int = 100
-    eval_iters: int = 10
+    eval_interval: int = 50
+    eval_iters: int = 5
     num_threads: Optional[int] = None  # None: leave torch's default (OMP_NUM_THREADS)
     exit_interval: Optional[int] = None
 

@@ -7,11 +7,16 @@ formats so existing log parsers keep working, and adds tokens per second.
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
 
 from megalite.config import ModelConfig
+from megalite.parallel_state import ParallelState
 
 _FORMAT = "%(message)s"
 
@@ -27,6 +32,39 @@ def setup_logging(is_logging_rank: bool, rank: int) -> logging.Logger:
     logger.setLevel(logging.INFO if is_logging_rank else logging.WARNING)
     logger.propagate = False
     return logger
+
+
+def mean_over_data_parallel(losses: Sequence[torch.Tensor], ps: ParallelState) -> Optional[float]:
+    """Mean of this rank's micro-batch losses, averaged over DP ranks (None where no loss is computed)."""
+    if not losses:
+        return None
+    loss = torch.stack(list(losses)).float().mean().reshape(1)
+    if ps.dp_size > 1:
+        dist.all_reduce(loss, group=ps.dp_group)
+        loss /= ps.dp_size
+    return float(loss)
+
+
+def mean_over_pipeline(value: float, ps: ParallelState) -> float:
+    """Mean of a per-stage scalar (e.g. the measured bubble) over the pipeline group."""
+    if ps.pp_size == 1:
+        return value
+    t = torch.tensor([value], device=ps.device)
+    dist.all_reduce(t, group=ps.pp_group)
+    return float(t) / ps.pp_size
+
+
+def write_timeline(path: str, events: List[dict], ps: ParallelState, **meta) -> None:
+    """Gather every pipeline rank's measured events and write the timeline JSON (logging rank)."""
+    if ps.pp_size > 1:
+        gathered: List[Optional[list]] = [None] * ps.pp_size
+        dist.all_gather_object(gathered, events, group=ps.pp_group)
+        events = [e for part in gathered for e in part]
+    if ps.is_logging_rank:
+        iteration = meta.pop("iteration", None)
+        with open(path, "w") as f:
+            json.dump({**meta, "pp": ps.pp_size, "source": "measured", "events": events}, f)
+        logging.getLogger("megalite").info(f"wrote pipeline timeline of iteration {iteration} to {path}")
 
 
 def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, padded_vocab: int) -> float:

@@ -26,14 +26,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megalite.config import ConfigError  # noqa: F401  (re-exported: grid_groups raises it)
+
 logger = logging.getLogger(__name__)
 
 # Axis order, fastest varying first. Context/expert parallel axes slot in here later.
 AXES: Tuple[str, ...] = ("tp", "dp", "pp")
-
-
-class ConfigError(ValueError):
-    """A bad flag or flag combination; the message is one line saying what to change."""
 
 
 @dataclass
@@ -91,13 +89,12 @@ class ParallelState:
 
     Build it with :meth:`from_env` (torchrun / a test harness already set the
     environment) or :meth:`single` (one process, no torch.distributed at all).
-    ``vp`` is the number of virtual pipeline chunks each pipeline rank holds.
     """
 
-    def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1, vp: int = 1,
+    def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1,
                  create_groups: bool = True, backend: Optional[str] = None,
                  device: Optional[torch.device] = None):
-        self.world_size, self.rank, self.vp_size = world_size, rank, vp
+        self.world_size, self.rank = world_size, rank
         self.backend = backend
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
@@ -117,12 +114,12 @@ class ParallelState:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def single(cls, vp: int = 1, device: Optional[torch.device] = None) -> "ParallelState":
+    def single(cls, device: Optional[torch.device] = None) -> "ParallelState":
         """A one-process state: every axis has size 1 and nothing is distributed."""
-        return cls(1, 0, 1, 1, vp, create_groups=False, device=device)
+        return cls(1, 0, 1, 1, create_groups=False, device=device)
 
     @classmethod
-    def from_env(cls, tp: int = 1, pp: int = 1, vp: int = 1, backend: Optional[str] = None,
+    def from_env(cls, tp: int = 1, pp: int = 1, backend: Optional[str] = None,
                  timeout_s: float = 600.0) -> "ParallelState":
         """Initialise torch.distributed from torchrun's variables (if several ranks) and build groups.
 
@@ -134,23 +131,23 @@ class ParallelState:
         grid_groups(world, tp, pp)  # validate before any communication
         if world == 1 and not dist.is_initialized():
             use_cuda = torch.cuda.is_available() and backend != "gloo"
-            return cls.single(vp, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
+            return cls.single(torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
-        return cls(dist.get_world_size(), dist.get_rank(), tp, pp, vp, backend=backend)
+        return cls(dist.get_world_size(), dist.get_rank(), tp, pp, backend=backend)
 
     @classmethod
     def init_for_test(cls, rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
-                      vp: int = 1, timeout_s: float = 120.0) -> "ParallelState":
+                      timeout_s: float = 120.0) -> "ParallelState":
         """Start a gloo process group on an explicit rendezvous (used by the test harness)."""
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
-        return cls(world_size, rank, tp, pp, vp, backend="gloo")
+        return cls(world_size, rank, tp, pp, backend="gloo")
 
     def destroy(self) -> None:
         """Tear the process group down (end of a run or test)."""
@@ -222,4 +219,4 @@ class ParallelState:
 
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, vp={self.vp_size})")
+                f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})")

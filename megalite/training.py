@@ -5,17 +5,17 @@
     Trainer
       chunks      this rank's model chunks (one per virtual pipeline stage)
       executor    runs the schedule's actions for one global batch
-      grads       GradBuffer: .grad views, bucketed DP all-reduce
-      optimizer   AdamW + LRScheduler; clipping by the global norm
+      optimizer   MegatronOptimizer: grad buffer, main weights, finalize, clip, loss scale, step
+      scheduler   LRScheduler
       iteration, consumed_samples, tracker   (what a checkpoint will need)
 
-One iteration: arm the grad buffer -> run the schedule over m micro-batches ->
-finish the DP reduction -> sum tied-embedding grads over the embedding group ->
-clip -> step (skipped if the norm is not finite) -> log.
+One iteration: zero grads -> run the schedule over m micro-batches ->
+optimizer.finalize_grads() -> optimizer.step() (skipped on overflow or a
+non-finite norm; then the LR schedule does not advance, as Megatron) -> log.
+The Trainer itself issues no collectives.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -24,18 +24,16 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from megalite.config import Config
+from megalite.config import Config, ConfigError
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.samplers import PretrainingSampler
-from megalite.data_parallel.grad_buffer import GradBuffer
-from megalite.logging import TensorBoard, flops_per_iteration, format_log_line, format_timers
+from megalite.logging import (TensorBoard, flops_per_iteration, format_log_line, format_timers,
+                              mean_over_data_parallel, mean_over_pipeline, write_timeline)
 from megalite.model.gpt import GPTModel
-from megalite.optim.clip_grads import clip_grad_norm_
 from megalite.optim.lr_scheduler import LRScheduler
-from megalite.optim.optimizer import build_optimizer
-from megalite.parallel_state import ConfigError, ParallelState
+from megalite.optim.optimizer import MegatronOptimizer
+from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.partition import layers_for_stage
 from megalite.pipeline.schedules import build_schedule, default_schedule_name
@@ -58,7 +56,7 @@ def resolve_data(cfg: Config) -> Config:
         raise ConfigError("--data-path needs --tokenizer-type (e.g. GPT2BPETokenizer with --vocab-file "
                           "and --merge-file)")
     from megalite.data.tokenizers import build_tokenizer
-    tokenizer = build_tokenizer(data)
+    tokenizer = build_tokenizer(data, cfg.model.vocab_size or None)
     return cfg.with_(data=data, model=replace(cfg.model, vocab_size=tokenizer.vocab_size))
 
 
@@ -72,7 +70,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker) -> L
                                   par.decoder_first_pipeline_num_layers,
                                   par.decoder_last_pipeline_num_layers)
         chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
-                               pre_process=stage == 0, post_process=stage == num_stages - 1)
+                               pre_process=stage == 0, post_process=stage == num_stages - 1,
+                               sequence_parallel=par.sequence_parallel)
                       .to(ps.device))
     return chunks
 
@@ -87,8 +86,8 @@ def build_datasets(cfg: Config, ps: ParallelState):
                                               cfg.train.seed + salt, n) if n else None
         return make(n_train, 0), make(n_valid, 1)
     from megalite.data.builder import build_train_valid_test_datasets
-    data = replace(cfg.data, seq_length=cfg.model.seq_length, seed=cfg.train.seed)
-    train, valid, _ = build_train_valid_test_datasets(data, (n_train, n_valid, 0),
+    train, valid, _ = build_train_valid_test_datasets(cfg.data, (n_train, n_valid, 0),
+                                                      seq_length=cfg.model.seq_length, seed=cfg.train.seed,
                                                       is_primary=ps.rank == 0, barrier=ps.barrier)
     if train is None and n_train > 0:
         raise ConfigError(f"--split {cfg.data.split!r} leaves no training documents; give the train "
@@ -96,19 +95,29 @@ def build_datasets(cfg: Config, ps: ParallelState):
     return train, valid
 
 
-class MicroBatches:
-    """Global batches for this DP rank, as lists of m micro-batch dicts (tokens, labels, loss_mask)."""
+def _collate(samples: List[dict]) -> torch.Tensor:
+    return torch.from_numpy(np.stack([s["text"] for s in samples]).astype(np.int64))
 
-    def __init__(self, dataset, consumed: int, mbs: int, m: int, ps: ParallelState):
-        self.dataset, self.m, self.device = dataset, m, ps.device
-        self.it = iter(PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size))
+
+class MicroBatches:
+    """Global batches for this DP rank, as lists of m micro-batch dicts (tokens, labels, loss_mask).
+
+    Samples are read by a DataLoader over the pretraining sampler; ``num_workers``
+    > 0 reads them in worker processes ahead of the training loop (``--num-workers``).
+    """
+
+    def __init__(self, dataset, consumed: int, mbs: int, m: int, ps: ParallelState, num_workers: int = 0):
+        self.m, self.device = m, ps.device
+        sampler = PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                             collate_fn=_collate, pin_memory=ps.device.type == "cuda",
+                                             persistent_workers=False)
+        self.it = iter(loader)
 
     def next(self) -> List[Dict[str, torch.Tensor]]:
         out = []
         for _ in range(self.m):
-            idx = next(self.it)
-            text = torch.from_numpy(np.stack([self.dataset[i]["text"] for i in idx]).astype(np.int64))
-            text = text.to(self.device)
+            text = next(self.it).to(self.device, non_blocking=True)
             out.append({"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
                         "loss_mask": torch.ones(text.shape[0], text.shape[1] - 1, device=self.device)})
         return out
@@ -124,17 +133,22 @@ class Trainer:
             torch.set_num_threads(t.num_threads)
         self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
         self.chunks = build_model_chunks(cfg, ps, self.tracker)
-        self.params = [p for c in self.chunks for p in c.parameters()]
-        self.grads = GradBuffer(self.params, ps.dp)
-        self.optimizer = build_optimizer(self.params, cfg.optim)
+        named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.params = [p for _, p in named]
+        shared = [w for w in (c.shared_embedding_weight() for c in self.chunks) if w is not None]
+        self.optimizer = MegatronOptimizer(
+            named, cfg.optim, ps, shared=shared,
+            sequence_parallel_params=[p for p in self.params if getattr(p, "sequence_parallel", False)])
+        self.optimizer.install_param_gather_hooks(self.chunks)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)
         self.m = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self.schedule_name = par.pipeline_schedule or default_schedule_name(ps.pp_size, par.vp)
         self.actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m)[ps.pp_rank]
         self.eval_actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m,
                                            forward_only=True)[ps.pp_rank]
-        shape = (cfg.model.seq_length, t.micro_batch_size, cfg.model.hidden_size)
-        self.executor = PipelineExecutor(self.chunks, ps, shape)
+        s = cfg.model.seq_length // (ps.tp_size if par.sequence_parallel else 1)
+        self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
+                                         dtype=cfg.model.torch_dtype)
         self.needs_data = any(c.pre_process or c.post_process for c in self.chunks)
         self.iteration, self.consumed_samples = 0, 0
         self.skipped_iters = self.nan_iters = 0
@@ -142,21 +156,20 @@ class Trainer:
 
     # -- one iteration ---------------------------------------------------------------------------
     def train_step(self, batches: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-        """Forward/backward over all micro-batches, reduce, clip and update. Returns scalars."""
+        """Forward/backward over all micro-batches, finalize, clip and update. Returns scalars."""
         for c in self.chunks:
             c.train()
-        self.grads.start_step(self.m)
-        stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m)
+        self.optimizer.zero_grad(self.m)
+        stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m,
+                                  loss_scale=self.optimizer.loss_scale)
         t0 = time.perf_counter()
-        self.grads.finish()
-        self._sync_tied_embeddings()
+        self.optimizer.finalize_grads()
         t1 = time.perf_counter()
-        grad_norm = clip_grad_norm_(self.params, self.cfg.optim.clip_grad, self.ps)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
+        updated, grad_norm = self.optimizer.step()
+        if updated:
+            self.scheduler.step()
         else:
             self.skipped_iters += 1
-        self.scheduler.step()
         t2 = time.perf_counter()
         self.last_stats = stats
         loss = self._reduce_loss(stats.losses)
@@ -164,26 +177,11 @@ class Trainer:
             self.nan_iters += 1
         return {"loss": loss, "grad_norm": grad_norm, "forward": stats.forward, "backward": stats.backward,
                 "p2p": stats.p2p, "grads_sync": t1 - t0, "optimizer": t2 - t1,
-                "bubble": self._bubble(stats)}
-
-    def _sync_tied_embeddings(self) -> None:
-        """Sum the tied word-embedding gradient over the first and last stage (pp > 1)."""
-        if self.ps.embedding.size < 2:
-            return
-        for c in self.chunks:
-            w = c.shared_embedding_weight()
-            if w is not None:
-                dist.all_reduce(w.grad, group=self.ps.embedding.group)
+                "bubble": self._bubble(stats), "loss_scale": self.optimizer.loss_scale, "updated": updated}
 
     def _reduce_loss(self, losses: List[torch.Tensor]) -> Optional[float]:
         """Mean micro-batch loss over DP ranks (last stage only; None elsewhere)."""
-        if not losses:
-            return None
-        loss = torch.stack(losses).mean().reshape(1)
-        if self.ps.dp_size > 1:
-            dist.all_reduce(loss, group=self.ps.dp_group)
-            loss /= self.ps.dp_size
-        return float(loss)
+        return mean_over_data_parallel(losses, self.ps)
 
     @staticmethod
     def _bubble(stats: StepStats) -> float:
@@ -207,8 +205,8 @@ class Trainer:
     def train(self, train_ds, valid_ds) -> List[Dict[str, float]]:
         """Run ``train_iters`` iterations with logging and evaluation; return per-iteration scalars."""
         cfg, t = self.cfg, self.cfg.train
-        data = MicroBatches(train_ds, self.consumed_samples, t.micro_batch_size, self.m, self.ps) \
-            if self.needs_data else None
+        data = MicroBatches(train_ds, self.consumed_samples, t.micro_batch_size, self.m, self.ps,
+                            cfg.data.num_workers) if self.needs_data else None
         if valid_ds is None and t.eval_iters > 0 and t.eval_interval > 0 and self.ps.is_logging_rank:
             logger.warning("no validation samples (see --split / --valid-data-path): evaluation is skipped")
         tb = TensorBoard(cfg.logging.tensorboard_dir if self.ps.is_logging_rank else None)
@@ -243,10 +241,7 @@ class Trainer:
         t = self.cfg.train
         losses = [w["loss"] for w in window if w["loss"] is not None]
         loss = sum(losses) / len(losses) if losses else None
-        bubble = torch.tensor([sum(w["bubble"] for w in window) / len(window)], device=self.ps.device)
-        if self.ps.pp_size > 1:
-            dist.all_reduce(bubble, group=self.ps.pp_group)  # mean over stages
-            bubble /= self.ps.pp_size
+        bubble = mean_over_pipeline(sum(w["bubble"] for w in window) / len(window), self.ps)
         if not self.ps.is_logging_rank:
             return
         tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / sec_per_iter
@@ -260,7 +255,8 @@ class Trainer:
             names = ("forward-compute", "backward-compute", "p2p-wait", "grads-all-reduce", "optimizer")
             times = {n: 1e3 * sum(w[k] for w in window) / len(window) for n, k in zip(names, keys)}
             logger.info(format_timers(times) + f" | pipeline bubble: {100 * float(bubble):.1f}%")
-        tb.scalars({"lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
+        scalars = {"loss-scale": last["loss_scale"]} if self.optimizer.scaler is not None else {}
+        tb.scalars({**scalars, "lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
                     "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
                     "throughput": tflops, "tokens-per-second": tokens_per_s}, self.iteration)
 
@@ -279,14 +275,5 @@ class Trainer:
 
     def write_timeline(self, path: str) -> None:
         """Gather the last iteration's measured events of this pipeline and write the timeline JSON."""
-        events = self.last_stats.events
-        if self.ps.pp_size > 1:
-            gathered: List[Optional[list]] = [None] * self.ps.pp_size
-            dist.all_gather_object(gathered, events, group=self.ps.pp_group)
-            events = [e for part in gathered for e in part]
-        if self.ps.is_logging_rank:
-            with open(path, "w") as f:
-                json.dump({"schedule": self.schedule_name, "pp": self.ps.pp_size, "vp": self.cfg.parallel.vp,
-                           "m": self.m, "source": "measured", "events": events}, f)
-            logger.info(f"wrote pipeline timeline of iteration {self.iteration} to {path}")
-
+        write_timeline(path, self.last_stats.events, self.ps, schedule=self.schedule_name,
+                       vp=self.cfg.parallel.vp, m=self.m, iteration=self.iteration)

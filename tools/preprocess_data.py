@@ -48,12 +48,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     tok = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                     merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                     vocab_size=args.vocab_size)
+                     merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
     opts = PreprocessOptions(input=args.input, output_prefix=args.output_prefix, tokenizer=tok,
                              json_keys=tuple(args.json_keys), append_eod=args.append_eod,
                              workers=args.workers, partitions=args.partitions,
-                             log_interval=args.log_interval, skip_invalid=args.skip_invalid)
+                             log_interval=args.log_interval, skip_invalid=args.skip_invalid,
+                             vocab_size=args.vocab_size)
     try:
         stats = preprocess(opts)
     except (PreprocessError, ValueError, FileNotFoundError) as e:

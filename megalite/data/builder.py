@@ -34,8 +34,8 @@ def default_cache_dir(prefix: str, kind: str) -> str:
 class _Builder:
     """One build pass; opens each prefix once and shares it across splits."""
 
-    def __init__(self, cfg: DataConfig, write_cache: bool):
-        self.cfg = cfg
+    def __init__(self, cfg: DataConfig, seq_length: int, seed: int, write_cache: bool):
+        self.cfg, self.seq_length, self.seed = cfg, seq_length, seed
         self.write = write_cache
         self._opened: dict[str, IndexedDataset] = {}
 
@@ -54,8 +54,8 @@ class _Builder:
     def gpt(self, prefix: str, docs: np.ndarray, num_samples: int, split: int) -> GPTDataset:
         """A GPTDataset over ``docs`` of ``prefix``, its indices cached per the config."""
         cache = self.cfg.data_cache_path or default_cache_dir(prefix, "GPTDataset")
-        return GPTDataset(self.open(prefix), docs, num_samples, self.cfg.seq_length,
-                          self.cfg.seed, cache, SPLIT_NAMES[split], self.write)
+        return GPTDataset(self.open(prefix), docs, num_samples, self.seq_length,
+                          self.seed, cache, SPLIT_NAMES[split], self.write)
 
     def split_dataset(self, paths: Sequence[str], split: int, num_samples: int,
                       whole: bool):
@@ -85,16 +85,17 @@ class _Builder:
                                                               "BlendedDataset")
         description = {"prefixes": [os.path.abspath(prefixes[i]) for i in keep],
                        "split": SPLIT_NAMES[split], "parts": [len(p) for p in parts],
-                       "seed": self.cfg.seed, "seq_length": self.cfg.seq_length}
+                       "seed": self.seed, "seq_length": self.seq_length}
         return BlendedDataset(parts, kept_weights, num_samples, cache, description, self.write)
 
 
-def _build(cfg: DataConfig, num_samples: Sequence[int], write_cache: bool) -> tuple:
+def _build(cfg: DataConfig, num_samples: Sequence[int], seq_length: int, seed: int,
+           write_cache: bool) -> tuple:
     per_split = (cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path)
     if not cfg.data_path and not any(per_split):
         raise ValueError("no data: give --data-path or --train-data-path/--valid-data-path/"
                          "--test-data-path (or --mock-data)")
-    builder = _Builder(cfg, write_cache)
+    builder = _Builder(cfg, seq_length, seed, write_cache)
     out = []
     for split, n in enumerate(num_samples):
         if per_split[split]:
@@ -110,11 +111,13 @@ def _build(cfg: DataConfig, num_samples: Sequence[int], write_cache: bool) -> tu
 
 
 def build_train_valid_test_datasets(
-        cfg: DataConfig, num_samples: tuple[int, int, int], *, is_primary: bool = True,
+        cfg: DataConfig, num_samples: tuple[int, int, int], *, seq_length: int, seed: int,
+        is_primary: bool = True,
         barrier: Callable[[], None] = lambda: None) -> tuple[Optional[object], ...]:
     """Build (train, valid, test) datasets with at least ``num_samples`` samples each.
 
-    Each dataset maps ``i`` to ``{"text": int64 array [seq_length + 1]}``; a
+    Each dataset maps ``i`` to ``{"text": int64 array [seq_length + 1]}`` (documents
+    shuffled with ``seed``); a
     split with no requested samples or no tokens is None. The primary rank
     builds and caches the index arrays and then calls ``barrier()``; other
     ranks call ``barrier()`` first and then load the cache (memory-mapped),
@@ -123,8 +126,8 @@ def build_train_valid_test_datasets(
     if len(num_samples) != 3:
         raise ValueError("num_samples must be (train, valid, test)")
     if is_primary:
-        datasets = _build(cfg, num_samples, write_cache=True)
+        datasets = _build(cfg, num_samples, seq_length, seed, write_cache=True)
         barrier()
         return datasets
     barrier()
-    return _build(cfg, num_samples, write_cache=False)
+    return _build(cfg, num_samples, seq_length, seed, write_cache=False)

@@ -58,6 +58,7 @@ class PreprocessOptions:
     partitions: int = 1
     log_interval: int = 10000
     skip_invalid: bool = False
+    vocab_size: Optional[int] = None  # NullTokenizer only
 
 
 @dataclass
@@ -128,7 +129,7 @@ _W: dict = {}
 
 
 def _init_worker(opts: PreprocessOptions) -> None:
-    tok = build_tokenizer(opts.tokenizer)
+    tok = build_tokenizer(opts.tokenizer, opts.vocab_size)
     _W.update(tok=tok, keys=opts.json_keys, eod=opts.append_eod,
               dtype=optimal_dtype(tok.vocab_size))
 
@@ -240,7 +241,7 @@ def _map_results(opts: PreprocessOptions, batches: Iterable[list]) -> Iterator[l
 def _run_single(opts: PreprocessOptions, out_prefix: str, start: int = 0,
                 end: Optional[int] = None, start_line: int = 0) -> PreprocessStats:
     """Process input bytes [start, end) (whole file by default) into ``out_prefix``."""
-    vocab = build_tokenizer(opts.tokenizer).vocab_size
+    vocab = build_tokenizer(opts.tokenizer, opts.vocab_size).vocab_size
     stats = PreprocessStats(documents={k: 0 for k in opts.json_keys},
                             tokens={k: 0 for k in opts.json_keys})
     builders = {k: IndexedDatasetBuilder(output_prefix_for(out_prefix, k), optimal_dtype(vocab))

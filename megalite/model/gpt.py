@@ -9,6 +9,12 @@ The single-process model is simply the chunk with every layer, pre and post::
                  -> layers[i] for i in this chunk's range
                  -> final norm -> output layer (column-parallel) -> logits [s,b,V/tp]
 
+Under sequence parallelism (tp > 1) the embedding output is reduce-scattered
+to sequence shards [s/tp, b, h] and the output layer all-gathers them back;
+every replicated parameter (norms, row-parallel biases, position embeddings)
+then sees only its shard's positions, so it is marked ``sequence_parallel``
+and its gradient is summed over the TP group by the optimizer layer.
+
 Parameter names use global layer numbers (``decoder.layers.7...``) so that a
 state dict means the same thing for every pipeline layout.
 """
@@ -21,12 +27,13 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.comms import reduce_scatter_to_sequence_parallel_region
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
                                              init_vocab_rows, linear_with_tp_weight,
                                              set_tp_attributes, vocab_range, vocab_shard)
-from megalite.tensor_parallel.random import RNGTracker, full_normal
-from megalite.model.transformer import TransformerLayer, build_norm, rotary_cos_sin
+from megalite.tensor_parallel.random import RNGTracker, checkpoint, full_normal
+from megalite.model.transformer import TransformerLayer, build_norm, dropout, rotary_cos_sin
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -36,9 +43,10 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, tracker: RNGTracker, seed: int,
                  layers: Optional[Iterable[int]] = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, sequence_parallel: bool = False):
         super().__init__()
-        self.cfg, self.tp = cfg, ps.tp
+        self.cfg, self.tp, self.tracker = cfg, ps.tp, tracker
+        self.sequence_parallel = sequence_parallel and ps.tp_size > 1
         self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab = cfg.padded_vocab_size(ps.tp_size)
         self.vocab_start, _ = vocab_range(self.padded_vocab, ps.tp)
@@ -55,18 +63,19 @@ class GPTModel(nn.Module):
                                                   "embedding.position_embeddings.weight"))
                 set_tp_attributes(pos.weight, False)
                 self.embedding.position_embeddings = pos
-            self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
 
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i) for i in layer_ids})
+            {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i, self.sequence_parallel, ps.device)
+             for i in layer_ids})
 
         self.output_weight = None
         if post_process:
-            self.decoder.final_layernorm = build_norm(cfg, h)
+            self.decoder.final_layernorm = build_norm(cfg, h, ps.device)
             if not cfg.tied_embeddings:
                 self.output_layer = ColumnParallelLinear(h, self.padded_vocab, ps.tp, bias=False,
-                                                         init_std=std, seed=seed, name="output_layer")
+                                                         init_std=std, seed=seed, name="output_layer",
+                                                         sequence_parallel=self.sequence_parallel)
                 self.output_layer.weight.data.copy_(init_vocab_rows(
                     cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, "output_layer.weight"))
             elif not pre_process:
@@ -77,6 +86,12 @@ class GPTModel(nn.Module):
                     cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, WORD_EMBEDDINGS))
                 set_tp_attributes(self.output_weight, True, 0)
                 self.output_weight.shared = True
+        for p in self.parameters():
+            p.sequence_parallel = self.sequence_parallel and not p.tensor_parallel
+        self.to(dtype=cfg.torch_dtype)
+        if cfg.torch_compile:
+            for layer in self.decoder.layers.values():
+                layer.compile()
 
     def shared_embedding_weight(self) -> Optional[nn.Parameter]:
         """The parameter that must stay equal across the embedding group (tied, pp > 1)."""
@@ -106,12 +121,37 @@ class GPTModel(nn.Module):
         return out
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h]."""
-        x = self.embedding.word_embeddings(tokens)
+        """tokens [b, s] -> hidden [s, b, h] (or the sequence shard [s/tp, b, h] under SP)."""
+        sp = self.sequence_parallel
+        x = self.embedding.word_embeddings(tokens, reduce=not sp).transpose(0, 1).contiguous()
+        s = tokens.shape[1]
+        positions = torch.arange(s, device=tokens.device)
+        if sp:  # each rank keeps its slice of the (summed) sequence
+            x = reduce_scatter_to_sequence_parallel_region(x, self.tp)
+            positions = positions.chunk(self.tp.size)[self.tp.rank]
         if self.cfg.position_embedding_type == "learned_absolute":
-            pos = torch.arange(tokens.shape[1], device=tokens.device)
-            x = x + self.embedding.position_embeddings(pos)[None]
-        return self.embedding_dropout(x.transpose(0, 1).contiguous())
+            x = x + self.embedding.position_embeddings(positions)[:, None]
+        if sp:
+            with self.tracker.fork("tp"):
+                return dropout(x, self.cfg.hidden_dropout, self.training)
+        return dropout(x, self.cfg.hidden_dropout, self.training)
+
+    def _run_layers(self, x: torch.Tensor, rope) -> torch.Tensor:
+        """The chunk's layers, with full recomputation as --recompute-method asks."""
+        cfg, layers = self.cfg, list(self.decoder.layers.values())
+        if cfg.recompute_granularity != "full":
+            for layer in layers:
+                x = layer(x, rope)
+            return x
+        n = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":  # checkpoint the input of every group of n layers
+            for i in range(0, len(layers), n):
+                group = layers[i:i + n]
+                x = checkpoint(lambda h, g=group: _run_all(g, h, rope), self.tracker, x)
+            return x
+        for i, layer in enumerate(layers):  # block: the first n layers of the chunk
+            x = checkpoint(lambda h, m=layer: m(h, rope), self.tracker, x) if i < n else layer(x, rope)
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the chunk: tokens [b,s] (first stage) or hidden [s,b,h] in; hidden or logits out."""
@@ -119,16 +159,16 @@ class GPTModel(nn.Module):
             x = self.embed(x)
         rope = None
         if self.cfg.position_embedding_type == "rope":
-            rope = rotary_cos_sin(x.shape[0], self.cfg.head_dim, self.cfg.rotary_base, x.device)
-        for layer in self.decoder.layers.values():
-            x = layer(x, rope)
+            s = x.shape[0] * (self.tp.size if self.sequence_parallel else 1)  # RoPE acts on the full sequence
+            rope = rotary_cos_sin(s, self.cfg.head_dim, self.cfg.rotary_base, x.device)
+        x = self._run_layers(x, rope)
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
         if not self.cfg.tied_embeddings:
             return self.output_layer(x)  # [s, b, V/tp]
         weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
-        return linear_with_tp_weight(x, weight, self.tp)
+        return linear_with_tp_weight(x, weight, self.tp, sequence_parallel=self.sequence_parallel)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over unmasked tokens; logits [s,b,V/tp], labels/mask [b,s]."""
@@ -137,3 +177,8 @@ class GPTModel(nn.Module):
         mask = loss_mask.t().float()
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
+
+def _run_all(layers, x: torch.Tensor, rope) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, rope)
+    return x

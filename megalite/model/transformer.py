@@ -11,11 +11,19 @@ sequence parallelism can later split dim 0. Inside a layer::
 
 Both GPT-2 (LayerNorm, GELU, learned positions) and Llama (RMSNorm, SwiGLU,
 RoPE, grouped-query attention, no biases) are the same classes with other flags.
+
+With sequence parallelism the layer's input, norms, dropout and residuals are
+sequence shards [s/tp, b, h]; linear_qkv / linear_fc1 all-gather the sequence
+and linear_proj / linear_fc2 reduce-scatter it back. In half precision the
+norms, softmax and loss accumulate in fp32 inside their kernels (torch's
+layer_norm/rms_norm/softmax/SDPA do for bf16 and fp16 inputs) while the saved
+activations stay 16-bit. Recomputation (``checkpoint``) wraps either the core
+attention (selective) or whole layers (full, chosen in gpt.py).
 """
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +32,7 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.parallel_state import AxisGroup
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
-from megalite.tensor_parallel.random import RNGTracker
+from megalite.tensor_parallel.random import RNGTracker, checkpoint
 
 try:  # NVIDIA apex is optional; torch's own norms are the complete fallback.
     from apex.normalization import FusedLayerNorm as _ApexLayerNorm  # type: ignore
@@ -33,9 +41,12 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     _ApexLayerNorm = _ApexRMSNorm = None
 
 
-def build_norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    """LayerNorm or RMSNorm (apex fused kernels when importable and on GPU)."""
-    use_apex = torch.cuda.is_available()
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+
+
+def build_norm(cfg: ModelConfig, dim: int, device: Optional[torch.device] = None) -> nn.Module:
+    """LayerNorm or RMSNorm (apex fused kernels when importable and the run is on GPU)."""
+    use_apex = device is not None and device.type == "cuda"
     if cfg.normalization == "LayerNorm":
         norm = (_ApexLayerNorm(dim, eps=cfg.layernorm_epsilon) if use_apex and _ApexLayerNorm
                 else nn.LayerNorm(dim, eps=cfg.layernorm_epsilon))
@@ -47,6 +58,17 @@ def build_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     for p in norm.parameters():
         set_tp_attributes(p, False)
     return norm
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Inverted dropout. On CPU the mask is kept as bool (1 byte, as CUDA's fused kernel does)
+    rather than in the activation dtype, so saved-activation memory matches GPU accounting."""
+    if not training or p == 0.0:
+        return x
+    if x.is_cuda:
+        return F.dropout(x, p, True)
+    keep = torch.rand_like(x, dtype=torch.float32) >= p
+    return x * keep * (1.0 / (1.0 - p))
 
 
 def rotary_cos_sin(seq_len: int, head_dim: int, base: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -67,24 +89,51 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal self-attention with heads (and query groups) split across the TP group."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, prefix: str,
+                 sequence_parallel: bool = False):
         super().__init__()
         d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         self.cfg, self.tracker = cfg, tracker
         self.nq_local, self.nkv_local = nq // tp.size, nkv // tp.size
+        self.unfused = cfg.attention_backend in ("unfused", "local")
+        self.recompute = cfg.recompute_granularity == "selective"
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, [nq * d, nkv * d, nkv * d], tp, bias=cfg.add_bias_linear,
-            init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_qkv")
+            init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_qkv",
+            sequence_parallel=sequence_parallel)
         self.linear_proj = RowParallelLinear(
             nq * d, cfg.hidden_size, tp, bias=cfg.add_bias_linear,
             init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers), seed=seed,
-            name=f"{prefix}.linear_proj")
+            name=f"{prefix}.linear_proj", sequence_parallel=sequence_parallel)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v over this rank's heads; q [b,nq,s,d], k/v [b,nkv,s,d]."""
+        p = self.cfg.attention_dropout if self.training else 0.0
+        # Heads differ per TP rank, so their dropout masks must too.
+        with self.tracker.fork("tp"):
+            if not self.unfused:
+                if self.nkv_local == self.nq_local:
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                if _SDPA_GQA:  # query groups passed natively: no copies of k and v
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+                rep = self.nq_local // self.nkv_local
+                return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1),
+                                                      v.repeat_interleave(rep, dim=1), dropout_p=p, is_causal=True)
+            # Explicit path (Megatron's unfused attention): groups by broadcasting, not copies.
+            b, nq, s, d = q.shape
+            rep = nq // k.shape[1]
+            qg = q.view(b, k.shape[1], rep, s, d)
+            scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+            probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+            probs = dropout(probs, p, self.training)
+            return torch.matmul(probs, v.unsqueeze(2)).view(b, nq, s, d)
 
     def forward(self, x: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor] = None) -> torch.Tensor:
-        s, b, _ = x.shape
         d = self.cfg.head_dim
-        q, k, v = self.linear_qkv(x).split(
-            [self.nq_local * d, self.nkv_local * d, self.nkv_local * d], dim=-1)
+        qkv = self.linear_qkv(x)  # [s, b, (nq + 2 nkv) d / tp]; s is the full sequence under SP
+        s, b, _ = qkv.shape
+        q, k, v = qkv.split([self.nq_local * d, self.nkv_local * d, self.nkv_local * d], dim=-1)
         q = q.view(s, b, self.nq_local, d)
         k = k.view(s, b, self.nkv_local, d)
         v = v.view(s, b, self.nkv_local, d)
@@ -92,13 +141,10 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if self.nkv_local != self.nq_local:
-            rep = self.nq_local // self.nkv_local
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        p = self.cfg.attention_dropout if self.training else 0.0
-        # Heads differ per TP rank, so their dropout masks must too.
-        with self.tracker.fork("tp"):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.recompute:
+            out = checkpoint(self.core_attention, self.tracker, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.nq_local * d)  # [s, b, nq*d/tp]
         return self.linear_proj(out)
 
@@ -106,17 +152,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP or SwiGLU (gate and up fused in one column-parallel matmul)."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, seed: int, prefix: str, sequence_parallel: bool = False):
         super().__init__()
         ffn = cfg.ffn_size
         self.swiglu = cfg.swiglu
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, [ffn, ffn] if cfg.swiglu else ffn, tp, bias=cfg.add_bias_linear,
-            init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_fc1")
+            init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_fc1",
+            sequence_parallel=sequence_parallel)
         self.linear_fc2 = RowParallelLinear(
             ffn, cfg.hidden_size, tp, bias=cfg.add_bias_linear,
             init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers), seed=seed,
-            name=f"{prefix}.linear_fc2")
+            name=f"{prefix}.linear_fc2", sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
@@ -131,15 +178,23 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, layer: int):
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, layer: int,
+                 sequence_parallel: bool = False, device: Optional[torch.device] = None):
         super().__init__()
         prefix = f"decoder.layers.{layer}"
-        self.input_layernorm = build_norm(cfg, cfg.hidden_size)
-        self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}.self_attention")
-        self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size)
-        self.mlp = MLP(cfg, tp, seed, f"{prefix}.mlp")
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.tracker, self.p = tracker, cfg.hidden_dropout
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.input_layernorm = build_norm(cfg, cfg.hidden_size, device)
+        self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}.self_attention", sequence_parallel)
+        self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size, device)
+        self.mlp = MLP(cfg, tp, seed, f"{prefix}.mlp", sequence_parallel)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # each TP rank holds other positions: masks must differ
+            with self.tracker.fork("tp"):
+                return dropout(x, self.p, self.training)
+        return dropout(x, self.p, self.training)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope))
-        return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

@@ -1,23 +1,56 @@
-"""Adam(W) over a rank's model chunks, with Megatron's weight-decay grouping.
+"""The optimizer layer: gradient buffer, fp32 main weights, finalize, clip, loss scale, step.
 
-Biases and 1-D parameters (norm weights) are not decayed. NVIDIA apex's
-FusedAdam is used when importable on GPU; otherwise torch's AdamW (fused on
-CUDA, foreach on CPU). Mixed precision and the distributed optimizer wrap this
-later without changing the training loop.
+::
+
+    model params (fp32 | bf16 | fp16)  --.main_grad-->  GradBuffer (fp32 or param dtype)
+          ^                                                  | finalize_grads():
+          | copy / all-gather                                |   tied-embedding sum (embedding group)
+          |                                                  |   dp all-reduce | reduce-scatter
+    main params: fp32 pieces  <--.grad = main_grad slice-----+   sequence-parallel norm grads (tp)
+      plain optimizer: one piece per parameter
+      distributed (ZeRO-1): the pieces of this DP rank's 1/dp shard of every bucket
+    step(): unscale + found-inf (fp16) -> global norm, clip -> Adam on the pieces -> copy back
+
+Megatron's MixedPrecision/Distributed optimizer in one class: the only
+difference the distributed optimizer makes is which elements a rank owns and
+whether the reduction is an all-reduce or a reduce-scatter + all-gather.
+NVIDIA apex's FusedAdam is used when importable on a GPU run; torch's fused
+AdamW on CUDA otherwise, foreach AdamW on CPU.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimConfig
+from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.parallel_state import ParallelState
+from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megalite.tensor_parallel.layers import is_counted_once
 
 try:
     from apex.optimizers import FusedAdam as _ApexFusedAdam  # type: ignore
 except Exception:  # noqa: BLE001
     _ApexFusedAdam = None
+
+
+class _Piece:
+    """Elements [start, end) of one model parameter's flat view, owned by this rank's optimizer."""
+
+    def __init__(self, name: str, param: nn.Parameter, start: int, end: int, main: torch.Tensor):
+        self.name, self.param, self.start, self.end, self.main = name, param, start, end, main
+
+    @property
+    def model_slice(self) -> torch.Tensor:
+        return self.param.data.view(-1)[self.start:self.end]
+
+    @property
+    def grad_slice(self) -> torch.Tensor:
+        return self.param.main_grad.view(-1)[self.start:self.end]
 
 
 def param_groups(params: Sequence[nn.Parameter], weight_decay: float) -> List[dict]:
@@ -29,9 +62,7 @@ def param_groups(params: Sequence[nn.Parameter], weight_decay: float) -> List[di
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(params: Sequence[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay, as Megatron's ``--optimizer adam``."""
-    groups = param_groups(params, cfg.weight_decay)
+def _adamw(groups: List[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
     if on_cuda and _ApexFusedAdam is not None:
@@ -39,3 +70,236 @@ def build_optimizer(params: Sequence[nn.Parameter], cfg: OptimConfig) -> torch.o
     if on_cuda:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def build_optimizer(params: Sequence[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Plain AdamW over ``params`` with Megatron's weight-decay groups (no main weights)."""
+    return _adamw(param_groups(params, cfg.weight_decay), cfg)
+
+
+class MegatronOptimizer:
+    """Everything between backward and the next forward, for one rank's model chunks."""
+
+    def __init__(self, named_params: Sequence[Tuple[str, nn.Parameter]], cfg: OptimConfig, ps: ParallelState,
+                 *, shared: Sequence[nn.Parameter] = (), sequence_parallel_params: Sequence[nn.Parameter] = ()):
+        self.cfg, self.ps = cfg, ps
+        self.named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        self.shared, self.sp_params = list(shared), list(sequence_parallel_params)
+        dtype = self.params[0].dtype
+        self.half = dtype in (torch.bfloat16, torch.float16)
+        self.distributed = cfg.use_distributed_optimizer and ps.dp_size > 1
+        fp32_grads = dtype == torch.float32 or cfg.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
+        self.grads = GradBuffer(self.params, ps.dp, grad_dtype=torch.float32 if fp32_grads else dtype,
+                                bucket_elements=cfg.ddp_bucket_size, overlap=cfg.overlap_grad_reduce,
+                                shard=self.distributed, deferred=self.shared if ps.embedding.size > 1 else ())
+        self.pieces = self._build_pieces()
+        groups = [{"params": [pc.main for pc in self.pieces if pc.param.ndim > 1], "weight_decay": cfg.weight_decay},
+                  {"params": [pc.main for pc in self.pieces if pc.param.ndim <= 1], "weight_decay": 0.0}]
+        self.optimizer = _adamw([g for g in groups if g["params"]], cfg)
+        self.scaler = None
+        if dtype == torch.float16:
+            self.scaler = (ConstantGradScaler(cfg.loss_scale) if cfg.loss_scale else
+                           DynamicGradScaler(cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window,
+                                             cfg.hysteresis))
+        if self.distributed and cfg.overlap_param_gather:
+            self.param_gather_pending = False
+
+    def _build_pieces(self) -> List[_Piece]:
+        """This rank's main parameters: whole params (plain) or its shard of every bucket (ZeRO-1)."""
+        names = {id(p): n for n, p in self.named}
+        pieces = []
+        if not self.distributed:
+            for n, p in self.named:
+                # fp32 weights are their own main weights; half weights get an fp32 copy.
+                main = p if not self.half else nn.Parameter(p.detach().float().clone())
+                pieces.append(_Piece(n, p, 0, p.numel(), main))
+            return pieces
+        for b in self.grads.buckets:
+            s0, s1 = b.shard
+            for p in b.params:
+                a, e = self.grads.index[p]
+                lo, hi = max(a, s0), min(e, s1)
+                if lo >= hi:
+                    continue
+                piece = _Piece(names[id(p)], p, lo - a, hi - a, None)
+                piece.main = nn.Parameter(piece.model_slice if not self.half else piece.model_slice.float().clone())
+                pieces.append(piece)
+        return pieces
+
+    # -- the step ------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Factor the loss is multiplied by before backward (1 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def zero_grad(self, num_microbatches: int) -> None:
+        """Clear the gradient buffer; ``num_microbatches`` backward passes make one step."""
+        if getattr(self, "param_gather_pending", False):
+            self.grads.wait_params()
+            self.param_gather_pending = False
+        self.grads.start_step(num_microbatches)
+
+    def finalize_grads(self) -> None:
+        """Tied-embedding sum over the embedding group, DP reduction, sequence-parallel norm grads."""
+        if self.ps.embedding.size > 1:
+            for p in self.shared:  # before the DP reduction: its bucket waits for this sum
+                dist.all_reduce(p.main_grad, group=self.ps.embedding.group)
+        self.grads.finish()
+        if self.sp_params and self.ps.tp_size > 1:
+            flat = torch.cat([p.main_grad.view(-1) for p in self.sp_params])
+            dist.all_reduce(flat, group=self.ps.tp_group)
+            offset = 0
+            for p in self.sp_params:
+                p.main_grad.view(-1).copy_(flat[offset:offset + p.numel()])
+                offset += p.numel()
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        for pc in self.pieces:
+            g = pc.grad_slice.view_as(pc.main)
+            pc.main.grad = g if g.dtype == torch.float32 else g.float()
+        return [pc.main.grad for pc in self.pieces]
+
+    def _all_reduce_world(self, t: torch.Tensor, op=dist.ReduceOp.SUM, over_dp: bool = True) -> torch.Tensor:
+        if over_dp and self.ps.dp_size > 1:
+            dist.all_reduce(t, op=op, group=self.ps.dp_group)
+        if self.ps.mp.size > 1:
+            dist.all_reduce(t, op=op, group=self.ps.mp.group)
+        return t
+
+    def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
+        """Divide by the loss scale; True when any rank saw an inf or NaN (agreed everywhere)."""
+        found = torch.zeros(1, device=self.ps.device)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            found += (~torch.stack([torch.isfinite(g).all() for g in grads])).any().float()
+        return bool(self._all_reduce_world(found, dist.ReduceOp.MAX).item() > 0)
+
+    def grad_norm(self, grads: Optional[List[torch.Tensor]] = None) -> float:
+        """L2 norm of the whole model's gradient: each element counted once over tp, pp and dp."""
+        grads = self._main_grads() if grads is None else grads
+        counted = [g for pc, g in zip(self.pieces, grads) if is_counted_once(pc.param, self.ps.tp_rank)]
+        sq = torch.zeros(1, device=self.ps.device)
+        if counted:
+            sq += torch.stack([torch.linalg.vector_norm(g) for g in counted]).square().sum()
+        return float(self._all_reduce_world(sq, over_dp=self.distributed).sqrt())
+
+    def step(self) -> Tuple[bool, Optional[float]]:
+        """Update the weights; returns (update applied, global grad norm or None when skipped on overflow)."""
+        grads = self._main_grads()
+        if self.scaler is not None:
+            found_inf = self._unscale_and_check(grads)
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        norm = self.grad_norm(grads)
+        if not math.isfinite(norm):
+            return False, norm
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad and grads:
+            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        self.optimizer.step()
+        self._copy_main_to_model()
+        return True, norm
+
+    def _copy_main_to_model(self) -> None:
+        if self.half:
+            for pc in self.pieces:
+                pc.model_slice.copy_(pc.main.detach().view(-1))
+        if self.distributed:
+            overlap = self.cfg.overlap_param_gather
+            self.grads.gather_params(async_op=overlap)
+            self.param_gather_pending = overlap
+
+    def install_param_gather_hooks(self, modules: Sequence[nn.Module]) -> None:
+        """With --overlap-param-gather: each module waits for its weights' gather on first use."""
+        if self.distributed and self.cfg.overlap_param_gather:
+            self.grads.install_param_gather_hooks(modules)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return self.optimizer.param_groups
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: Adam moments plus fp32 main weights it owns."""
+        total = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        if self.half or self.distributed:
+            total += sum(pc.main.numel() * 4 for pc in self.pieces) if self.half else 0
+        return total
+
+    def sharded_state_dict(self) -> Dict[str, object]:
+        """This rank's own state: per piece (name, start, end) its fp32 main weight and Adam moments."""
+        out = {}
+        for pc in self.pieces:
+            st = self.optimizer.state.get(pc.main, {})
+            out[f"{pc.name}[{pc.start}:{pc.end}]"] = {
+                "param": pc.main.detach().view(-1).float().clone(),
+                **{k: (v.detach().view(-1).clone() if torch.is_tensor(v) and v.dim() > 0 else v)
+                   for k, v in st.items()}}
+        return {"pieces": out, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_sharded_state_dict(self, state: Dict[str, object]) -> None:
+        """Inverse of :meth:`sharded_state_dict` for the same layout."""
+        for pc in self.pieces:
+            entry = state["pieces"][f"{pc.name}[{pc.start}:{pc.end}]"]
+            self._load_piece(pc, {k: (v if not torch.is_tensor(v) or v.dim() == 0 else v)
+                                  for k, v in entry.items()})
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _load_piece(self, pc: _Piece, entry: Dict[str, object]) -> None:
+        with torch.no_grad():
+            pc.main.view(-1).copy_(entry["param"])
+            if self.half:
+                pc.model_slice.copy_(entry["param"])
+        st = {}
+        for k, v in entry.items():
+            if k == "param":
+                continue
+            st[k] = v.view_as(pc.main).clone().to(pc.main.device) if torch.is_tensor(v) and v.dim() > 0 \
+                else (v.clone() if torch.is_tensor(v) else v)
+        if st:
+            self.optimizer.state[pc.main] = st
+
+    def full_state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Every parameter's whole fp32 main weight and Adam moments (collective over dp).
+
+        The distributed optimizer's shards are summed into full-size flat tensors
+        over the DP group (the pieces are disjoint), so every rank returns the same.
+        """
+        keys = ["param"] + sorted({k for s in self.optimizer.state.values() for k, v in s.items()
+                                   if torch.is_tensor(v) and v.dim() > 0})
+        out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n, _ in self.named}
+        shards = self.sharded_state_dict()["pieces"]
+        for key in keys:
+            flats = {n: torch.zeros(p.numel(), device=p.device) for n, p in self.named}
+            for pc in self.pieces:
+                src = shards[f"{pc.name}[{pc.start}:{pc.end}]"].get(key)
+                if src is not None:
+                    flats[pc.name][pc.start:pc.end] = src
+            if self.distributed:
+                flat = torch.cat([flats[n] for n, _ in self.named])
+                dist.all_reduce(flat, group=self.ps.dp_group)
+                offset = 0
+                for n, p in self.named:
+                    flats[n] = flat[offset:offset + p.numel()]
+                    offset += p.numel()
+            for n, p in self.named:
+                out[n][key] = flats[n].view(p.shape).clone()
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        for n in out:
+            if steps:
+                out[n]["step"] = steps[0].clone() if torch.is_tensor(steps[0]) else steps[0]
+        return out
+
+    def load_full_state_dict(self, full: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """Load whole-parameter state (from :meth:`full_state_dict`, any DP size or sharding)."""
+        for pc in self.pieces:
+            entry = {k: (v.reshape(-1)[pc.start:pc.end] if torch.is_tensor(v) and v.dim() > 0 else v)
+                     for k, v in full[pc.name].items()}
+            self._load_piece(pc, entry)

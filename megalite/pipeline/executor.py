@@ -3,7 +3,7 @@
 The executor is the only place that knows how an action becomes work::
 
     F(mb, c): input = tokens (first stage) or the received activation
-              output = chunk c(input); on the last stage: loss = lm_loss / m
+              output = chunk c(input); on the last stage: loss = lm_loss / m x loss scale
     B(mb, c): backward from the loss (last stage) or from the received gradient
               of the output; the input's gradient becomes the next send
     Comm:     post one batch of sends/receives (p2p.P2PState); a compute waits
@@ -61,9 +61,13 @@ class PipelineExecutor:
         return time.perf_counter()
 
     def run(self, actions: Sequence[object], get_batch: Callable[[int], Batch], num_microbatches: int,
-            forward_only: bool = False) -> StepStats:
-        """Run ``actions``; ``get_batch(mb)`` gives tokens/labels/loss_mask of micro-batch ``mb``."""
+            forward_only: bool = False, loss_scale: float = 1.0) -> StepStats:
+        """Run ``actions``; ``get_batch(mb)`` gives tokens/labels/loss_mask of micro-batch ``mb``.
+
+        Backward starts from ``loss / num_microbatches * loss_scale`` (fp16 loss scaling).
+        """
         st = StepStats()
+        self.loss_scale = loss_scale
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}
         p2p = P2PState()
@@ -124,7 +128,7 @@ class PipelineExecutor:
             batch = get_batch(a.mb)
             loss = model.loss(out, batch["labels"], batch["loss_mask"])
             st.losses.append(loss.detach())
-            out = loss / m
+            out = loss * (self.loss_scale / m)
         else:
             payloads[("F", a.mb, stage + 1)] = out.detach()
         if forward_only:

@@ -8,7 +8,12 @@ The four Megatron primitives, each the other's adjoint::
     gather_from_tp_region  fwd: all-gather (-1)     bwd: keep my slice (-1)
 
 A ColumnParallelLinear enters the region with ``copy_to``; a RowParallelLinear
-leaves it with ``reduce_from``. With a group of size 1 every function is the
+leaves it with ``reduce_from``. Under sequence parallelism activations outside
+the region are split along the sequence (dim 0) and the pair becomes::
+
+    gather_from_sequence_parallel_region      fwd: all-gather (0)     bwd: reduce-scatter (0)
+    reduce_scatter_to_sequence_parallel_region fwd: reduce-scatter (0) bwd: all-gather (0)
+ With a group of size 1 every function is the
 identity, so the single-process model runs the same code.
 """
 from __future__ import annotations
@@ -40,6 +45,58 @@ def _gather_last(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(g.size)]
     dist.all_gather(parts, x, group=g.group)
     return torch.cat(parts, dim=-1)
+
+
+def all_gather_first(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0 (the sequence)."""
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * g.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=g.group)
+    return out
+
+
+def reduce_scatter_first(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Sum over ranks, each keeping its 1/size slice of dim 0."""
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // g.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=g.group)
+    return out
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return all_gather_first(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_first(grad, ctx.g), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return reduce_scatter_first(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_first(grad, ctx.g), None
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """All-gather along the sequence (dim 0) forward; reduce-scatter of the gradient backward."""
+    return x if g.size == 1 else _GatherFromSequence.apply(x, g)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Reduce-scatter along the sequence (dim 0) forward; all-gather of the gradient backward."""
+    return x if g.size == 1 else _ReduceScatterToSequence.apply(x, g)
 
 
 class _CopyToRegion(torch.autograd.Function):

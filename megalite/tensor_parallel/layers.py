@@ -9,6 +9,11 @@
     VocabParallelEmbedding table split by vocabulary rows; each rank looks up the
         ids it owns, zeros the rest, and the partial results are summed.
 
+With ``sequence_parallel`` the input of a column-parallel layer is a sequence
+shard [s/tp, b, h]: it is all-gathered inside the matmul and only the shard is
+kept for backward (gathered again there), and a row-parallel layer ends with
+a reduce-scatter to [s/tp, b, h] instead of an all-reduce.
+
 Parameters carry ``tensor_parallel`` (sharded across the TP group or replicated)
 and ``partition_dim`` so that gradient clipping, checkpoint resharding and the
 distributed optimizer can treat them correctly without knowing the layer.
@@ -24,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel_state import AxisGroup
-from megalite.tensor_parallel.comms import (copy_to_tp_region, gather_from_tp_region,
-                                            reduce_from_tp_region, scatter_to_tp_region)
+from megalite.tensor_parallel.comms import (all_gather_first, copy_to_tp_region, gather_from_tp_region,
+                                            reduce_from_tp_region, reduce_scatter_first,
+                                            reduce_scatter_to_sequence_parallel_region,
+                                            scatter_to_tp_region)
 from megalite.tensor_parallel.random import full_normal
 
 
@@ -44,6 +51,34 @@ def is_counted_once(param: nn.Parameter, tp_rank: int) -> bool:
     if getattr(param, "shared", False):
         return False
     return getattr(param, "tensor_parallel", False) or tp_rank == 0
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T + b, saving the shard x rather than the gathered input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g):
+        ctx.g, ctx.has_bias = g, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_first(x, g), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        total = all_gather_first(x, ctx.g)  # [s, b, in]
+        grad_x = reduce_scatter_first(grad.matmul(weight), ctx.g)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_b = g2.sum(dim=0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_with_input_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             tp: AxisGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Column-parallel matmul: enter the TP region by copy (plain) or sequence all-gather (SP)."""
+    if sequence_parallel and tp.size > 1:
+        return _LinearWithSequenceGather.apply(x, weight, bias, tp)
+    return F.linear(copy_to_tp_region(x, tp), weight, bias)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -66,10 +101,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_sizes: Union[int, Sequence[int]], tp: AxisGroup, *,
                  bias: bool = True, gather_output: bool = False, init_std: float = 0.02,
-                 seed: int = 0, name: str = "linear", dtype: torch.dtype = torch.float32):
+                 seed: int = 0, name: str = "linear", dtype: torch.dtype = torch.float32,
+                 sequence_parallel: bool = False):
         super().__init__()
         sizes: List[int] = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp, self.gather_output, self.output_sizes = tp, gather_output, sizes
+        self.sequence_parallel = sequence_parallel and tp.size > 1
         self.local_sizes = [_divide(o, tp.size, f"{name} output size") for o in sizes]
         pieces = [_shard_rows(full_normal((o, input_size), init_std, seed,
                                           f"{name}.weight" + (f".{i}" if len(sizes) > 1 else "")), tp)
@@ -86,8 +123,7 @@ class ColumnParallelLinear(nn.Module):
                           for piece in full.split(self.output_sizes, dim=0)], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp_region(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)  # [.., out/tp]
+        y = linear_with_input_gather(x, self.weight, self.bias, self.tp, self.sequence_parallel)  # [.., out/tp]
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
 
@@ -96,10 +132,11 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, tp: AxisGroup, *, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, seed: int = 0,
-                 name: str = "linear", dtype: torch.dtype = torch.float32):
+                 name: str = "linear", dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
         super().__init__()
         _divide(input_size, tp.size, f"{name} input size")
         self.tp, self.input_is_parallel = tp, input_is_parallel
+        self.sequence_parallel = sequence_parallel and tp.size > 1
         full = full_normal((output_size, input_size), init_std, seed, f"{name}.weight")
         self.weight = nn.Parameter(full.chunk(tp.size, dim=1)[tp.rank].clone().to(dtype))  # [out, in/tp]
         set_tp_attributes(self.weight, True, 1)
@@ -117,7 +154,9 @@ class RowParallelLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)  # fused bias add, nothing to reduce
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
+        y = F.linear(x, self.weight)
+        y = (reduce_scatter_to_sequence_parallel_region(y, self.tp) if self.sequence_parallel
+             else reduce_from_tp_region(y, self.tp))
         return y + self.bias if self.bias is not None else y
 
 
@@ -155,16 +194,17 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(rows.to(dtype))  # [V/tp, h]
         set_tp_attributes(self.weight, True, 0)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """Embeddings of ``ids``; with ``reduce=False`` this rank's partial sum (the caller reduces)."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp)
+        return reduce_from_tp_region(out, self.tp) if reduce else out
 
 
 def linear_with_tp_weight(x: torch.Tensor, weight: torch.Tensor, tp: AxisGroup,
-                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          bias: Optional[torch.Tensor] = None, sequence_parallel: bool = False) -> torch.Tensor:
     """Column-parallel matmul against a weight owned elsewhere (the tied output layer)."""
-    return F.linear(copy_to_tp_region(x, tp), weight, bias)
+    return linear_with_input_gather(x, weight, bias, tp, sequence_parallel)

@@ -82,3 +82,43 @@ class RNGTracker:
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
         self._set_state(states["default"])
         self.states = {k: v.clone() for k, v in states.items() if k != "default"}
+
+
+class _Checkpoint(torch.autograd.Function):
+    """Run ``fn`` without keeping activations; rerun it in backward with the same random states."""
+
+    @staticmethod
+    def forward(ctx, fn, tracker, *args):
+        ctx.fn, ctx.tracker = fn, tracker
+        ctx.rng_states = tracker.get_states()
+        with torch.no_grad():
+            out = fn(*args)
+        ctx.save_for_backward(*args)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        current = ctx.tracker.get_states()
+        ctx.tracker.set_states(ctx.rng_states)  # the same dropout masks as the first forward
+        try:
+            with torch.enable_grad():
+                out = ctx.fn(*inputs)
+        finally:
+            ctx.tracker.set_states(current)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *[x.grad if x.requires_grad else None for x in inputs])
+
+
+def checkpoint(fn, tracker: RNGTracker, *args: torch.Tensor):
+    """Activation recomputation (Megatron's reentrant checkpoint): keep only ``args`` for backward.
+
+    Both the default generator and the tracker's tensor-parallel state are
+    saved before the forward and restored for the recomputation, so dropout
+    draws the same masks. Without grad mode (evaluation) ``fn`` simply runs.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return _Checkpoint.apply(fn, tracker, *args)

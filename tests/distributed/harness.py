@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tp: int, pp: int, vp: int, fn: Callable, args: tuple,
+def _worker(rank: int, world: int, port: int, tp: int, pp: int, fn: Callable, args: tuple,
             queue) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, vp: int, fn: Cal
         torch.set_num_threads(1)
         from megalite.parallel_state import ParallelState
 
-        ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp, vp=vp)
+        ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp)
         result = fn(ps, *args)
         ps.destroy()
         queue.put((rank, "ok", result))
@@ -40,12 +40,12 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, vp: int, fn: Cal
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int = 1, vp: int = 1,
+def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int = 1,
                     timeout: float = 300.0) -> List[Any]:
     """Run ``fn(ps, *args)`` on ``world`` ranks; return the results ordered by rank."""
     port = _free_port()
     queue = _CTX.Queue()
-    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, vp, fn, args, queue))
+    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, fn, args, queue))
              for r in range(world)]
     for p in procs:
         p.start()

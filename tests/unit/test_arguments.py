@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from megalite.arguments import parse_args
-from megalite.parallel_state import ConfigError
+from megalite.config import ConfigError
 
 
 def test_megatron_flags_map_to_config():
@@ -26,6 +26,45 @@ def test_megatron_flags_map_to_config():
     assert cfg.train.global_batch_size == 16 and cfg.data.mock_data
 
 
+def test_precision_memory_and_optimizer_flags_map_to_config():
+    cfg = parse_args(["--bf16", "--recompute-activations", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                      "--overlap-param-gather", "--ddp-bucket-size", "1000", "--sequence-parallel",
+                      "--tensor-model-parallel-size", "2", "--attention-backend", "unfused"], world_size=4)
+    m, o = cfg.model, cfg.optim
+    assert m.params_dtype == "bfloat16" and m.recompute_granularity == "selective"
+    assert o.accumulate_allreduce_grads_in_fp32  # always with bf16, as Megatron
+    assert o.use_distributed_optimizer and o.overlap_grad_reduce and o.overlap_param_gather
+    assert o.ddp_bucket_size == 1000 and cfg.parallel.sequence_parallel and m.attention_backend == "unfused"
+    cfg = parse_args(["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "3", "--recompute-granularity",
+                      "full", "--recompute-method", "block", "--recompute-num-layers", "2"], world_size=1)
+    assert cfg.model.params_dtype == "float16" and not cfg.optim.accumulate_allreduce_grads_in_fp32
+    assert (cfg.optim.initial_loss_scale, cfg.optim.hysteresis, cfg.optim.min_loss_scale) == (1024, 3, 1.0)
+    assert (cfg.model.recompute_method, cfg.model.recompute_num_layers) == ("block", 2)
+    # as Megatron: sequence parallelism is switched off when there is no tensor parallelism
+    assert not parse_args(["--sequence-parallel"], world_size=1).parallel.sequence_parallel
+
+
+def test_cli_defaults_are_the_config_defaults():
+    cfg = parse_args([], world_size=1)
+    from megalite.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+    from dataclasses import replace
+    assert replace(cfg.model, vocab_size=0) == ModelConfig()
+    assert cfg.optim == OptimConfig() and cfg.train == TrainConfig() and cfg.data == DataConfig()
+
+
+def test_help_shows_every_new_flag_with_its_default():
+    from megalite.arguments import build_parser
+    text = " ".join(build_parser().format_help().split())
+    for flag in ("--bf16", "--fp16", "--loss-scale", "--initial-loss-scale", "--min-loss-scale",
+                 "--loss-scale-window", "--hysteresis", "--accumulate-allreduce-grads-in-fp32",
+                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                 "--recompute-activations", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                 "--overlap-param-gather", "--ddp-bucket-size", "--sequence-parallel", "--torch-compile",
+                 "--attention-backend"):
+        assert flag in text, flag
+    assert "(default: 4294967296.0)" in text and "(default: 1000)" in text
+
+
 def test_query_groups_need_gqa_flag_semantics():
     cfg = parse_args(["--num-query-groups", "2", "--mock-data"], world_size=1)
     assert cfg.model.num_query_groups is None  # as Megatron: ignored without --group-query-attention
@@ -41,8 +80,18 @@ def test_query_groups_need_gqa_flag_semantics():
     (["--global-batch-size", "12", "--micro-batch-size", "4"], 2, r"--global-batch-size 12 is not divisible"),
     (["--hidden-size", "100", "--num-attention-heads", "3"], 1, r"--hidden-size 100 is not divisible"),
     (["--no-such-flag", "1"], 1, r"unrecognized arguments: --no-such-flag 1"),
-    (["--bf16"], 1, r"--bf16 is not implemented yet"),
-    (["--sequence-parallel"], 1, r"--sequence-parallel is not implemented yet"),
+    (["--bf16", "--fp16"], 1, r"--bf16 and --fp16 are exclusive"),
+    (["--recompute-granularity", "full"], 1, r"--recompute-granularity full needs --recompute-method"),
+    (["--recompute-method", "block"], 1, r"--recompute-method applies to --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"], 1,
+     r"--recompute-num-layers must be >= 1"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "130",
+      "--max-position-embeddings", "130"], 4, r"--sequence-parallel needs --seq-length 130 divisible"),
+    (["--overlap-param-gather"], 1, r"--overlap-param-gather needs --use-distributed-optimizer"),
+    (["--fp16", "--hysteresis", "0"], 1, r"--hysteresis must be positive"),
+    (["--ddp-bucket-size", "0"], 1, r"--ddp-bucket-size must be positive"),
+    (["--num-workers", "-1"], 1, r"--num-workers must be >= 0"),
+    (["--attention-backend", "magic"], 1, r"invalid choice: 'magic'"),
     (["--save", "/tmp/x"], 1, r"--save is not implemented yet"),
     (["--lr-decay-style", "exp"], 1, r"invalid choice: 'exp'"),
     (["--num-layers", "two"], 1, r"invalid int value: 'two'"),

@@ -53,24 +53,24 @@ def _write(prefix, n_docs, value):
 
 def test_builder_blends_weighted_and_by_size(tmp_path):
     a, b = _write(tmp_path / "a", 100, 1), _write(tmp_path / "b", 300, 2)
-    cfg = DataConfig(data_path=("0.3", a, "0.7", b), seq_length=8, split="90,10,0",
+    cfg = DataConfig(data_path=("0.3", a, "0.7", b), split="90,10,0",
                      data_cache_path=str(tmp_path / "c"))
-    train, valid, test = build_train_valid_test_datasets(cfg, (400, 40, 10))
+    train, valid, test = build_train_valid_test_datasets(cfg, (400, 40, 10), seq_length=8, seed=1234)
     assert len(train) == 400 and len(valid) == 40 and test is None
     share = np.mean([train[i]["text"][0] == 1 for i in range(400)])
     assert abs(share - 0.3) <= 1 / 400
-    cfg = DataConfig(data_path=(a, b), seq_length=8, split="1,0,0",
+    cfg = DataConfig(data_path=(a, b), split="1,0,0",
                      data_cache_path=str(tmp_path / "c"))
-    train, _, _ = build_train_valid_test_datasets(cfg, (400, 0, 0))
+    train, _, _ = build_train_valid_test_datasets(cfg, (400, 0, 0), seq_length=8, seed=1234)
     share = np.mean([train[i]["text"][0] == 1 for i in range(400)])
     assert abs(share - 0.25) <= 1 / 400  # 100 vs 300 documents of equal length
 
 
 def test_builder_separate_split_paths(tmp_path):
     a, b = _write(tmp_path / "a", 50, 1), _write(tmp_path / "b", 50, 2)
-    cfg = DataConfig(train_data_path=(a,), valid_data_path=("1", a, "1", b), seq_length=8,
+    cfg = DataConfig(train_data_path=(a,), valid_data_path=("1", a, "1", b),
                      data_cache_path=str(tmp_path / "c"))
-    train, valid, test = build_train_valid_test_datasets(cfg, (100, 20, 5))
+    train, valid, test = build_train_valid_test_datasets(cfg, (100, 20, 5), seq_length=8, seed=1234)
     assert all(train[i]["text"][0] == 1 for i in range(100))
     assert {int(valid[i]["text"][0]) for i in range(20)} == {1, 2}
     assert test is None

@@ -25,11 +25,11 @@ def test_default_corpus_builds_once_and_trains(tmp_path):
     assert time.time() - t0 < 1.0  # cached: no rebuild
     cfg = DataConfig(tokenizer_type=info["tokenizer_type"], vocab_file=info["vocab_file"],
                      merge_file=info["merge_file"], data_path=(info["data_prefix"],),
-                     seq_length=64, data_cache_path=str(tmp_path / "idx"))
+                     data_cache_path=str(tmp_path / "idx"))
     tok = build_tokenizer(cfg)
     assert 4000 <= tok.vocab_size <= 4096
     ds = IndexedDataset(info["data_prefix"])
     assert ds.num_documents > 50 and ds[0][-1] == tok.eod
-    train, valid, test = build_train_valid_test_datasets(cfg, (1000, 10, 10))
+    train, valid, test = build_train_valid_test_datasets(cfg, (1000, 10, 10), seq_length=64, seed=1234)
     assert len(train) >= 1000 and train[0]["text"].max() < tok.vocab_size
     assert " the " in "".join(tok.detokenize(train[i]["text"]) for i in range(20))

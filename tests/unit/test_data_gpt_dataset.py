@@ -109,8 +109,11 @@ def test_more_epochs_determinism_and_cache(tmp_path):
     assert not [f for f in files if "tmp" in f]
 
 
+SEQ = dict(seq_length=16, seed=3)
+
+
 def _cfg(tmp_path, **kw):
-    base = dict(data_path=(str(tmp_path / "d"),), split="80,10,10", seq_length=16, seed=3,
+    base = dict(data_path=(str(tmp_path / "d"),), split="80,10,10",
                 data_cache_path=str(tmp_path / "cache"))
     base.update(kw)
     return DataConfig(**base)
@@ -118,29 +121,29 @@ def _cfg(tmp_path, **kw):
 
 def test_builder_single_prefix_and_none_cases(tmp_path):
     _dataset(tmp_path)
-    train, valid, test = build_train_valid_test_datasets(_cfg(tmp_path), (300, 20, 0))
+    train, valid, test = build_train_valid_test_datasets(_cfg(tmp_path), (300, 20, 0), **SEQ)
     assert len(train) >= 300 and len(valid) >= 20 and test is None
     assert train[0]["text"].shape == (17,)
-    t2, v2, _ = build_train_valid_test_datasets(_cfg(tmp_path, split="100,0,0"), (10, 10, 10))
+    t2, v2, _ = build_train_valid_test_datasets(_cfg(tmp_path, split="100,0,0"), (10, 10, 10), **SEQ)
     assert t2 is not None and v2 is None
     with pytest.raises(ValueError, match="--data-path"):
-        build_train_valid_test_datasets(DataConfig(), (1, 1, 1))
+        build_train_valid_test_datasets(DataConfig(), (1, 1, 1), **SEQ)
 
 
 def test_builder_primary_builds_then_barrier_others_load(tmp_path):
     _dataset(tmp_path)
     events = []
     cfg = _cfg(tmp_path)
-    build_train_valid_test_datasets(cfg, (50, 5, 5), is_primary=True,
+    build_train_valid_test_datasets(cfg, (50, 5, 5), **SEQ, is_primary=True,
                                     barrier=lambda: events.append(("primary", len(
                                         os.listdir(tmp_path / "cache")))))
     assert events[0][1] > 0  # the cache was written before the barrier
-    out = build_train_valid_test_datasets(cfg, (50, 5, 5), is_primary=False,
+    out = build_train_valid_test_datasets(cfg, (50, 5, 5), **SEQ, is_primary=False,
                                           barrier=lambda: events.append(("other", 0)))
     assert events[1] == ("other", 0) and all(ds.cache_hit for ds in out)
 
 
 def test_builder_default_cache_next_to_data(tmp_path):
     _dataset(tmp_path)
-    build_train_valid_test_datasets(_cfg(tmp_path, data_cache_path=None), (10, 0, 0))
+    build_train_valid_test_datasets(_cfg(tmp_path, data_cache_path=None), (10, 0, 0), **SEQ)
     assert os.listdir(tmp_path / "cache" / "GPTDataset_indices")

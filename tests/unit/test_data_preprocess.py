@@ -17,12 +17,12 @@ from megalite.data.preprocess import PreprocessError, PreprocessOptions, preproc
 from megalite.data.tokenizers import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
+NULL = DataConfig(tokenizer_type="NullTokenizer")
 
 
 def _run(tmp_path, path, **kw):
     opts = dict(input=str(path), output_prefix=str(tmp_path / "out"), tokenizer=NULL,
-                log_interval=0)
+                log_interval=0, vocab_size=1000)
     opts.update(kw)
     return preprocess(PreprocessOptions(**opts))
 

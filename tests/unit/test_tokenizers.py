@@ -50,7 +50,7 @@ def test_gpt2_bpe_round_trip_and_specials(data_bpe_files, data_texts):
 
 
 def test_null_tokenizer_megatron_semantics():
-    tok = build_tokenizer(DataConfig(tokenizer_type="NullTokenizer", vocab_size=100))
+    tok = build_tokenizer(DataConfig(tokenizer_type="NullTokenizer"), 100)
     assert tok.vocab_size == 101 and tok.eod == 100
     assert tok.tokenize("3 1 4  1 5") == [3, 1, 4, 1, 5]
     assert tok.detokenize([3, 1, 4]) == "3 1 4"

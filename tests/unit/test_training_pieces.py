@@ -47,13 +47,30 @@ def test_grad_buffer_accumulates_in_place_over_microbatches():
         model(x).square().sum().backward()
     buf.finish()
     sum(ref(x).square().sum() for x in xs).backward()
-    (flat,) = buf.buffers.values()
+    flat = buf.grad_data
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
         # still a view of the flat buffer
         assert flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size()
     buf.start_step(1)
     assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+
+
+def test_grad_buffer_accumulates_bf16_grads_in_fp32_main_grad():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    buf = GradBuffer(list(model.parameters()), ParallelState.single().dp, grad_dtype=torch.float32)
+    assert buf.grad_data.dtype == torch.float32 and buf.accumulate_in_hook
+    buf.start_step(3)
+    xs = [torch.randn(2, 8, dtype=torch.bfloat16) for _ in range(3)]
+    expected = torch.zeros(4, 8)
+    for x in xs:
+        model(x).float().sum().backward()
+        expected += torch.ones(2, 4).t().matmul(x.float())  # d(sum)/dW per micro-batch, fp32 sum
+    buf.finish()
+    assert model.weight.grad is None  # moved into main_grad by the hook, bf16 copy freed
+    assert model.weight.main_grad.dtype == torch.float32
+    assert torch.allclose(model.weight.main_grad, expected, atol=0.05)
 
 
 def test_log_line_has_megatron_keys_in_order():

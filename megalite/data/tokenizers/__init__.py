@@ -13,7 +13,7 @@ NullTokenizer           --vocab-size N (text is "3 1 4")            N
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Optional, TYPE_CHECKING
 
 from megalite.data.tokenizers.base import Tokenizer
 
@@ -34,8 +34,10 @@ def _need_file(value: str | None, flag: str, kind: str) -> str:
     return value
 
 
-def build_tokenizer(cfg: "DataConfig") -> Tokenizer:
+def build_tokenizer(cfg: "DataConfig", vocab_size: Optional[int] = None) -> Tokenizer:
     """Build the tokenizer named by ``cfg.tokenizer_type`` from the config's files/flags.
+
+    ``vocab_size`` (``--vocab-size``) is read by the NullTokenizer only.
 
     Raises a one-line ValueError naming the missing flag (e.g. "GPT2BPETokenizer
     needs --merge-file") or an unknown type. Imports of optional libraries
@@ -55,8 +57,8 @@ def build_tokenizer(cfg: "DataConfig") -> Tokenizer:
         return HuggingFaceTokenizer(_need_file(cfg.tokenizer_model, "--tokenizer-model", kind))
     if kind == "NullTokenizer":
         from megalite.data.tokenizers.null import NullTokenizer
-        if cfg.vocab_size is None:
+        if not vocab_size:
             raise ValueError("NullTokenizer needs --vocab-size")
-        return NullTokenizer(cfg.vocab_size)
+        return NullTokenizer(vocab_size)
     raise ValueError(f"unknown --tokenizer-type {kind!r}; "
                      f"choose one of {', '.join(TOKENIZER_TYPES)}")
