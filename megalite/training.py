@@ -232,6 +232,7 @@ class Trainer:
                 t_last = time.perf_counter()
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 break
+        self.optimizer.finish_param_gather()
         if cfg.logging.timeline_out and self.last_stats is not None:
             self.write_timeline(cfg.logging.timeline_out)
         tb.close()

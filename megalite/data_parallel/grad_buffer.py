@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel_state import AxisGroup
+from megalite.tensor_parallel.comms import all_gather_flat, reduce_scatter_flat
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron's default DDP bucket size
 _PAD = 64  # bucket sizes are multiples of dp x 64 elements (aligned shards)
@@ -137,7 +138,7 @@ class GradBuffer:
         if self.shard_grads:
             # A separate output: an in-place reduce-scatter (output inside input) is not safe on gloo.
             b.grad_out = torch.empty(b.shard[1] - b.shard[0], dtype=data.dtype, device=data.device)
-            b.grad_handle = dist.reduce_scatter_tensor(b.grad_out, data, group=self.dp.group, async_op=True)
+            b.grad_handle = reduce_scatter_flat(b.grad_out, data, group=self.dp.group, async_op=True)
         else:
             b.grad_handle = dist.all_reduce(data, group=self.dp.group, async_op=True)
 
@@ -173,8 +174,8 @@ class GradBuffer:
             return
         for b in self.buckets:
             shard = self.param_data[b.shard[0]:b.shard[1]].clone()
-            b.param_handle = dist.all_gather_into_tensor(self.param_data[b.start:b.end], shard,
-                                                         group=self.dp.group, async_op=True)
+            b.param_handle = all_gather_flat(self.param_data[b.start:b.end], shard,
+                                            group=self.dp.group, async_op=True)
             b._gather_src = shard  # keep the source alive until the gather completes
         if not async_op:
             self.wait_params()

@@ -102,8 +102,6 @@ class MegatronOptimizer:
             self.scaler = (ConstantGradScaler(cfg.loss_scale) if cfg.loss_scale else
                            DynamicGradScaler(cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window,
                                              cfg.hysteresis))
-        if self.distributed and cfg.overlap_param_gather:
-            self.param_gather_pending = False
 
     def _build_pieces(self) -> List[_Piece]:
         """This rank's main parameters: whole params (plain) or its shard of every bucket (ZeRO-1)."""
@@ -135,10 +133,15 @@ class MegatronOptimizer:
 
     def zero_grad(self, num_microbatches: int) -> None:
         """Clear the gradient buffer; ``num_microbatches`` backward passes make one step."""
-        if getattr(self, "param_gather_pending", False):
-            self.grads.wait_params()
-            self.param_gather_pending = False
         self.grads.start_step(num_microbatches)
+
+    def finish_param_gather(self) -> None:
+        """Wait for every weight all-gather still in flight (--overlap-param-gather).
+
+        Forward passes wait for their own modules' weights; anything else that reads
+        weights after a step (saving, tests, export) calls this first.
+        """
+        self.grads.wait_params()
 
     def finalize_grads(self) -> None:
         """Tied-embedding sum over the embedding group, DP reduction, sequence-parallel norm grads."""
@@ -186,6 +189,7 @@ class MegatronOptimizer:
 
     def step(self) -> Tuple[bool, Optional[float]]:
         """Update the weights; returns (update applied, global grad norm or None when skipped on overflow)."""
+        self.finish_param_gather()  # a weight no forward used may still be in flight
         grads = self._main_grads()
         if self.scaler is not None:
             found_inf = self._unscale_and_check(grads)
@@ -205,10 +209,8 @@ class MegatronOptimizer:
         if self.half:
             for pc in self.pieces:
                 pc.model_slice.copy_(pc.main.detach().view(-1))
-        if self.distributed:
-            overlap = self.cfg.overlap_param_gather
-            self.grads.gather_params(async_op=overlap)
-            self.param_gather_pending = overlap
+        if self.distributed:  # with overlap, the next forward waits bucket by bucket
+            self.grads.gather_params(async_op=self.cfg.overlap_param_gather)
 
     def install_param_gather_hooks(self, modules: Sequence[nn.Module]) -> None:
         """With --overlap-param-gather: each module waits for its weights' gather on first use."""

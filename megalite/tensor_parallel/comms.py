@@ -23,6 +23,10 @@ import torch.distributed as dist
 
 from megalite.parallel_state import AxisGroup
 
+# Flat-tensor collectives: newer torch names them *_single and deprecates the *_tensor names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     if g.size == 1:
@@ -53,7 +57,7 @@ def all_gather_first(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * g.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=g.group)
+    all_gather_flat(out, x, group=g.group)
     return out
 
 
@@ -63,7 +67,7 @@ def reduce_scatter_first(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] // g.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=g.group)
+    reduce_scatter_flat(out, x, group=g.group)
     return out
 
 

@@ -49,13 +49,16 @@ def _train(cfg: Config, ps: ParallelState, steps: int):
     return trainer, losses, norms
 
 
-def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, torch.Tensor] = None):
+def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, torch.Tensor] = None,
+              inspect=None):
     """Train ``steps`` iterations; return losses, grad norms and the max relative parameter error.
 
     The error compares this rank's parameters with ``reference`` (the full state
     dict the single-process run ended with), sharded for this rank's layout.
+    ``inspect(trainer)`` (a module-level function) may add entries to the result.
     """
     trainer, losses, norms = _train(cfg, ps, steps)
+    trainer.optimizer.finish_param_gather()
     err = 0.0
     if reference is not None:
         # Relative L2 error over all of this rank's parameters. (Per tensor would be
@@ -68,8 +71,15 @@ def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, t
                 diff_sq += float((p.detach() - expected[name]).square().sum())
                 ref_sq += float(expected[name].square().sum())
         err = (diff_sq / ref_sq) ** 0.5
+    extra = inspect(trainer) if inspect is not None else {}
     return {"losses": losses, "norms": norms, "param_err": err, "rank": ps.rank,
-            "last_stage": ps.is_last_stage}
+            "last_stage": ps.is_last_stage, **extra}
+
+
+def full_params(trainer) -> torch.Tensor:
+    """This rank's parameters, flattened in registration order (for comparing two runs of one layout)."""
+    trainer.optimizer.finish_param_gather()
+    return torch.cat([p.detach().float().reshape(-1) for c in trainer.chunks for p in c.parameters()])
 
 
 def reference_run(cfg: Config, steps: int):

@@ -1,0 +1,118 @@
+"""bf16 and fp16 training: loss curves within 2% of fp32, fp32 main weights, loss-scaler rules.
+
+* one process: bf16 and fp16 20-step loss curves within 2% of fp32 at every step;
+* 3D layouts (tp x pp x dp, distributed optimizer): the same 2% bound against fp32 in one process;
+* fp16 with an overflow forced on one rank at one step: every rank skips exactly that
+  step (weights unchanged, LR schedule not advanced, "skipped iterations" counts it) and the
+  scale halves; with hysteresis 2 the first overflow keeps the scale and the second halves it.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, _train, full_params, reference_run, tiny_config
+from tests.distributed.harness import run_distributed
+from megalite.parallel_state import ParallelState
+
+STEPS = 20
+_REFS = {}
+
+
+def _fp32_reference(style_name, gbs):
+    if (style_name, gbs) not in _REFS:
+        style = GPT2_STYLE if style_name == "gpt2" else LLAMA_STYLE
+        _REFS[(style_name, gbs)] = reference_run(_tiny(style, gbs), STEPS)
+    return _REFS[(style_name, gbs)]
+
+
+def _tiny(style, gbs, **layout):
+    """tiny_config trained for STEPS iterations (its LR schedule spans the run)."""
+    cfg = tiny_config(style, gbs=gbs, mbs=1, num_layers=4, **layout)
+    return cfg.with_(train=replace(cfg.train, train_iters=STEPS))
+
+
+def _half(cfg, dtype, **optim):
+    return cfg.with_(model=replace(cfg.model, params_dtype=dtype),
+                     optim=replace(cfg.optim, accumulate_allreduce_grads_in_fp32=dtype == "bfloat16",
+                                   initial_loss_scale=2.0 ** 8, **optim))  # no overflow in these runs
+
+
+def _assert_within_2_percent(losses, ref):
+    assert len(losses) == len(ref) == STEPS
+    for step, (a, b) in enumerate(zip(losses, ref)):
+        assert abs(a - b) <= 0.02 * abs(b), f"step {step}: {a} vs fp32 {b}"
+    assert ref[-1] < ref[0] - 0.2  # the curve being followed really falls
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_single_process_follows_fp32(dtype):
+    ref = _fp32_reference("gpt2", 4)
+    cfg = _half(_tiny(GPT2_STYLE, 4), dtype)
+    trainer, losses, _ = _train(cfg, ParallelState.single(), STEPS)
+    _assert_within_2_percent(losses, ref["losses"])
+    assert all(p.dtype == getattr(torch, dtype) for p in trainer.params)
+    assert all(pc.main.dtype == torch.float32 for pc in trainer.optimizer.pieces)  # fp32 main weights
+    assert trainer.executor.dtype == getattr(torch, dtype)  # pipeline p2p in the activation dtype
+
+
+def _losses(ps, cfg, steps):
+    _, losses, _ = _train(cfg, ps, steps)
+    return {"losses": losses, "last": ps.is_last_stage}
+
+
+@pytest.mark.parametrize("style,dtype,tp,pp,dp", [("gpt2", "bfloat16", 2, 2, 2), ("llama", "float16", 1, 2, 2)])
+def test_half_precision_3d_follows_fp32(style, dtype, tp, pp, dp):
+    ref = _fp32_reference(style, 2 * dp)
+    base = _tiny(GPT2_STYLE if style == "gpt2" else LLAMA_STYLE, 2 * dp, tp=tp, pp=pp)
+    cfg = _half(base, dtype, use_distributed_optimizer=True)
+    if tp > 1:
+        cfg = cfg.with_(parallel=replace(cfg.parallel, sequence_parallel=True))
+    results = run_distributed(_losses, tp * pp * dp, cfg, STEPS, tp=tp, pp=pp)
+    for r in results:
+        if r["last"]:
+            _assert_within_2_percent(r["losses"], ref["losses"])
+
+
+def _overflow_run(ps, cfg, poison_steps, steps):
+    """Train with an inf written into one gradient on global rank 0 at ``poison_steps``."""
+    from tests.distributed.common import MicroBatches, MockGPTDataset
+    from megalite.training import Trainer
+    trainer = Trainer(cfg, ps)
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed, steps * cfg.train.global_batch_size)
+    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
+    finalize, state = trainer.optimizer.finalize_grads, {"step": 0}
+
+    def poisoned():
+        finalize()
+        if ps.rank == 0 and state["step"] in poison_steps:
+            trainer.params[0].main_grad.view(-1)[0] = float("inf")
+    trainer.optimizer.finalize_grads = poisoned
+    log = []
+    for step in range(steps):
+        state["step"] = step
+        before = full_params(trainer)
+        out = trainer.train_step(data.next() if data is not None else [None] * trainer.m)
+        log.append({"updated": out["updated"], "scale": out["loss_scale"],
+                    "changed": bool((full_params(trainer) != before).any()), "norm": out["grad_norm"]})
+    return {"log": log, "skipped": trainer.skipped_iters, "lr_steps": trainer.scheduler.num_steps}
+
+
+def test_fp16_overflow_skips_that_step_everywhere_and_halves_scale():
+    base = _half(tiny_config(GPT2_STYLE, gbs=4, mbs=1, num_layers=4, pp=2), "float16", lr_warmup_iters=0)
+    cfg1 = base.with_(optim=replace(base.optim, hysteresis=1, initial_loss_scale=1024.0))
+    results = run_distributed(_overflow_run, 4, cfg1, {2}, 4, pp=2)
+    for r in results:
+        log = r["log"]
+        assert [e["updated"] for e in log] == [True, True, False, True]
+        assert [e["changed"] for e in log] == [True, True, False, True]  # weights untouched at step 2
+        assert [e["scale"] for e in log] == [1024.0, 1024.0, 512.0, 512.0]
+        assert log[2]["norm"] is None and r["skipped"] == 1 and r["lr_steps"] == 3
+    cfg2 = base.with_(optim=replace(base.optim, hysteresis=2, initial_loss_scale=1024.0))
+    results = run_distributed(_overflow_run, 4, cfg2, {1, 2}, 4, pp=2)
+    for r in results:
+        log = r["log"]
+        assert [e["updated"] for e in log] == [True, False, False, True]
+        # hysteresis 2: the first overflow keeps the scale, the second halves it
+        assert [e["scale"] for e in log] == [1024.0, 1024.0, 512.0, 512.0]
+        assert r["skipped"] == 2 and r["lr_steps"] == 2
