@@ -84,7 +84,7 @@ def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, padded_vocab: 
 
 def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float, tflops_per_gpu: float,
                     lr: float, gbs: int, loss: Optional[float], grad_norm: Optional[float], skipped: int,
-                    nans: int, tokens_per_s: float) -> str:
+                    nans: int, tokens_per_s: float, loss_scale: float = 1.0) -> str:
     """Megatron's iteration line (same keys and formats) plus tokens per second."""
     parts = [f" iteration {it:8d}/{train_iters:8d}",
              f" consumed samples: {consumed:12d}",
@@ -94,6 +94,7 @@ def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float
              f" global batch size: {gbs:5d}"]
     if loss is not None:
         parts.append(f" lm loss: {loss:.6E}")
+    parts.append(f" loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
     parts += [f" number of skipped iterations: {skipped:3d}",

@@ -250,7 +250,7 @@ class Trainer:
         last = window[-1]
         logger.info(format_log_line(self.iteration, t.train_iters, self.consumed_samples, sec_per_iter * 1e3,
                                     tflops, last["lr"], t.global_batch_size, loss, last["grad_norm"],
-                                    self.skipped_iters, self.nan_iters, tokens_per_s))
+                                    self.skipped_iters, self.nan_iters, tokens_per_s, last["loss_scale"]))
         if self.cfg.logging.log_timers:
             keys = ("forward", "backward", "p2p", "grads_sync", "optimizer")
             names = ("forward-compute", "backward-compute", "p2p-wait", "grads-all-reduce", "optimizer")

@@ -74,14 +74,14 @@ def test_grad_buffer_accumulates_bf16_grads_in_fp32_main_grad():
 
 
 def test_log_line_has_megatron_keys_in_order():
-    line = format_log_line(10, 100, 160, 123.45, 1.23, 1e-4, 16, 2.5, 0.75, 0, 0, 5000.0)
+    line = format_log_line(10, 100, 160, 123.45, 1.23, 1e-4, 16, 2.5, 0.75, 0, 0, 5000.0, 65536.0)
     keys = ["iteration", "consumed samples:", "elapsed time per iteration (ms):",
             "throughput per GPU (TFLOP/s/GPU):", "learning rate:", "global batch size:", "lm loss:",
-            "grad norm:", "number of skipped iterations:", "number of nan iterations:", "tokens per second:"]
+            "loss scale:", "grad norm:", "number of skipped iterations:", "number of nan iterations:", "tokens per second:"]
     positions = [line.index(k) for k in keys]
     assert positions == sorted(positions)
     assert re.search(r" iteration +10/ +100 \| consumed samples: +160 \|", line)
-    assert "lm loss: 2.500000E+00 |" in line and "learning rate: 1.000000E-04 |" in line
+    assert "lm loss: 2.500000E+00 | loss scale: 65536.0 |" in line and "learning rate: 1.000000E-04 |" in line
 
 
 def test_mock_data_is_deterministic_and_learnable_pattern():
