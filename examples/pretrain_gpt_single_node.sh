@@ -6,6 +6,14 @@ NPROC=${NPROC:-$(python -c "import torch; print(max(1, torch.cuda.device_count()
 TP=${TP:-1}
 PP=${PP:-1}
 DATA_ARGS=${DATA_ARGS:---mock-data --vocab-size 50257}
+# On GPUs: bf16 with fp32 main weights, ZeRO-1 with overlapped communication, and sequence
+# parallelism whenever there is tensor parallelism. On CPU (bf16 matmuls are slow there): fp32.
+if [ "$(python -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then
+    MEMORY_ARGS=${MEMORY_ARGS:---bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather}
+    if [ "$TP" -gt 1 ]; then MEMORY_ARGS="$MEMORY_ARGS --sequence-parallel"; fi
+else
+    MEMORY_ARGS=${MEMORY_ARGS:-}
+fi
 
 exec torchrun --standalone --nproc-per-node "$NPROC" "$(dirname "$0")/../pretrain_gpt.py" \
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
@@ -15,4 +23,4 @@ exec torchrun --standalone --nproc-per-node "$NPROC" "$(dirname "$0")/../pretrai
     --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 200 \
     --train-iters 5000 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
     --log-interval 10 --eval-interval 500 --eval-iters 20 \
-    $DATA_ARGS "$@"
+    $DATA_ARGS $MEMORY_ARGS "$@"
