@@ -8,11 +8,13 @@ PP=${PP:-1}
 DATA_ARGS=${DATA_ARGS:---mock-data --vocab-size 50257}
 # On GPUs: bf16 with fp32 main weights, ZeRO-1 with overlapped communication, and sequence
 # parallelism whenever there is tensor parallelism. On CPU (bf16 matmuls are slow there): fp32.
-if [ "$(python -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then
-    MEMORY_ARGS=${MEMORY_ARGS:---bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather}
-    if [ "$TP" -gt 1 ]; then MEMORY_ARGS="$MEMORY_ARGS --sequence-parallel"; fi
-else
-    MEMORY_ARGS=${MEMORY_ARGS:-}
+# MEMORY_ARGS (even empty) replaces these defaults.
+if [ -z "${MEMORY_ARGS+set}" ]; then
+    MEMORY_ARGS=""
+    if [ "$(python -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then
+        MEMORY_ARGS="--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+        if [ "$TP" -gt 1 ]; then MEMORY_ARGS="$MEMORY_ARGS --sequence-parallel"; fi
+    fi
 fi
 
 exec torchrun --standalone --nproc-per-node "$NPROC" "$(dirname "$0")/../pretrain_gpt.py" \

@@ -72,7 +72,8 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-scale-window", type=int, default=_O.loss_scale_window,
                    help="iterations without overflow before the scale doubles")
     g.add_argument("--hysteresis", type=int, default=_O.hysteresis,
-                   help="overflows tolerated before the scale halves")
+                   help="overflows since the last growth needed before the scale halves "
+                        "(then every further overflow halves it)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="fp32 gradient accumulation and reduction (always on with --bf16)")
     g.add_argument("--recompute-activations", action="store_true",

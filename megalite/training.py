@@ -12,7 +12,8 @@
 One iteration: zero grads -> run the schedule over m micro-batches ->
 optimizer.finalize_grads() -> optimizer.step() (skipped on overflow or a
 non-finite norm; then the LR schedule does not advance, as Megatron) -> log.
-The Trainer itself issues no collectives.
+The Trainer only sequences: its collectives live in the optimizer layer and, for
+logging (loss over DP, bubble over PP, the timeline), in logging.py.
 """
 from __future__ import annotations
 
@@ -264,8 +265,8 @@ class Trainer:
     def _log_eval(self, valid_ds, tb: TensorBoard) -> None:
         if valid_ds is None:  # the same on every rank: no validation split, nothing to run
             return
-        valid = MicroBatches(valid_ds, 0, self.cfg.train.micro_batch_size, self.m, self.ps) \
-            if self.needs_data else None
+        valid = MicroBatches(valid_ds, 0, self.cfg.train.micro_batch_size, self.m, self.ps,
+                             self.cfg.data.num_workers) if self.needs_data else None
         loss = self.evaluate(valid)
         if self.ps.is_logging_rank and loss is not None:
             ppl = math.exp(min(20.0, loss))

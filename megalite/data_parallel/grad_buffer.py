@@ -135,6 +135,8 @@ class GradBuffer:
 
     def _start_reduce(self, b: Bucket) -> None:
         data = self.grad_data[b.start:b.end]
+        # Average before the sum (as Megatron): a sum of fp16 gradients can overflow where the mean would not.
+        data.mul_(1.0 / self.dp.size)
         if self.shard_grads:
             # A separate output: an in-place reduce-scatter (output inside input) is not safe on gloo.
             b.grad_out = torch.empty(b.shard[1] - b.shard[0], dtype=data.dtype, device=data.device)
@@ -143,7 +145,7 @@ class GradBuffer:
             b.grad_handle = dist.all_reduce(data, group=self.dp.group, async_op=True)
 
     def finish(self) -> None:
-        """Complete every bucket's reduction (starting those not yet started) and average over DP.
+        """Complete every bucket's reduction (starting those not yet started): the mean over DP.
 
         Afterwards ``main_grad`` holds the DP mean: everywhere (all-reduce) or on this
         rank's shard of each bucket (reduce-scatter; the rest of the buffer is stale).
@@ -162,10 +164,8 @@ class GradBuffer:
             b.grad_handle.wait()
             b.grad_handle = None
             if self.shard_grads:
-                self.grad_data[b.shard[0]:b.shard[1]].copy_(b.grad_out).div_(self.dp.size)
+                self.grad_data[b.shard[0]:b.shard[1]].copy_(b.grad_out)
                 b.grad_out = None
-            else:
-                self.grad_data[b.start:b.end].div_(self.dp.size)
 
     # -- distributed optimizer: gather the updated weights ------------------------------------
     def gather_params(self, async_op: bool = False) -> None:

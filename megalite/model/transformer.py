@@ -123,7 +123,10 @@ class Attention(nn.Module):
             b, nq, s, d = q.shape
             rep = nq // k.shape[1]
             qg = q.view(b, k.shape[1], rep, s, d)
-            scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
+            if q.dtype == torch.float16:  # scale first: unscaled fp16 logits can overflow (bf16 cannot)
+                scores = torch.matmul(qg * (1.0 / math.sqrt(d)), k.unsqueeze(2).transpose(-1, -2))
+            else:
+                scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
             causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
             probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
             probs = dropout(probs, p, self.training)

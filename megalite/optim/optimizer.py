@@ -241,18 +241,29 @@ class MegatronOptimizer:
             st = self.optimizer.state.get(pc.main, {})
             out[f"{pc.name}[{pc.start}:{pc.end}]"] = {
                 "param": pc.main.detach().view(-1).float().clone(),
-                **{k: (v.detach().view(-1).clone() if torch.is_tensor(v) and v.dim() > 0 else v)
-                   for k, v in st.items()}}
-        return {"pieces": out, "scaler": self.scaler.state_dict() if self.scaler else None}
+                **{k: (v.detach().view(-1).clone() if torch.is_tensor(v) and v.dim() > 0
+                      else v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}}
+        # apex's FusedAdam counts steps per param group rather than per parameter
+        group_steps = [g.get("step") for g in self.optimizer.param_groups]
+        return {"pieces": out, "scaler": self.scaler.state_dict() if self.scaler else None,
+                "group_steps": group_steps}
 
     def load_sharded_state_dict(self, state: Dict[str, object]) -> None:
         """Inverse of :meth:`sharded_state_dict` for the same layout."""
+        self.finish_param_gather()
         for pc in self.pieces:
-            entry = state["pieces"][f"{pc.name}[{pc.start}:{pc.end}]"]
-            self._load_piece(pc, {k: (v if not torch.is_tensor(v) or v.dim() == 0 else v)
-                                  for k, v in entry.items()})
+            self._load_piece(pc, state["pieces"][f"{pc.name}[{pc.start}:{pc.end}]"])
+        for g, step in zip(self.optimizer.param_groups, state.get("group_steps") or []):
+            if step is not None:
+                g["step"] = step
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        self._sync_loaded_weights()
+
+    def _sync_loaded_weights(self) -> None:
+        """After a load, every rank's weights must hold every shard: gather them (ZeRO-1)."""
+        if self.distributed:
+            self.grads.gather_params()
 
     def _load_piece(self, pc: _Piece, entry: Dict[str, object]) -> None:
         with torch.no_grad():
@@ -263,8 +274,11 @@ class MegatronOptimizer:
         for k, v in entry.items():
             if k == "param":
                 continue
-            st[k] = v.view_as(pc.main).clone().to(pc.main.device) if torch.is_tensor(v) and v.dim() > 0 \
-                else (v.clone() if torch.is_tensor(v) else v)
+            if torch.is_tensor(v):  # moments shaped like the piece; a 0-dim step on the piece's device
+                st[k] = v.reshape(pc.main.shape).clone().to(pc.main.device) if v.dim() > 0 \
+                    else v.clone().to(pc.main.device)
+            else:
+                st[k] = v
         if st:
             self.optimizer.state[pc.main] = st
 
@@ -301,7 +315,9 @@ class MegatronOptimizer:
 
     def load_full_state_dict(self, full: Dict[str, Dict[str, torch.Tensor]]) -> None:
         """Load whole-parameter state (from :meth:`full_state_dict`, any DP size or sharding)."""
+        self.finish_param_gather()
         for pc in self.pieces:
             entry = {k: (v.reshape(-1)[pc.start:pc.end] if torch.is_tensor(v) and v.dim() > 0 else v)
                      for k, v in full[pc.name].items()}
             self._load_piece(pc, entry)
+        self._sync_loaded_weights()

@@ -17,6 +17,7 @@ from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, _train, assert_cl
                                       reference_run, run_steps, tiny_config)
 from tests.distributed.harness import run_distributed
 from megalite.parallel_state import ParallelState
+from megalite.training import Trainer
 
 RECOMPUTE_MODES = {
     "none": {},
@@ -77,13 +78,18 @@ def test_sequence_parallel_matches_single_process(emb, tp, pp, vp):
 
 
 def _optimizer_bytes(trainer):
+    from megalite.training import Trainer
     opt = trainer.optimizer
+    # the per-shard state loads into a fresh run of the same layout: same weights everywhere
+    fresh = Trainer(trainer.cfg, trainer.ps)
+    fresh.optimizer.load_sharded_state_dict(opt.sharded_state_dict())
+    reloaded_equal = bool(torch.equal(full_params(fresh), full_params(trainer)))
     owned = sum(pc.end - pc.start for pc in opt.pieces)
     full = opt.full_state_dict() if trainer.ps.tp_size == 1 else {}  # numpy: no shared-memory handles
-    full = {n: {k: v.numpy() for k, v in e.items() if k != "step"} for n, e in full.items()}
+    full = {n: {k: torch.as_tensor(v).numpy() for k, v in e.items()} for n, e in full.items()}
     return {"full_state": full,"state_bytes": opt.state_bytes(), "owned": owned, "local_numel": sum(p.numel() for p in opt.params),
             "dp_rank": trainer.ps.dp_rank, "mp_rank": trainer.ps.mp.rank,
-            "buckets": len(opt.grads.buckets)}
+            "buckets": len(opt.grads.buckets), "reloaded_equal": reloaded_equal}
 
 
 DIST_OPT_CASES = [  # (embeddings, tp, pp, dp, overlap)
@@ -104,14 +110,24 @@ def test_distributed_optimizer_matches_single_process_and_shards_state(emb, tp, 
     results = run_distributed(run_steps, tp * pp * dp, cfg.with_(optim=optim), steps, ref["state"],
                               _optimizer_bytes, tp=tp, pp=pp)
     assert_close_run(results, ref)
+    assert all(r["reloaded_equal"] for r in results)
     if tp == 1:  # the shards, gathered, are the plain optimizer's state of the same run
         trainer, _, _ = _train(cfg, ParallelState.single(), steps)
         whole = trainer.optimizer.full_state_dict()
+        merged = {}
         for r in results:
             assert r["full_state"]
             for name, entry in r["full_state"].items():
                 for key in ("param", "exp_avg", "exp_avg_sq"):
                     assert _rel(torch.from_numpy(entry[key]), whole[name][key]) <= 1e-4, (name, key)
+                merged[name] = {k: torch.from_numpy(v) for k, v in entry.items()}
+        # ...and load as a whole into another layout (one process, plain optimizer)
+        fresh = Trainer(cfg, ParallelState.single())
+        fresh.optimizer.load_full_state_dict(merged)
+        for name, p in fresh.chunks[0].named_parameters():
+            assert _rel(p.detach(), ref["state"][name]) <= 1e-5, name
+        fresh.optimizer.zero_grad(1)
+        assert fresh.optimizer.step()[0]  # Adam's step count came along: the update runs
     by_mp = {}
     for r in results:
         by_mp.setdefault(r["mp_rank"], []).append(r)
