@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from megalite.arguments import parse_args
 from megalite.logging import setup_logging
+from megalite.checkpointing import CheckpointError
 from megalite.config import ConfigError
 from megalite.parallel_state import ParallelState
 from megalite.training import Trainer, build_datasets, resolve_data
@@ -32,6 +33,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"seq {m.seq_length}, vocab {m.vocab_size}; data: "
              f"{'mock' if cfg.data.mock_data else ' '.join(cfg.data.data_path or cfg.data.train_data_path)}")
     trainer = Trainer(cfg, ps)
+    if cfg.checkpoint.load:
+        try:
+            trainer.load()
+        except CheckpointError as e:
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+            ps.destroy()
+            return 2
     n_params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     log.info(f"schedule {trainer.schedule_name}, {trainer.m} micro-batches per step; "
              f"parameters on this rank: {n_params:,}")

@@ -20,12 +20,12 @@ from megalite.parallel_state import grid_groups
 NOT_IMPLEMENTED: Dict[str, str] = {
     "--context-parallel-size": "context parallelism",
     "--expert-model-parallel-size": "expert parallelism", "--num-experts": "mixture of experts",
-    "--save": "checkpointing", "--load": "checkpointing", "--save-interval": "checkpointing",
+    "--async-save": "asynchronous checkpoint saving",
 }
 
 _SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
-_M, _P, _O, _D, _T, _L = (ModelConfig(), ParallelConfig(), OptimConfig(), DataConfig(), TrainConfig(),
-                          LoggingConfig())  # the single source of every default below
+_M, _P, _O, _D, _T, _L, _C = (ModelConfig(), ParallelConfig(), OptimConfig(), DataConfig(), TrainConfig(),
+                              LoggingConfig(), CheckpointConfig())  # the single source of every default below
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -154,6 +154,25 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=_D.tokenizer_model)
 
 
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=_C.save, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=_C.save_interval,
+                   help="iterations between checkpoints (a checkpoint is also saved at the end and at "
+                        "--exit-interval)")
+    g.add_argument("--load", default=_C.load, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--ckpt-format", choices=("sharded", "torch"), default=_C.ckpt_format,
+                   help="sharded: layout-free, loads into any tp/pp/vp/dp; torch: Megatron-LM's legacy "
+                        "mp_rank_XX/model_optim_rng.pt files (same tp/pp/vp to load)")
+    g.add_argument("--ckpt-step", type=int, default=_C.ckpt_step, help="load this iteration, not the latest")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the weights only: iteration 0, fresh optimizer and random state")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer and LR-schedule state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load random-number-generator states")
+    g.add_argument("--ckpt-keep-last", type=int, default=_C.ckpt_keep_last,
+                   help="keep only the newest K checkpoints (the latest is never deleted)")
+
+
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=_L.log_interval)
@@ -179,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Pretrain a GPT with tensor, pipeline and data parallelism.",
                                 formatter_class=_HelpFormatter)
     for add in (_add_model_args, _add_precision_args, _add_parallel_args, _add_training_args,
-                _add_data_args, _add_logging_args):
+                _add_data_args, _add_checkpoint_args, _add_logging_args):
         add(p)
     for action in p._actions:
         if action.help is None and action.nargs != 0:
@@ -249,7 +268,10 @@ def _to_config(a: argparse.Namespace) -> Config:
                         eval_iters=a.eval_iters, num_threads=a.num_threads, exit_interval=a.exit_interval)
     logging_cfg = LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
                                 timeline_out=a.timeline_out)
-    return Config(model, parallel, optim, data, train, CheckpointConfig(), logging_cfg)
+    ckpt = CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, ckpt_format=a.ckpt_format,
+                            finetune=a.finetune, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng,
+                            ckpt_step=a.ckpt_step, ckpt_keep_last=a.ckpt_keep_last)
+    return Config(model, parallel, optim, data, train, ckpt, logging_cfg)
 
 
 def _positive(**values: Optional[float]) -> None:
@@ -331,7 +353,10 @@ def _validate_precision_and_memory(cfg: Config, dp: int) -> None:
     if m.params_dtype == "float16":
         _positive(initial_loss_scale=o.initial_loss_scale, min_loss_scale=o.min_loss_scale,
                   loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, loss_scale=o.loss_scale)
-    _positive(ddp_bucket_size=o.ddp_bucket_size)
+    _positive(ddp_bucket_size=o.ddp_bucket_size, save_interval=cfg.checkpoint.save_interval,
+              ckpt_keep_last=cfg.checkpoint.ckpt_keep_last)
+    if cfg.checkpoint.save_interval and not cfg.checkpoint.save:
+        raise ConfigError("--save-interval needs --save DIR")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"--num-workers must be >= 0, got {cfg.data.num_workers}")
 

@@ -152,6 +152,12 @@ class CheckpointConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    ckpt_format: str = "sharded"  # sharded (layout-free, torch.distributed.checkpoint) | torch (Megatron legacy)
+    finetune: bool = False  # load weights only; iteration, optimizer and RNG start fresh
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    ckpt_step: Optional[int] = None  # load this iteration instead of the latest
+    ckpt_keep_last: Optional[int] = None  # keep only the newest K checkpoints
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,9 @@ class MicroBatches:
         sampler = PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                              collate_fn=_collate, pin_memory=ps.device.type == "cuda",
-                                             persistent_workers=False)
+                                             # its own generator: starting a loader must not draw from
+                                             # the global RNG, or a resumed run's dropout would differ
+                                             generator=torch.Generator())
         self.it = iter(loader)
 
     def next(self) -> List[Dict[str, torch.Tensor]]:
@@ -154,6 +156,22 @@ class Trainer:
         self.iteration, self.consumed_samples = 0, 0
         self.skipped_iters = self.nan_iters = 0
         self.last_stats: Optional[StepStats] = None
+        self.saved_at: Optional[int] = None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save(self) -> None:
+        """Save the run to --save (collective)."""
+        from megalite.checkpointing import save_checkpoint
+        ck = self.cfg.checkpoint
+        save_checkpoint(self, ck.save, ck.ckpt_format, ck.ckpt_keep_last)
+        self.saved_at = self.iteration
+
+    def load(self) -> Optional[int]:
+        """Resume from --load (collective); returns the iteration loaded, or None when there is none."""
+        from megalite.checkpointing import load_checkpoint
+        ck = self.cfg.checkpoint
+        return load_checkpoint(self, ck.load, step=ck.ckpt_step, finetune=ck.finetune,
+                               load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng)
 
     # -- one iteration ---------------------------------------------------------------------------
     def train_step(self, batches: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
@@ -231,8 +249,14 @@ class Trainer:
             if t.eval_iters > 0 and t.eval_interval > 0 and self.iteration % t.eval_interval == 0:
                 self._log_eval(valid_ds, tb)
                 t_last = time.perf_counter()
-            if t.exit_interval and self.iteration % t.exit_interval == 0:
+            ck = cfg.checkpoint
+            exiting = bool(t.exit_interval and self.iteration % t.exit_interval == 0)
+            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0 and not exiting:
+                self.save()
+            if exiting:
                 break
+        if cfg.checkpoint.save and self.saved_at != self.iteration:
+            self.save()
         self.optimizer.finish_param_gather()
         if cfg.logging.timeline_out and self.last_stats is not None:
             self.write_timeline(cfg.logging.timeline_out)

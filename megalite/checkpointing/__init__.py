@@ -1,0 +1,351 @@
+"""Save and load a whole run: model, optimizer, LR schedule, loss scaler, counters, RNG, config.
+
+::
+
+    SAVE/iter_0000100/                      (written as iter_0000100.tmp, renamed when complete)
+      sharded format (default, layout-free, on torch.distributed.checkpoint):
+        __<rank>_0.distcp  .metadata        every tensor block once, written by the rank owning it
+        index_<rank>.json                   block -> global tensor name, global shape, offsets
+        meta.json  rng_<rank>.pt            counters, scheduler, scaler, config; RNG per rank
+      torch format (Megatron-LM's legacy layout, same tp/pp/vp to load):
+        mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt
+    SAVE/latest_checkpointed_iteration.txt  written last (temporary file + rename)
+
+Model blocks are slices of each parameter's full tensor (``layout.py``);
+optimizer state (fp32 main weights, Adam moments) is gathered over DP into the
+same per-parameter shapes and saved as the same blocks, so a sharded checkpoint
+loads into any tp, pp, vp, dp and distributed-optimizer setting. Every read is
+restricted to plain data (``safe_load.py``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megalite.checkpointing.layout import chunk_blocks, intersect
+from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
+
+logger = logging.getLogger("megalite")
+LATEST = "latest_checkpointed_iteration.txt"
+OPTIM_KEYS = ("param", "exp_avg", "exp_avg_sq")
+FORMAT_VERSION = 1
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_size", "vocab_size",
+                 "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
+                 "max_positions")
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "iteration_dir", "read_latest"]
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_latest(root: str) -> Optional[int]:
+    """The iteration ``latest_checkpointed_iteration.txt`` names, or None when there is none."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+# -- what a run consists of -----------------------------------------------------------------------
+def _rng_state(trainer) -> dict:
+    np_state = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "tracker": trainer.tracker.get_states()}
+
+
+def _set_rng_state(trainer, st: dict) -> None:
+    random.setstate((st["python"][0], tuple(st["python"][1]), st["python"][2]))
+    n = st["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), int(n[2]), int(n[3]), float(n[4])))
+    torch.set_rng_state(st["torch"])
+    if st["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    trainer.tracker.set_states(st["tracker"])
+
+
+def _layout(trainer) -> Dict[str, int]:
+    ps = trainer.ps
+    return {"world": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": trainer.cfg.parallel.vp,
+            "dp": ps.dp_size, "first": trainer.cfg.parallel.decoder_first_pipeline_num_layers or 0,
+            "last": trainer.cfg.parallel.decoder_last_pipeline_num_layers or 0}
+
+
+def _meta(trainer) -> dict:
+    opt = trainer.optimizer
+    steps = [s["step"] for s in opt.optimizer.state.values() if "step" in s]
+    return {"format_version": FORMAT_VERSION, "iteration": trainer.iteration,
+            "consumed_samples": trainer.consumed_samples, "skipped_iters": trainer.skipped_iters,
+            "nan_iters": trainer.nan_iters, "scheduler": trainer.scheduler.state_dict(),
+            "scaler": opt.scaler.state_dict() if opt.scaler else None,
+            "adam_step": float(steps[0]) if steps else 0.0,
+            "group_steps": [g.get("step") if not torch.is_tensor(g.get("step")) else float(g["step"])
+                            for g in opt.optimizer.param_groups],
+            "layout": _layout(trainer), "config": json.loads(json.dumps(asdict(trainer.cfg), default=str)),
+            "model_shape": {f: getattr(trainer.cfg.model, f) for f in _SHAPE_FIELDS}}
+
+
+def check_model_shape(saved: dict, trainer, where: str) -> None:
+    """One line naming every model-shape field that differs between a checkpoint and the run."""
+    diffs = [f"{f} {saved[f]} (checkpoint) vs {getattr(trainer.cfg.model, f)} (run)"
+             for f in _SHAPE_FIELDS if f in saved and saved[f] != getattr(trainer.cfg.model, f)]
+    if diffs:
+        raise CheckpointError(f"{where} does not fit this model: {'; '.join(diffs)}; pass the model flags it was "
+                              f"saved with")
+
+
+# -- saving --------------------------------------------------------------------------------------
+def save_checkpoint(trainer, root: str, fmt: str = "sharded", keep_last: Optional[int] = None) -> str:
+    """Save the run at its current iteration under ``root`` (collective: every rank calls it)."""
+    ps, it = trainer.ps, trainer.iteration
+    final = iteration_dir(root, it)
+    tmp = final + ".tmp"
+    if ps.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
+        os.makedirs(tmp)
+    ps.barrier()
+    trainer.optimizer.finish_param_gather()
+    full_opt = trainer.optimizer.full_state_dict()  # collective over DP
+    if fmt == "sharded":
+        _save_sharded(trainer, tmp, full_opt)
+    elif fmt == "torch":
+        _save_torch(trainer, tmp, full_opt)
+    else:
+        raise CheckpointError(f"unknown --ckpt-format {fmt!r}; use sharded or torch")
+    if ps.rank == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({**_meta(trainer), "format": fmt}, f)
+    ps.barrier()  # every rank's files are in tmp
+    if ps.rank == 0:
+        if os.path.exists(final):  # saving the same iteration again: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, it)
+        if keep_last:
+            _prune(root, keep_last, it)
+    ps.barrier()
+    logger.info(f"saved checkpoint at iteration {it} to {root} ({fmt} format)")
+    return final
+
+
+def _write_latest(root: str, it: int) -> None:
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(it))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
+def _prune(root: str, keep_last: int, latest: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints; never the one latest names."""
+    its = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit())
+    for old in its[:-keep_last]:
+        if old != latest:
+            shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+
+
+def _save_sharded(trainer, tmp: str, full_opt: dict) -> None:
+    ps = trainer.ps
+    state: Dict[str, torch.Tensor] = {}
+    index: List[dict] = []
+    if ps.dp_rank == 0:  # DP replicas hold the same tensors: one writes them
+        params = {(i, n): p for i, c in enumerate(trainer.chunks) for n, p in c.named_parameters()}
+        for (i, name), blocks in chunk_blocks(trainer.chunks, for_write=True).items():
+            sources = {"model": params[(i, name)].detach()}
+            sources.update({f"optim.{k}": full_opt[name][k] for k in OPTIM_KEYS if k in full_opt.get(name, {})})
+            for prefix, tensor in sources.items():
+                for b in blocks:
+                    key = f"{prefix}/{b.key}"
+                    state[key] = b.local(tensor).contiguous().clone()
+                    index.append({"key": key, "prefix": prefix, "name": b.name, "shape": list(b.global_shape),
+                                  "offsets": list(b.offsets), "sizes": list(b.sizes),
+                                  "dtype": str(tensor.dtype).replace("torch.", "")})
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    with open(os.path.join(tmp, f"index_{ps.rank:05d}.json"), "w") as f:
+        json.dump(index, f)
+    torch.save(_rng_state(trainer), os.path.join(tmp, f"rng_{ps.rank:05d}.pt"))
+
+
+def _legacy_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+
+
+def _save_torch(trainer, tmp: str, full_opt: dict) -> None:
+    ps = trainer.ps
+    rngs: List[Optional[dict]] = [None] * ps.dp_size
+    if ps.dp_size > 1:
+        dist.all_gather_object(rngs, _rng_state(trainer), group=ps.dp_group)
+    else:
+        rngs = [_rng_state(trainer)]
+    if ps.dp_rank != 0:
+        return
+    models = {("model" if len(trainer.chunks) == 1 else f"model{i}"): c.state_dict()
+              for i, c in enumerate(trainer.chunks)}
+    meta = _meta(trainer)
+    state = {"args": meta["config"], "checkpoint_version": 3.0, "iteration": trainer.iteration,
+             "consumed_samples": trainer.consumed_samples, **models,
+             "optimizer": {"state": full_opt, "scaler": meta["scaler"], "group_steps": meta["group_steps"]},
+             "opt_param_scheduler": meta["scheduler"], "rng_state": rngs,
+             "counters": {"skipped_iters": trainer.skipped_iters, "nan_iters": trainer.nan_iters},
+             "layout": meta["layout"], "model_shape": meta["model_shape"]}
+    d = os.path.join(tmp, _legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size))
+    os.makedirs(d, exist_ok=True)
+    torch.save(state, os.path.join(d, "model_optim_rng.pt"))
+
+
+# -- loading -------------------------------------------------------------------------------------
+def load_checkpoint(trainer, root: str, *, step: Optional[int] = None, finetune: bool = False,
+                    load_optim: bool = True, load_rng: bool = True) -> Optional[int]:
+    """Load ``root`` (latest, or iteration ``step``) into the trainer; returns the iteration loaded.
+
+    With no checkpoint there, warns and returns None (the run starts from scratch,
+    as Megatron does). ``finetune`` loads the weights only and restarts the counters.
+    """
+    it = step if step is not None else read_latest(root)
+    if it is None:
+        logger.warning(f"no {LATEST} in {root}: starting from scratch")
+        return None
+    d = iteration_dir(root, it)
+    meta_path = os.path.join(d, "meta.json")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json); "
+                              f"pick another with --ckpt-step or check --load")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    check_model_shape(meta["model_shape"], trainer, d)
+    load_optim = load_optim and not finetune
+    trainer.optimizer.finish_param_gather()
+    if meta.get("format") == "torch":
+        rng = _load_torch(trainer, d, meta, load_optim)
+    else:
+        rng = _load_sharded(trainer, d, meta, load_optim)
+    if not finetune:
+        trainer.iteration, trainer.consumed_samples = meta["iteration"], meta["consumed_samples"]
+        trainer.skipped_iters, trainer.nan_iters = meta["skipped_iters"], meta["nan_iters"]
+    if load_optim:
+        trainer.scheduler.load_state_dict(meta["scheduler"])
+        if trainer.optimizer.scaler is not None and meta["scaler"]:
+            trainer.optimizer.scaler.load_state_dict(meta["scaler"])
+    if load_rng and not finetune:
+        if rng is not None:
+            _set_rng_state(trainer, rng)
+        else:
+            logger.warning("checkpoint saved in another layout: random states are not restored")
+    logger.info(f"loaded checkpoint {d} (iteration {meta['iteration']}, {meta.get('format')} format)")
+    return it
+
+
+def _optimizer_state(trainer, tensors: Dict[str, Dict[str, torch.Tensor]], meta: dict) -> dict:
+    step = torch.tensor(meta["adam_step"], dtype=torch.float32)
+    # Adam's moments exist once a step has been taken (fp16 may skip the first ones)
+    return {n: {**t, "step": step.clone()} if "exp_avg" in t else dict(t) for n, t in tensors.items()}
+
+
+def _load_torch(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
+    ps, here = trainer.ps, _layout(trainer)
+    saved = meta["layout"]
+    if any(saved[k] != here[k] for k in ("tp", "pp", "vp", "first", "last")):
+        raise CheckpointError(
+            f"{d} is a torch-format checkpoint saved with tp={saved['tp']} pp={saved['pp']} vp={saved['vp']}; "
+            f"this run has tp={here['tp']} pp={here['pp']} vp={here['vp']}: run with the saved layout or save "
+            f"with --ckpt-format sharded, which loads into any layout")
+    path = os.path.join(d, _legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size), "model_optim_rng.pt")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    state = safe_torch_load(path)
+    for i, chunk in enumerate(trainer.chunks):
+        chunk.load_state_dict(state["model" if len(trainer.chunks) == 1 else f"model{i}"])
+    if load_optim:
+        trainer.optimizer.load_full_state_dict(state["optimizer"]["state"])
+        _set_group_steps(trainer, meta)
+    rngs = state["rng_state"]
+    return rngs[ps.dp_rank] if saved["dp"] == here["dp"] and len(rngs) == ps.dp_size else None
+
+
+def _set_group_steps(trainer, meta: dict) -> None:
+    for g, s in zip(trainer.optimizer.optimizer.param_groups, meta.get("group_steps") or []):
+        if s is not None:
+            g["step"] = s
+
+
+def _read_index(d: str) -> Dict[Tuple[str, str], List[dict]]:
+    out: Dict[Tuple[str, str], List[dict]] = {}
+    for fn in sorted(os.listdir(d)):
+        if fn.startswith("index_") and fn.endswith(".json"):
+            with open(os.path.join(d, fn)) as f:
+                for e in json.load(f):
+                    out.setdefault((e["prefix"], e["name"]), []).append(e)
+    return out
+
+
+def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
+    SafeFileSystemReader(d).read_metadata()  # refuse a tampered index before torch.distributed.checkpoint reads it
+    index = _read_index(d)
+    prefixes = ["model"] + ([f"optim.{k}" for k in OPTIM_KEYS] if load_optim else [])
+    params = {(i, n): p for i, c in enumerate(trainer.chunks) for n, p in c.named_parameters()}
+    needs = chunk_blocks(trainer.chunks, for_write=False)
+    wanted: Dict[str, torch.Tensor] = {}
+    plan = []  # (chunk, name, prefix, block, entry, slices)
+    for (i, name), blocks in needs.items():
+        for prefix in prefixes:
+            if prefix != "model" and not any((prefix, b.name) in index for b in blocks):
+                continue
+            for b in blocks:
+                entries = index.get((prefix, b.name))
+                if not entries:
+                    raise CheckpointError(f"{d} has no {prefix} tensor {b.name!r}: it was saved from another "
+                                          f"model; check the model flags")
+                if entries[0]["shape"] != list(b.global_shape):
+                    raise CheckpointError(f"{d}: {b.name} has shape {entries[0]['shape']} in the checkpoint, "
+                                          f"{list(b.global_shape)} in this run; check the model flags")
+                for e in entries:
+                    sl = intersect(b, e["offsets"], e["sizes"])
+                    if sl is None:
+                        continue
+                    if e["key"] not in wanted:
+                        wanted[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
+                    plan.append((i, name, prefix, b, e["key"], sl))
+    dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
+    model_out = {k: torch.zeros_like(p, device="cpu") for k, p in params.items()}
+    optim_out: Dict[str, Dict[str, torch.Tensor]] = {}
+    saved_optim = [k for k in OPTIM_KEYS if any(pre == f"optim.{k}" for pre, _ in index)] if load_optim else []
+    for (i, name), p in params.items():  # a shard of vocabulary padding only has no blocks: zeros
+        for k in saved_optim:
+            optim_out.setdefault(name, {})[k] = torch.zeros(p.shape, dtype=torch.float32)
+    for i, name, prefix, b, key, (dst, src) in plan:
+        if prefix == "model":
+            target = model_out[(i, name)]
+        else:
+            entry = optim_out.setdefault(name, {})
+            k = prefix.split(".", 1)[1]
+            target = entry.setdefault(k, torch.zeros(params[(i, name)].shape, dtype=torch.float32))
+        b.local(target)[dst].copy_(wanted[key][src])
+    with torch.no_grad():
+        for k, p in params.items():
+            p.data.copy_(model_out[k].to(p.device))
+    if load_optim and optim_out:
+        trainer.optimizer.load_full_state_dict(_optimizer_state(trainer, optim_out, meta))
+        _set_group_steps(trainer, meta)
+    if meta["layout"] == _layout(trainer):
+        path = os.path.join(d, f"rng_{trainer.ps.rank:05d}.pt")
+        return safe_torch_load(path) if os.path.exists(path) else None
+    return None

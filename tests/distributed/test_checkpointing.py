@@ -1,0 +1,217 @@
+"""Checkpoints: exact resume, loading into other layouts, crash-safe saving, safe loading, retention.
+
+* exact resume: N steps == N/2 steps + save + load + N/2 steps, loss for loss (bit for bit in
+  fp32, dropout on), for (tp, pp, vp, dp) = (1,1,1,1), (2,2,1,1), (1,2,2,2) with the distributed
+  optimizer, fp16 loss scaling, and both formats;
+* layout change: saved at (2,2,2,1), loaded in one process, saved again, loaded at (4,1,1,1),
+  (1,4,1,1) and dp 2 with the distributed optimizer: evaluation loss on fixed batches and the
+  losses of continued training equal the uninterrupted single-process run within 1e-5;
+* a save that fails half-way leaves the previous checkpoint loadable and ``latest`` unchanged;
+* pickled code in any file a load reads is refused and never runs; model-shape and layout
+  mismatches are one-line errors; ``--ckpt-keep-last`` keeps the newest and never the latest.
+"""
+import os
+import pickle
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megalite.checkpointing import CheckpointError, read_latest
+from megalite.config import CheckpointConfig
+from megalite.data.mock_dataset import MockGPTDataset
+from megalite.parallel_state import ParallelState
+from megalite.training import MicroBatches, Trainer
+from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
+from tests.distributed.harness import run_distributed
+
+STEPS = 4
+
+
+def _cfg(style, tp=1, pp=1, vp=1, dp=1, dropout=0.1, **optim):
+    cfg = tiny_config(style, gbs=4, mbs=1 if dp * pp > 1 else 2, num_layers=4, tp=tp, pp=pp, vp=vp,
+                      schedule="interleaved_1f1b" if vp > 1 else None)
+    return cfg.with_(model=replace(cfg.model, hidden_dropout=dropout, attention_dropout=dropout),
+                     optim=replace(cfg.optim, **optim), train=replace(cfg.train, train_iters=STEPS))
+
+
+def _train_losses(ps, cfg, save=None, load=None, fmt="sharded", exit_at=None):
+    """Trainer.train from scratch or from ``load``; returns the per-iteration losses (last stage)."""
+    cfg = cfg.with_(checkpoint=CheckpointConfig(save=save, load=load, ckpt_format=fmt),
+                    train=replace(cfg.train, exit_interval=exit_at))
+    trainer = Trainer(cfg, ps)
+    if load:
+        trainer.load()
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                        cfg.train.train_iters * cfg.train.global_batch_size)
+    return [h["loss"] for h in trainer.train(ds, None)]
+
+
+def _resume_run(ps, cfg, root, fmt):
+    whole = _train_losses(ps, cfg)
+    first = _train_losses(ps, cfg, save=root, fmt=fmt, exit_at=STEPS // 2)
+    second = _train_losses(ps, cfg, load=root)
+    return {"whole": whole, "resumed": first + second, "last": ps.is_last_stage}
+
+
+RESUME_CASES = [  # (style, tp, pp, vp, dp, optim overrides, dtype, format)
+    ("gpt2", 1, 1, 1, 1, {}, "float32", "sharded"),
+    ("gpt2", 1, 1, 1, 1, {}, "float32", "torch"),
+    ("llama", 2, 2, 1, 1, {}, "float32", "sharded"),
+    ("gpt2", 1, 2, 2, 2, {"use_distributed_optimizer": True}, "float32", "sharded"),
+    ("gpt2", 1, 2, 1, 2, {"use_distributed_optimizer": True}, "float32", "torch"),
+    ("gpt2", 1, 2, 1, 2, {"initial_loss_scale": 2.0 ** 20}, "float16", "sharded"),
+]
+
+
+@pytest.mark.parametrize("style,tp,pp,vp,dp,optim,dtype,fmt", RESUME_CASES,
+                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-{c[6]}-{c[7]}"
+                              + ("-distopt" if c[5].get("use_distributed_optimizer") else "") for c in RESUME_CASES])
+def test_resume_is_exact(tmp_path, style, tp, pp, vp, dp, optim, dtype, fmt):
+    cfg = _cfg(GPT2_STYLE if style == "gpt2" else LLAMA_STYLE, tp, pp, vp, dp, **optim)
+    cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
+    world = tp * pp * dp
+    if world == 1:
+        results = [_resume_run(ParallelState.single(), cfg, str(tmp_path), fmt)]
+    else:
+        results = run_distributed(_resume_run, world, cfg, str(tmp_path), fmt, tp=tp, pp=pp)
+    for r in results:
+        if r["last"]:
+            assert len(r["resumed"]) == STEPS and r["resumed"] == r["whole"], (r["resumed"], r["whole"])
+
+
+# -- layout changes -------------------------------------------------------------------------------
+def _eval_and_continue(ps, cfg, load, save=None, steps=2):
+    """Load, evaluate fixed batches, save again (optional), then train ``steps`` more iterations."""
+    cfg = cfg.with_(checkpoint=CheckpointConfig(load=load), train=replace(cfg.train, eval_iters=2))
+    trainer = Trainer(cfg, ps)
+    assert trainer.load() == STEPS // 2
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, 99, 2 * cfg.train.global_batch_size)
+    valid = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
+    eval_loss = trainer.evaluate(valid)
+    if save:
+        trainer.cfg = trainer.cfg.with_(checkpoint=CheckpointConfig(save=save))
+        trainer.save()
+    train = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                           (STEPS // 2 + steps) * cfg.train.global_batch_size)
+    data = MicroBatches(train, trainer.consumed_samples, cfg.train.micro_batch_size, trainer.m, ps) \
+        if trainer.needs_data else None
+    losses = [trainer.train_step(data.next() if data else [None] * trainer.m)["loss"] for _ in range(steps)]
+    return {"eval": eval_loss, "losses": losses, "last": ps.is_last_stage}
+
+
+def _save_after(ps, cfg, root):
+    _train_losses(ps, cfg, save=root, exit_at=STEPS // 2)
+    return True
+
+
+def _close(a, b, tol=1e-5):
+    return all(abs(x - y) <= tol * abs(y) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def test_sharded_checkpoint_loads_into_other_layouts(tmp_path):
+    src, one = str(tmp_path / "tp2pp2vp2"), str(tmp_path / "single")
+    base = _cfg(GPT2_STYLE, dropout=0.0)
+    # the uninterrupted reference: one process, STEPS // 2 steps, then evaluate and continue
+    ref_root = str(tmp_path / "ref")
+    _train_losses(ParallelState.single(), base, save=ref_root, exit_at=STEPS // 2)
+    ref = _eval_and_continue(ParallelState.single(), base, ref_root)
+    run_distributed(_save_after, 8, _cfg(GPT2_STYLE, tp=2, pp=2, vp=2, dp=2, dropout=0.0), src, tp=2, pp=2)
+    got = _eval_and_continue(ParallelState.single(), base, src, save=one)
+    assert _close([got["eval"]], [ref["eval"]]) and _close(got["losses"], ref["losses"]), (got, ref)
+    for layout in [dict(tp=4), dict(pp=4), dict(dp=2, use_distributed_optimizer=True)]:
+        cfg = _cfg(GPT2_STYLE, dropout=0.0, **layout)
+        world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+        res = run_distributed(_eval_and_continue, world, cfg, one, tp=layout.get("tp", 1), pp=layout.get("pp", 1))
+        for r in res:
+            if r["last"]:
+                assert _close([r["eval"]], [ref["eval"]]) and _close(r["losses"], ref["losses"]), (layout, r, ref)
+
+
+# -- failures and safety (one process) ------------------------------------------------------------
+def _trainer(root, fmt="sharded", **model):
+    cfg = _cfg(GPT2_STYLE, dropout=0.0)
+    cfg = cfg.with_(model=replace(cfg.model, **model), checkpoint=CheckpointConfig(save=root, load=root, ckpt_format=fmt))
+    return Trainer(cfg, ParallelState.single())
+
+
+def test_failed_save_keeps_previous_checkpoint_and_latest(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    t = _trainer(root)
+    t.iteration = 2
+    t.save()
+    before = {n: p.detach().clone() for n, p in t.chunks[0].named_parameters()}
+    t.iteration = 4
+    with torch.no_grad():
+        for p in t.params:
+            p.add_(1.0)
+    import megalite.checkpointing as ck
+
+    def dying_save(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+    monkeypatch.setattr(ck.dcp, "save", dying_save)
+    with pytest.raises(OSError):
+        t.save()
+    monkeypatch.undo()
+    assert read_latest(root) == 2 and not os.path.exists(os.path.join(root, "iter_0000004"))
+    fresh = _trainer(root)
+    assert fresh.load() == 2 and fresh.iteration == 2
+    for n, p in fresh.chunks[0].named_parameters():
+        assert torch.equal(p, before[n]), n
+    t.save()  # the next save cleans up the half-written directory
+    assert read_latest(root) == 4 and not os.path.exists(os.path.join(root, "iter_0000004.tmp"))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "sharded"])
+def test_pickled_code_is_refused_and_never_runs(tmp_path, fmt):
+    root = str(tmp_path / "ck")
+    t = _trainer(root, fmt)
+    t.save()
+    _Evil.marker = str(tmp_path / "pwned")
+    d = os.path.join(root, "iter_0000000")
+    if fmt == "torch":
+        torch.save({"model": _Evil()}, os.path.join(d, "mp_rank_00", "model_optim_rng.pt"))
+    else:
+        with open(os.path.join(d, ".metadata"), "wb") as f:
+            pickle.dump(_Evil(), f)
+    with pytest.raises(CheckpointError, match="refusing to load") as e:
+        _trainer(root, fmt).load()
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(_Evil.marker)
+
+
+def test_model_shape_and_layout_mismatch_are_clear_errors(tmp_path):
+    root = str(tmp_path / "a")
+    _trainer(root).save()
+    with pytest.raises(CheckpointError, match=r"hidden_size 32 \(checkpoint\) vs 64 \(run\)"):
+        _trainer(root, hidden_size=64).load()
+    legacy = str(tmp_path / "b")
+    _trainer(legacy, "torch").save()
+    cfg = _cfg(GPT2_STYLE, dropout=0.0, pp=2).with_(checkpoint=CheckpointConfig(load=legacy))
+    errors = run_distributed(_load_error, 2, cfg, pp=2)
+    assert all("tp=1 pp=1 vp=1" in e and "--ckpt-format sharded" in e and "\n" not in e for e in errors), errors
+
+
+def _load_error(ps, cfg):
+    try:
+        Trainer(cfg, ps).load()
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_keep_last_never_deletes_latest(tmp_path):
+    root = str(tmp_path)
+    t = _trainer(root)
+    t.cfg = t.cfg.with_(checkpoint=replace(t.cfg.checkpoint, ckpt_keep_last=2))
+    for it in (1, 2, 3, 4):
+        t.iteration = it
+        t.save()
+    assert sorted(d for d in os.listdir(root) if d.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
+    assert read_latest(root) == 4
+    assert _trainer(root).load() == 4
