@@ -19,11 +19,13 @@ restricted to plain data (``safe_load.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import shutil
+import warnings
 from dataclasses import asdict
 from typing import Dict, List, Optional, Tuple
 
@@ -59,6 +61,15 @@ def read_latest(root: str) -> Optional[int]:
     if not text.isdigit():
         raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}")
     return int(text)
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """torch.distributed.checkpoint warns when it runs without a process group; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        warnings.filterwarnings("ignore", message="Global metadata is not found")
+        yield
 
 
 # -- what a run consists of -----------------------------------------------------------------------
@@ -124,6 +135,8 @@ def save_checkpoint(trainer, root: str, fmt: str = "sharded", keep_last: Optiona
     ps.barrier()
     trainer.optimizer.finish_param_gather()
     full_opt = trainer.optimizer.full_state_dict()  # collective over DP
+    if not trainer.optimizer.half:  # fp32 main weights are the model weights: do not store them twice
+        full_opt = {n: {k: v for k, v in e.items() if k != "param"} for n, e in full_opt.items()}
     if fmt == "sharded":
         _save_sharded(trainer, tmp, full_opt)
     elif fmt == "torch":
@@ -179,7 +192,8 @@ def _save_sharded(trainer, tmp: str, full_opt: dict) -> None:
                     index.append({"key": key, "prefix": prefix, "name": b.name, "shape": list(b.global_shape),
                                   "offsets": list(b.offsets), "sizes": list(b.sizes),
                                   "dtype": str(tensor.dtype).replace("torch.", "")})
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     with open(os.path.join(tmp, f"index_{ps.rank:05d}.json"), "w") as f:
         json.dump(index, f)
     torch.save(_rng_state(trainer), os.path.join(tmp, f"rng_{ps.rank:05d}.pt"))
@@ -272,10 +286,18 @@ def _load_torch(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
     state = safe_torch_load(path)
-    for i, chunk in enumerate(trainer.chunks):
-        chunk.load_state_dict(state["model" if len(trainer.chunks) == 1 else f"model{i}"])
+    models = [state["model" if len(trainer.chunks) == 1 else f"model{i}"] for i in range(len(trainer.chunks))]
+    for chunk, sd in zip(trainer.chunks, models):
+        chunk.load_state_dict(sd)
+    opt_state = state["optimizer"]["state"] if load_optim else {}
+    for sd in models:  # no fp32 main weights saved (fp32 run, or optimizer not loaded): the weights are them
+        for name, t in sd.items():
+            if "param" not in opt_state.get(name, {}) and (load_optim or trainer.optimizer.half) \
+                    and name in dict(trainer.optimizer.named):
+                opt_state.setdefault(name, {})["param"] = t.float()
+    if opt_state:
+        trainer.optimizer.load_full_state_dict(opt_state)
     if load_optim:
-        trainer.optimizer.load_full_state_dict(state["optimizer"]["state"])
         _set_group_steps(trainer, meta)
     rngs = state["rng_state"]
     return rngs[ps.dp_rank] if saved["dp"] == here["dp"] and len(rngs) == ps.dp_size else None
@@ -324,8 +346,9 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
                     if e["key"] not in wanted:
                         wanted[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
                     plan.append((i, name, prefix, b, e["key"], sl))
-    dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
-    model_out = {k: torch.zeros_like(p, device="cpu") for k, p in params.items()}
+    with _quiet_single_process():
+        dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
+    model_out = {k: torch.zeros(p.shape, dtype=torch.float32) for k, p in params.items()}
     optim_out: Dict[str, Dict[str, torch.Tensor]] = {}
     saved_optim = [k for k in OPTIM_KEYS if any(pre == f"optim.{k}" for pre, _ in index)] if load_optim else []
     for (i, name), p in params.items():  # a shard of vocabulary padding only has no blocks: zeros
@@ -342,8 +365,13 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
     with torch.no_grad():
         for k, p in params.items():
             p.data.copy_(model_out[k].to(p.device))
-    if load_optim and optim_out:
+    if "param" not in saved_optim and (optim_out or trainer.optimizer.half):
+        # no fp32 main weights saved (fp32 run, or optimizer not loaded): the loaded weights are them
+        for (i, name), t in model_out.items():
+            optim_out.setdefault(name, {})["param"] = t
+    if optim_out:
         trainer.optimizer.load_full_state_dict(_optimizer_state(trainer, optim_out, meta))
+    if load_optim:
         _set_group_steps(trainer, meta)
     if meta["layout"] == _layout(trainer):
         path = os.path.join(d, f"rng_{trainer.ps.rank:05d}.pt")

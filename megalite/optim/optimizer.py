@@ -266,10 +266,13 @@ class MegatronOptimizer:
             self.grads.gather_params()
 
     def _load_piece(self, pc: _Piece, entry: Dict[str, object]) -> None:
-        with torch.no_grad():
-            pc.main.view(-1).copy_(entry["param"])
-            if self.half:
-                pc.model_slice.copy_(entry["param"])
+        if "param" in entry:  # absent for fp32 weights saved once, as the model's own
+            with torch.no_grad():
+                pc.main.view(-1).copy_(entry["param"])
+                if self.half:
+                    pc.model_slice.copy_(entry["param"])
+        elif self.half:
+            raise KeyError(f"{pc.name}: no fp32 main weights in the optimizer state of a half-precision run")
         st = {}
         for k, v in entry.items():
             if k == "param":

@@ -215,3 +215,18 @@ def test_keep_last_never_deletes_latest(tmp_path):
     assert sorted(d for d in os.listdir(root) if d.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
     assert read_latest(root) == 4
     assert _trainer(root).load() == 4
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "torch"])
+def test_finetune_into_bf16_takes_weights_as_fp32_main_weights(tmp_path, fmt):
+    root = str(tmp_path)
+    t = _trainer(root, fmt)
+    t.iteration = 3
+    t.save()
+    b = _trainer(root, fmt, params_dtype="bfloat16")
+    b.cfg = b.cfg.with_(checkpoint=replace(b.cfg.checkpoint, finetune=True))
+    assert b.load() == 3 and b.iteration == 0 and b.consumed_samples == 0
+    saved = dict(t.chunks[0].named_parameters())
+    for pc in b.optimizer.pieces:  # the optimizer continues from the checkpoint, not from the random init
+        assert torch.equal(pc.main.detach(), saved[pc.name].detach()), pc.name
+    assert not b.optimizer.optimizer.state  # --finetune: fresh Adam moments

@@ -80,3 +80,25 @@ def test_bad_data_is_one_line_error(tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error:") and message in lines[0], lines
+
+
+def test_save_and_resume_through_the_cli_continues_the_run(tmp_path, capsys):
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+
+    common = TINY + ["--eval-iters", "0", "--hidden-dropout", "0.1"]
+    ck = str(tmp_path / "ck")
+    assert pretrain_gpt.main(common + ["--train-iters", "6"]) == 0
+    straight = _losses(capsys.readouterr().out)
+    assert pretrain_gpt.main(common + ["--train-iters", "6", "--exit-interval", "3", "--save", ck,
+                                       "--save-interval", "2", "--ckpt-keep-last", "1"]) == 0
+    first = _losses(capsys.readouterr().out)
+    assert sorted(p.name for p in pathlib.Path(ck).iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert pretrain_gpt.main(common + ["--train-iters", "6", "--load", ck]) == 0
+    out = capsys.readouterr().out
+    assert "loaded checkpoint" in out and re.search(r" iteration +4/ +6 \| consumed samples: +32 \|", out)
+    assert first + _losses(out) == straight  # dropout on: RNG, data position and optimizer all resumed
+    # a checkpoint of another model shape is one line on stderr, exit code 2
+    assert pretrain_gpt.main(common + ["--train-iters", "6", "--load", ck, "--hidden-size", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hidden_size 32 (checkpoint) vs 64 (run)" in err[0]
