@@ -188,7 +188,7 @@ def _save_sharded(trainer, tmp: str, full_opt: dict) -> None:
             for prefix, tensor in sources.items():
                 for b in blocks:
                     key = f"{prefix}/{b.key}"
-                    state[key] = b.local(tensor).contiguous().clone()
+                    state[key] = b.local(tensor).contiguous()  # written before anything changes
                     index.append({"key": key, "prefix": prefix, "name": b.name, "shape": list(b.global_shape),
                                   "offsets": list(b.offsets), "sizes": list(b.sizes),
                                   "dtype": str(tensor.dtype).replace("torch.", "")})

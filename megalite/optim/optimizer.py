@@ -288,28 +288,40 @@ class MegatronOptimizer:
     def full_state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """Every parameter's whole fp32 main weight and Adam moments (collective over dp).
 
-        The distributed optimizer's shards are summed into full-size flat tensors
-        over the DP group (the pieces are disjoint), so every rank returns the same.
+        The plain optimizer returns views of its live state (copy before the next
+        step if you keep them); the distributed optimizer's shards are summed into
+        full-size tensors over the DP group (the pieces are disjoint), so every
+        rank returns the same.
         """
         keys = ["param"] + sorted({k for s in self.optimizer.state.values() for k, v in s.items()
                                    if torch.is_tensor(v) and v.dim() > 0})
         out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n, _ in self.named}
-        shards = self.sharded_state_dict()["pieces"]
-        for key in keys:
-            flats = {n: torch.zeros(p.numel(), device=p.device) for n, p in self.named}
+
+        def source(pc: _Piece, key: str) -> Optional[torch.Tensor]:
+            if key == "param":
+                return pc.main.detach()
+            t = self.optimizer.state.get(pc.main, {}).get(key)
+            return t.detach() if t is not None else None
+
+        if not self.distributed:  # one piece per parameter: views, no copies
             for pc in self.pieces:
-                src = shards[f"{pc.name}[{pc.start}:{pc.end}]"].get(key)
-                if src is not None:
-                    flats[pc.name][pc.start:pc.end] = src
-            if self.distributed:
-                flat = torch.cat([flats[n] for n, _ in self.named])
-                dist.all_reduce(flat, group=self.ps.dp_group)
-                offset = 0
-                for n, p in self.named:
-                    flats[n] = flat[offset:offset + p.numel()]
-                    offset += p.numel()
+                for key in keys:
+                    t = source(pc, key)
+                    if t is not None:
+                        out[pc.name][key] = t.float().view(pc.param.shape)
+        else:
+            offsets, total = {}, 0
             for n, p in self.named:
-                out[n][key] = flats[n].view(p.shape).clone()
+                offsets[n], total = total, total + p.numel()
+            for key in keys:
+                flat = torch.zeros(total, device=self.ps.device)
+                for pc in self.pieces:
+                    t = source(pc, key)
+                    if t is not None:
+                        flat[offsets[pc.name] + pc.start:offsets[pc.name] + pc.end] = t.view(-1)
+                dist.all_reduce(flat, group=self.ps.dp_group)
+                for n, p in self.named:
+                    out[n][key] = flat[offsets[n]:offsets[n] + p.numel()].view(p.shape)
         steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
         for n in out:
             if steps:
