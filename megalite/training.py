@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import replace
 from typing import Dict, List, Optional
@@ -170,8 +171,11 @@ class Trainer:
         """Resume from --load (collective); returns the iteration loaded, or None when there is none."""
         from megalite.checkpointing import load_checkpoint
         ck = self.cfg.checkpoint
-        return load_checkpoint(self, ck.load, step=ck.ckpt_step, finetune=ck.finetune,
-                               load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng)
+        it = load_checkpoint(self, ck.load, step=ck.ckpt_step, finetune=ck.finetune,
+                             load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng)
+        if it is not None and not ck.finetune and os.path.abspath(ck.load) == os.path.abspath(ck.save or ""):
+            self.saved_at = self.iteration  # already on disk: do not save it again at the end
+        return it
 
     # -- one iteration ---------------------------------------------------------------------------
     def train_step(self, batches: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:

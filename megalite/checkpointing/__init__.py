@@ -41,7 +41,7 @@ logger = logging.getLogger("megalite")
 LATEST = "latest_checkpointed_iteration.txt"
 OPTIM_KEYS = ("param", "exp_avg", "exp_avg_sq")
 FORMAT_VERSION = 1
-_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_size", "vocab_size",
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
                  "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
                  "max_positions")
 
@@ -78,7 +78,7 @@ def _rng_state(trainer) -> dict:
     return {"python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],  # this rank's device
             "tracker": trainer.tracker.get_states()}
 
 
@@ -88,7 +88,7 @@ def _set_rng_state(trainer, st: dict) -> None:
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), int(n[2]), int(n[3]), float(n[4])))
     torch.set_rng_state(st["torch"])
     if st["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        torch.cuda.set_rng_state(st["cuda"][0])
     trainer.tracker.set_states(st["tracker"])
 
 
@@ -115,8 +115,10 @@ def _meta(trainer) -> dict:
 
 def check_model_shape(saved: dict, trainer, where: str) -> None:
     """One line naming every model-shape field that differs between a checkpoint and the run."""
-    diffs = [f"{f} {saved[f]} (checkpoint) vs {getattr(trainer.cfg.model, f)} (run)"
-             for f in _SHAPE_FIELDS if f in saved and saved[f] != getattr(trainer.cfg.model, f)]
+    m = trainer.cfg.model
+    fields = [f for f in _SHAPE_FIELDS if f != "max_positions" or m.position_embedding_type == "learned_absolute"]
+    diffs = [f"{f} {saved[f]} (checkpoint) vs {getattr(m, f)} (run)"
+             for f in fields if f in saved and saved[f] != getattr(m, f)]
     if diffs:
         raise CheckpointError(f"{where} does not fit this model: {'; '.join(diffs)}; pass the model flags it was "
                               f"saved with")
@@ -130,13 +132,14 @@ def save_checkpoint(trainer, root: str, fmt: str = "sharded", keep_last: Optiona
     tmp = final + ".tmp"
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
+        for stale in os.listdir(root):  # saves killed earlier
+            if stale.startswith("iter_") and stale.endswith((".tmp", ".old")):
+                shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
         os.makedirs(tmp)
     ps.barrier()
     trainer.optimizer.finish_param_gather()
-    full_opt = trainer.optimizer.full_state_dict()  # collective over DP
-    if not trainer.optimizer.half:  # fp32 main weights are the model weights: do not store them twice
-        full_opt = {n: {k: v for k, v in e.items() if k != "param"} for n, e in full_opt.items()}
+    # fp32 main weights are the model weights: not stored twice (collective over DP, one key at a time on CPU)
+    full_opt = trainer.optimizer.full_state_dict(include_main=trainer.optimizer.half, to_cpu=True)
     if fmt == "sharded":
         _save_sharded(trainer, tmp, full_opt)
     elif fmt == "torch":
@@ -144,19 +147,48 @@ def save_checkpoint(trainer, root: str, fmt: str = "sharded", keep_last: Optiona
     else:
         raise CheckpointError(f"unknown --ckpt-format {fmt!r}; use sharded or torch")
     if ps.rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**_meta(trainer), "format": fmt}, f)
+        _write_json(os.path.join(tmp, "meta.json"), {**_meta(trainer), "format": fmt})
     ps.barrier()  # every rank's files are in tmp
     if ps.rank == 0:
-        if os.path.exists(final):  # saving the same iteration again: replace it
-            shutil.rmtree(final)
+        old = final + ".old"
+        if os.path.exists(final):  # saving the same iteration again: it stays loadable until replaced
+            os.replace(final, old)
         os.replace(tmp, final)
+        _fsync_dir(root)
         _write_latest(root, it)
+        shutil.rmtree(old, ignore_errors=True)
         if keep_last:
             _prune(root, keep_last, it)
     ps.barrier()
     logger.info(f"saved checkpoint at iteration {it} to {root} ({fmt} format)")
     return final
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _save_synced(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_latest(root: str, it: int) -> None:
@@ -166,6 +198,7 @@ def _write_latest(root: str, it: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
 
 
 def _prune(root: str, keep_last: int, latest: int) -> None:
@@ -194,9 +227,8 @@ def _save_sharded(trainer, tmp: str, full_opt: dict) -> None:
                                   "dtype": str(tensor.dtype).replace("torch.", "")})
     with _quiet_single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
-    with open(os.path.join(tmp, f"index_{ps.rank:05d}.json"), "w") as f:
-        json.dump(index, f)
-    torch.save(_rng_state(trainer), os.path.join(tmp, f"rng_{ps.rank:05d}.pt"))
+    _write_json(os.path.join(tmp, f"index_{ps.rank:05d}.json"), index)
+    _save_synced(_rng_state(trainer), os.path.join(tmp, f"rng_{ps.rank:05d}.pt"))
 
 
 def _legacy_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -223,7 +255,7 @@ def _save_torch(trainer, tmp: str, full_opt: dict) -> None:
              "layout": meta["layout"], "model_shape": meta["model_shape"]}
     d = os.path.join(tmp, _legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size))
     os.makedirs(d, exist_ok=True)
-    torch.save(state, os.path.join(d, "model_optim_rng.pt"))
+    _save_synced(state, os.path.join(d, "model_optim_rng.pt"))
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -236,15 +268,18 @@ def load_checkpoint(trainer, root: str, *, step: Optional[int] = None, finetune:
     """
     it = step if step is not None else read_latest(root)
     if it is None:
+        if finetune:
+            raise CheckpointError(f"--finetune: no checkpoint in {root} (no {LATEST}); check --load")
         logger.warning(f"no {LATEST} in {root}: starting from scratch")
         return None
     d = iteration_dir(root, it)
     meta_path = os.path.join(d, "meta.json")
     if not os.path.exists(meta_path):
-        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json); "
-                              f"pick another with --ckpt-step or check --load")
-    with open(meta_path) as f:
-        meta = json.load(f)
+        have = sorted(x[5:] for x in os.listdir(root) if x.startswith("iter_") and x[5:].isdigit()) \
+            if os.path.isdir(root) else []
+        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json); iterations in {root}: "
+                              f"{', '.join(have) or 'none'}; pick one with --ckpt-step or check --load")
+    meta = _read_json(meta_path)
     check_model_shape(meta["model_shape"], trainer, d)
     load_optim = load_optim and not finetune
     trainer.optimizer.finish_param_gather()
@@ -288,6 +323,11 @@ def _load_torch(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]
     state = safe_torch_load(path)
     models = [state["model" if len(trainer.chunks) == 1 else f"model{i}"] for i in range(len(trainer.chunks))]
     for chunk, sd in zip(trainer.chunks, models):
+        for name, p in chunk.named_parameters():
+            if name not in sd or tuple(sd[name].shape) != tuple(p.shape):
+                got = tuple(sd[name].shape) if name in sd else "missing"
+                raise CheckpointError(f"{path}: {name} is {got} in the checkpoint, {tuple(p.shape)} in this run "
+                                      f"(check --make-vocab-size-divisible-by and the model flags)")
         chunk.load_state_dict(sd)
     opt_state = state["optimizer"]["state"] if load_optim else {}
     for sd in models:  # no fp32 main weights saved (fp32 run, or optimizer not loaded): the weights are them
@@ -309,13 +349,21 @@ def _set_group_steps(trainer, meta: dict) -> None:
             g["step"] = s
 
 
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"cannot read {path} ({e}); the checkpoint is damaged: load another iteration "
+                              f"with --ckpt-step") from None
+
+
 def _read_index(d: str) -> Dict[Tuple[str, str], List[dict]]:
     out: Dict[Tuple[str, str], List[dict]] = {}
     for fn in sorted(os.listdir(d)):
         if fn.startswith("index_") and fn.endswith(".json"):
-            with open(os.path.join(d, fn)) as f:
-                for e in json.load(f):
-                    out.setdefault((e["prefix"], e["name"]), []).append(e)
+            for e in _read_json(os.path.join(d, fn)):
+                out.setdefault((e["prefix"], e["name"]), []).append(e)
     return out
 
 
@@ -346,8 +394,15 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
                     if e["key"] not in wanted:
                         wanted[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
                     plan.append((i, name, prefix, b, e["key"], sl))
-    with _quiet_single_process():
-        dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
+    try:
+        with _quiet_single_process():
+            dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.distributed.checkpoint wraps every rank's failure
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise CheckpointError(f"reading the tensors of {d} failed ({first[:200]}); the checkpoint is damaged: "
+                              f"load another iteration with --ckpt-step") from None
     model_out = {k: torch.zeros(p.shape, dtype=torch.float32) for k, p in params.items()}
     optim_out: Dict[str, Dict[str, torch.Tensor]] = {}
     saved_optim = [k for k in OPTIM_KEYS if any(pre == f"optim.{k}" for pre, _ in index)] if load_optim else []
@@ -375,5 +430,8 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
         _set_group_steps(trainer, meta)
     if meta["layout"] == _layout(trainer):
         path = os.path.join(d, f"rng_{trainer.ps.rank:05d}.pt")
-        return safe_torch_load(path) if os.path.exists(path) else None
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; pass --no-load-rng to "
+                                  f"load it without random states")
+        return safe_torch_load(path)
     return None

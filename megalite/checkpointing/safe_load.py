@@ -9,14 +9,13 @@ object is built, so a file carrying a pickled callable never runs it.
 """
 from __future__ import annotations
 
-import io
+import os
 import pickle
-import types
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.filesystem as dcp_fs
+import torch.distributed.checkpoint.metadata as dcp_metadata
 
 
 class CheckpointError(RuntimeError):
@@ -31,45 +30,46 @@ def safe_torch_load(path: str) -> Any:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"refusing to load {path}: it holds pickled objects outside the plain-data "
                               f"allow-list ({first[:160]}); only load checkpoints you trust to be data") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read {path} ({first[:160]}): the file is truncated or not a torch file; "
+                              f"load another iteration with --ckpt-step") from None
 
 
-_PATH_CLASSES = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+_ALLOWED = {  # exactly what torch.distributed.checkpoint's index is made of
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("collections", "OrderedDict"),
+    *(("pathlib", n) for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # dataclasses and enums of the metadata, no functions
-                return obj
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                                 (torch.dtype, torch.layout, torch.memory_format))):
-            return getattr(torch, name)
-        elif (module, name) == ("torch.serialization", "_get_layout"):
-            return super().find_class(module, name)
-        elif module == "pathlib" and name in _PATH_CLASSES:
-            return super().find_class(module, name)
-        elif (module, name) == ("collections", "OrderedDict"):
+        if "." not in name and ((module, name) in _ALLOWED or (
+                module == "torch" and isinstance(getattr(torch, name, None),
+                                                 (torch.dtype, torch.layout, torch.memory_format)))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
 
-def _restricted_load(f) -> Any:
-    return _MetadataUnpickler(f).load()
-
-
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allow-list."""
+    """``FileSystemReader`` whose ``.metadata`` index is unpickled with the allow-list above."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        shim = types.SimpleNamespace(load=_restricted_load, loads=lambda b: _restricted_load(io.BytesIO(b)),
-                                     UnpicklingError=pickle.UnpicklingError)
-        original = dcp_fs.pickle
-        dcp_fs.pickle = shim  # the stock reader calls pickle.load on the index
+        rank = kwargs.get("rank")
+        path = os.path.join(str(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or not a sharded checkpoint")
         try:
-            return super().read_metadata(*args, **kwargs)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"refusing to load {self.path}/.metadata: {e}; only load checkpoints "
-                                  f"you trust to be data") from None
-        finally:
-            dcp_fs.pickle = original
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+            raise CheckpointError(f"refusing to load {path}: {e}; only load checkpoints you trust to be "
+                                  f"data") from None
+        if getattr(metadata, "storage_meta", None) is None and hasattr(dcp_metadata, "StorageMeta"):
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        if getattr(metadata, "storage_meta", None) is not None and hasattr(self, "load_id"):
+            metadata.storage_meta.load_id = self.load_id
+        return metadata

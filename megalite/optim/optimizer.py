@@ -285,16 +285,17 @@ class MegatronOptimizer:
         if st:
             self.optimizer.state[pc.main] = st
 
-    def full_state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
-        """Every parameter's whole fp32 main weight and Adam moments (collective over dp).
+    def full_state_dict(self, include_main: bool = True, to_cpu: bool = False) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Every parameter's whole fp32 main weight ("param") and Adam moments (collective over dp).
 
         The plain optimizer returns views of its live state (copy before the next
         step if you keep them); the distributed optimizer's shards are summed into
-        full-size tensors over the DP group (the pieces are disjoint), so every
-        rank returns the same.
+        full-size tensors over the DP group (the pieces are disjoint), one state
+        key at a time (moved to CPU with ``to_cpu`` before the next), so every rank
+        returns the same.
         """
-        keys = ["param"] + sorted({k for s in self.optimizer.state.values() for k, v in s.items()
-                                   if torch.is_tensor(v) and v.dim() > 0})
+        keys = (["param"] if include_main else []) + sorted(
+            {k for s in self.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
         out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n, _ in self.named}
 
         def source(pc: _Piece, key: str) -> Optional[torch.Tensor]:
@@ -308,7 +309,7 @@ class MegatronOptimizer:
                 for key in keys:
                     t = source(pc, key)
                     if t is not None:
-                        out[pc.name][key] = t.float().view(pc.param.shape)
+                        out[pc.name][key] = (t.cpu() if to_cpu else t).float().view(pc.param.shape)
         else:
             offsets, total = {}, 0
             for n, p in self.named:
@@ -320,6 +321,7 @@ class MegatronOptimizer:
                     if t is not None:
                         flat[offsets[pc.name] + pc.start:offsets[pc.name] + pc.end] = t.view(-1)
                 dist.all_reduce(flat, group=self.ps.dp_group)
+                flat = flat.cpu() if to_cpu else flat
                 for n, p in self.named:
                     out[n][key] = flat[offsets[n]:offsets[n] + p.numel()].view(p.shape)
         steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]

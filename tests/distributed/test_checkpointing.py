@@ -230,3 +230,33 @@ def test_finetune_into_bf16_takes_weights_as_fp32_main_weights(tmp_path, fmt):
     for pc in b.optimizer.pieces:  # the optimizer continues from the checkpoint, not from the random init
         assert torch.equal(pc.main.detach(), saved[pc.name].detach()), pc.name
     assert not b.optimizer.optimizer.state  # --finetune: fresh Adam moments
+
+
+def test_index_unpickler_refuses_dotted_names_and_unlisted_classes(tmp_path):
+    import io
+
+    from megalite.checkpointing.safe_load import _MetadataUnpickler
+
+    def global_ref(module, name):  # protocol 4 STACK_GLOBAL, as a crafted file would use
+        return (b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode()
+                + b"\x93")
+    for module, name in [("torch.distributed.checkpoint.filesystem", "operator.methodcaller"),
+                         ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
+                         ("builtins", "eval"), ("os", "system")]:
+        with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+            _MetadataUnpickler(io.BytesIO(b"\x80\x04" + global_ref(module, name) + b".")).load()
+
+
+def test_damaged_or_missing_checkpoints_are_one_line_errors(tmp_path):
+    root = str(tmp_path)
+    t = _trainer(root)
+    t.iteration = 2
+    t.save()
+    t.cfg = t.cfg.with_(checkpoint=replace(t.cfg.checkpoint, ckpt_step=7))
+    with pytest.raises(CheckpointError, match=r"iter_0000007 is not a complete.*iterations in .*: 0000002"):
+        t.load()
+    with open(os.path.join(root, "iter_0000002", "meta.json"), "w") as f:
+        f.write("{ truncated")
+    with pytest.raises(CheckpointError, match=r"cannot read .*meta.json.*--ckpt-step") as e:
+        _trainer(root).load()
+    assert "\n" not in str(e.value)
