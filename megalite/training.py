@@ -257,6 +257,7 @@ class Trainer:
             exiting = bool(t.exit_interval and self.iteration % t.exit_interval == 0)
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0 and not exiting:
                 self.save()
+                t_last = time.perf_counter()  # saving is not iteration time
             if exiting:
                 break
         if cfg.checkpoint.save and self.saved_at != self.iteration:
