@@ -370,15 +370,19 @@ def _read_index(d: str) -> Dict[Tuple[str, str], List[dict]]:
 def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
     SafeFileSystemReader(d).read_metadata()  # refuse a tampered index before torch.distributed.checkpoint reads it
     index = _read_index(d)
-    prefixes = ["model"] + ([f"optim.{k}" for k in OPTIM_KEYS] if load_optim else [])
     params = {(i, n): p for i, c in enumerate(trainer.chunks) for n, p in c.named_parameters()}
     needs = chunk_blocks(trainer.chunks, for_write=False)
+    saved_optim = [k for k in OPTIM_KEYS if any(pre == f"optim.{k}" for pre, _ in index)] if load_optim else []
+    # destinations: fp32 full local tensors (vocabulary padding stays zero)
+    model_out = {k: torch.zeros(p.shape, dtype=torch.float32) for k, p in params.items()}
+    optim_out: Dict[str, Dict[str, torch.Tensor]] = {
+        name: {k: torch.zeros(p.shape, dtype=torch.float32) for k in saved_optim}
+        for (i, name), p in params.items()} if saved_optim else {}
     wanted: Dict[str, torch.Tensor] = {}
-    plan = []  # (chunk, name, prefix, block, entry, slices)
+    copies = []  # (destination view, key, source slices) where a saved block is not exactly a needed one
     for (i, name), blocks in needs.items():
-        for prefix in prefixes:
-            if prefix != "model" and not any((prefix, b.name) in index for b in blocks):
-                continue
+        for prefix in ["model"] + [f"optim.{k}" for k in saved_optim]:
+            target = model_out[(i, name)] if prefix == "model" else optim_out[name][prefix.split(".", 1)[1]]
             for b in blocks:
                 entries = index.get((prefix, b.name))
                 if not entries:
@@ -391,9 +395,15 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
                     sl = intersect(b, e["offsets"], e["sizes"])
                     if sl is None:
                         continue
+                    dst = b.local(target)[sl[0]]
+                    exact = (e["offsets"] == list(b.offsets) and e["sizes"] == list(b.sizes)
+                             and e["dtype"] == "float32" and e["key"] not in wanted)
+                    if exact:  # read straight into place
+                        wanted[e["key"]] = dst
+                        continue
                     if e["key"] not in wanted:
                         wanted[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
-                    plan.append((i, name, prefix, b, e["key"], sl))
+                    copies.append((dst, e["key"], sl[1]))
     try:
         with _quiet_single_process():
             dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
@@ -403,20 +413,8 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise CheckpointError(f"reading the tensors of {d} failed ({first[:200]}); the checkpoint is damaged: "
                               f"load another iteration with --ckpt-step") from None
-    model_out = {k: torch.zeros(p.shape, dtype=torch.float32) for k, p in params.items()}
-    optim_out: Dict[str, Dict[str, torch.Tensor]] = {}
-    saved_optim = [k for k in OPTIM_KEYS if any(pre == f"optim.{k}" for pre, _ in index)] if load_optim else []
-    for (i, name), p in params.items():  # a shard of vocabulary padding only has no blocks: zeros
-        for k in saved_optim:
-            optim_out.setdefault(name, {})[k] = torch.zeros(p.shape, dtype=torch.float32)
-    for i, name, prefix, b, key, (dst, src) in plan:
-        if prefix == "model":
-            target = model_out[(i, name)]
-        else:
-            entry = optim_out.setdefault(name, {})
-            k = prefix.split(".", 1)[1]
-            target = entry.setdefault(k, torch.zeros(params[(i, name)].shape, dtype=torch.float32))
-        b.local(target)[dst].copy_(wanted[key][src])
+    for dst, key, src in copies:
+        dst.copy_(wanted[key][src])
     with torch.no_grad():
         for k, p in params.items():
             p.data.copy_(model_out[k].to(p.device))

@@ -260,3 +260,17 @@ def test_damaged_or_missing_checkpoints_are_one_line_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"cannot read .*meta.json.*--ckpt-step") as e:
         _trainer(root).load()
     assert "\n" not in str(e.value)
+
+
+def test_llama_gqa_uneven_stages_load_into_one_process(tmp_path):
+    """Fused QKV with 2 query groups and gate/up split by tp=2, uneven stages (1 + 3 layers), untied output."""
+    root, ref_root = str(tmp_path / "src"), str(tmp_path / "ref")
+    base = _cfg(LLAMA_STYLE, dropout=0.0)
+    _train_losses(ParallelState.single(), base, save=ref_root, exit_at=STEPS // 2)
+    ref = _eval_and_continue(ParallelState.single(), base, ref_root)
+    src = _cfg(LLAMA_STYLE, tp=2, pp=2, dropout=0.0)
+    src = src.with_(parallel=replace(src.parallel, decoder_first_pipeline_num_layers=1,
+                                     decoder_last_pipeline_num_layers=3))
+    run_distributed(_save_after, 4, src, root, tp=2, pp=2)
+    got = _eval_and_continue(ParallelState.single(), base, root)
+    assert _close([got["eval"]], [ref["eval"]]) and _close(got["losses"], ref["losses"]), (got, ref)
