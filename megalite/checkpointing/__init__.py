@@ -367,19 +367,8 @@ def _read_index(d: str) -> Dict[Tuple[str, str], List[dict]]:
     return out
 
 
-def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
-    SafeFileSystemReader(d).read_metadata()  # refuse a tampered index before torch.distributed.checkpoint reads it
-    index = _read_index(d)
-    params = {(i, n): p for i, c in enumerate(trainer.chunks) for n, p in c.named_parameters()}
-    needs = chunk_blocks(trainer.chunks, for_write=False)
-    saved_optim = [k for k in OPTIM_KEYS if any(pre == f"optim.{k}" for pre, _ in index)] if load_optim else []
-    # destinations: fp32 full local tensors (vocabulary padding stays zero)
-    model_out = {k: torch.zeros(p.shape, dtype=torch.float32) for k, p in params.items()}
-    optim_out: Dict[str, Dict[str, torch.Tensor]] = {
-        name: {k: torch.zeros(p.shape, dtype=torch.float32) for k in saved_optim}
-        for (i, name), p in params.items()} if saved_optim else {}
-    wanted: Dict[str, torch.Tensor] = {}
-    copies = []  # (destination view, key, source slices) where a saved block is not exactly a needed one
+def _plan_reads(d, index, needs, saved_optim, model_out, optim_out, wanted, copies) -> None:
+    """Which saved blocks this rank reads, and where each part of them goes."""
     for (i, name), blocks in needs.items():
         for prefix in ["model"] + [f"optim.{k}" for k in saved_optim]:
             target = model_out[(i, name)] if prefix == "model" else optim_out[name][prefix.split(".", 1)[1]]
@@ -404,6 +393,39 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
                     if e["key"] not in wanted:
                         wanted[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
                     copies.append((dst, e["key"], sl[1]))
+
+
+def _agree_on_error(trainer, error: Optional[CheckpointError]) -> None:
+    """Raise everywhere if any rank failed (that rank's message locally, a pointer to it elsewhere)."""
+    failed = torch.tensor([1.0 if error is not None else 0.0], device=trainer.ps.device)
+    if dist.is_initialized() and trainer.ps.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise CheckpointError("another rank could not read this checkpoint (its error is printed above); "
+                              "check --load and the model flags")
+
+
+def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
+    SafeFileSystemReader(d).read_metadata()  # refuse a tampered index before torch.distributed.checkpoint reads it
+    index = _read_index(d)
+    params = {(i, n): p for i, c in enumerate(trainer.chunks) for n, p in c.named_parameters()}
+    needs = chunk_blocks(trainer.chunks, for_write=False)
+    saved_optim = [k for k in OPTIM_KEYS if any(pre == f"optim.{k}" for pre, _ in index)] if load_optim else []
+    # destinations: fp32 full local tensors (vocabulary padding stays zero)
+    model_out = {k: torch.zeros(p.shape, dtype=torch.float32) for k, p in params.items()}
+    optim_out: Dict[str, Dict[str, torch.Tensor]] = {
+        name: {k: torch.zeros(p.shape, dtype=torch.float32) for k in saved_optim}
+        for (i, name), p in params.items()} if saved_optim else {}
+    wanted: Dict[str, torch.Tensor] = {}
+    copies: list = []  # (destination view, key, source slices) where a saved block is not exactly a needed one
+    error = None
+    try:
+        _plan_reads(d, index, needs, saved_optim, model_out, optim_out, wanted, copies)
+    except CheckpointError as e:
+        error = e
+    _agree_on_error(trainer, error)  # a rank that cannot plan must not leave the others in the collective read
     try:
         with _quiet_single_process():
             dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
