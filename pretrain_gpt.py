@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -21,7 +22,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = resolve_data(parse_args(argv))
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same error: say it once
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
     par = cfg.parallel
     ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend)

@@ -8,7 +8,9 @@ features not built yet are accepted by name only to say so, never ignored.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import sys
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
@@ -277,12 +279,43 @@ def _to_config(a: argparse.Namespace) -> Config:
 def _positive(**values: Optional[float]) -> None:
     for flag, v in values.items():
         if v is not None and v <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {v}")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {v:g}")
+
+
+def _in_range(flag: str, value: Optional[float], lo: float, hi: float, hi_open: bool = True) -> None:
+    if value is not None and not (lo <= value < hi if hi_open else lo <= value <= hi):
+        raise ConfigError(f"{flag} must be in [{lo:g}, {hi:g}{')' if hi_open else ']'}, got {value:g}")
+
+
+def _at_least(value: Optional[float], low: float, flag: str) -> None:
+    if value is not None and value < low:
+        raise ConfigError(f"{flag} must be >= {low:g}, got {value:g}")
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Value ranges of single flags (one line naming the flag and the legal range)."""
+    m, o, t, lg = cfg.model, cfg.optim, cfg.train, cfg.logging
+    _positive(lr=o.lr, ffn_hidden_size=m.ffn_hidden_size, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+              rotary_base=m.rotary_base, init_method_std=m.init_method_std, norm_epsilon=m.layernorm_epsilon,
+              max_position_embeddings=m.max_position_embeddings, log_interval=lg.log_interval,
+              num_threads=t.num_threads, exit_interval=t.exit_interval, lr_decay_iters=o.lr_decay_iters,
+              adam_eps=o.adam_eps)
+    _in_range("--hidden-dropout", m.hidden_dropout, 0.0, 1.0)
+    _in_range("--attention-dropout", m.attention_dropout, 0.0, 1.0)
+    _in_range("--adam-beta1", o.adam_beta1, 0.0, 1.0)
+    _in_range("--adam-beta2", o.adam_beta2, 0.0, 1.0)
+    for flag, v in (("--lr-warmup-iters", o.lr_warmup_iters), ("--clip-grad", o.clip_grad),
+                    ("--weight-decay", o.weight_decay), ("--min-lr", o.min_lr), ("--eval-interval", t.eval_interval),
+                    ("--eval-iters", t.eval_iters), ("--seed", t.seed)):
+        _at_least(v, 0, flag)
+    if o.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {o.min_lr:g} is above --lr {o.lr:g}; the schedule decays from --lr to --min-lr")
 
 
 def validate(cfg: Config, world_size: int) -> None:
     """Check every flag combination that would otherwise fail later; raise ConfigError (one line)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
+    _validate_ranges(cfg)
     _positive(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
               seq_length=m.seq_length, micro_batch_size=t.micro_batch_size,
               global_batch_size=t.global_batch_size, tensor_model_parallel_size=par.tp,
@@ -361,15 +394,48 @@ def _validate_precision_and_memory(cfg: Config, dp: int) -> None:
         raise ConfigError(f"--num-workers must be >= 0, got {cfg.data.num_workers}")
 
 
+def _join_negative_values(argv: Sequence[str]) -> List[str]:
+    """``--lr -1e-3`` -> ``--lr=-1e-3``: argparse would take a negative exponent literal for a flag."""
+    out: List[str] = []
+    for tok in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and tok.startswith("-") and _is_number(tok):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+def _unknown_flag_error(parser: argparse.ArgumentParser, unknown: List[str]) -> ConfigError:
+    flags = [u.split("=")[0] for u in unknown if u.startswith("-")]
+    known = [o for a in parser._actions for o in a.option_strings]
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        if close:
+            return ConfigError(f"unrecognized argument {flag}; did you mean {close[0]}? (see --help)")
+    return ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see --help)")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> Config:
     """Parse and validate a command line; ``world_size`` defaults to $WORLD_SIZE (or 1)."""
     parser = build_parser()
+    argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
     try:
         args, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ConfigError(str(e)) from None
     if unknown:
-        raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see --help)")
+        raise _unknown_flag_error(parser, unknown)
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention (without it every head has its own "
+                          "key/value group)")
     used: List[str] = [f for f in NOT_IMPLEMENTED if getattr(args, f[2:].replace("-", "_")) is not None]
     if used:
         flag = used[0]

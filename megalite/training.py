@@ -229,7 +229,7 @@ class Trainer:
         """Run ``train_iters`` iterations with logging and evaluation; return per-iteration scalars."""
         cfg, t = self.cfg, self.cfg.train
         data = MicroBatches(train_ds, self.consumed_samples, t.micro_batch_size, self.m, self.ps,
-                            cfg.data.num_workers) if self.needs_data else None
+                            cfg.data.num_workers) if self.needs_data and self.iteration < t.train_iters else None
         if valid_ds is None and t.eval_iters > 0 and t.eval_interval > 0 and self.ps.is_logging_rank:
             logger.warning("no validation samples (see --split / --valid-data-path): evaluation is skipped")
         tb = TensorBoard(cfg.logging.tensorboard_dir if self.ps.is_logging_rank else None)

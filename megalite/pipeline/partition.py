@@ -20,7 +20,8 @@ from typing import Optional
 
 _FIRST = "--decoder-first-pipeline-num-layers"
 _LAST = "--decoder-last-pipeline-num-layers"
-_VP = "virtual pipeline size (vp, from --num-layers-per-virtual-pipeline-stage)"
+_VP = ("virtual pipeline size (--virtual-pipeline-model-parallel-size, or the layers per stage / "
+       "--num-layers-per-virtual-pipeline-stage)")
 
 
 def num_stages(pp: int, vp: int) -> int:

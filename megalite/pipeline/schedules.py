@@ -168,8 +168,9 @@ def build_interleaved_1f1b(pp: int, vp: int, m: int) -> list[list[Compute]]:
 
 def _interleaved_m_error(pp: int, m: int) -> str:
     return (
-        f"interleaved_1f1b needs --num-microbatches (m={m}) divisible by "
-        f"--pipeline-model-parallel-size (pp={pp})"
+        f"interleaved_1f1b needs the number of micro-batches per step (m = --global-batch-size / "
+        f"(--micro-batch-size x data-parallel size) = {m}) to be a multiple of "
+        f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or --micro-batch-size"
     )
 
 

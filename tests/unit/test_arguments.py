@@ -65,9 +65,11 @@ def test_help_shows_every_new_flag_with_its_default():
     assert "(default: 4294967296.0)" in text and "(default: 1000)" in text
 
 
-def test_query_groups_need_gqa_flag_semantics():
-    cfg = parse_args(["--num-query-groups", "2", "--mock-data"], world_size=1)
-    assert cfg.model.num_query_groups is None  # as Megatron: ignored without --group-query-attention
+def test_query_groups_need_the_gqa_flag():
+    with pytest.raises(ConfigError, match="--num-query-groups needs --group-query-attention"):
+        parse_args(["--num-query-groups", "2", "--mock-data"], world_size=1)
+    assert parse_args(["--num-query-groups", "2", "--group-query-attention", "--mock-data"],
+                      world_size=1).model.num_query_groups == 2
 
 
 @pytest.mark.parametrize("argv,world,message", [
@@ -88,13 +90,33 @@ def test_query_groups_need_gqa_flag_semantics():
     (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "130",
       "--max-position-embeddings", "130"], 4, r"--sequence-parallel needs --seq-length 130 divisible"),
     (["--overlap-param-gather"], 1, r"--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--fp16", "--hysteresis", "0"], 1, r"--hysteresis must be positive"),
-    (["--ddp-bucket-size", "0"], 1, r"--ddp-bucket-size must be positive"),
+    (["--fp16", "--hysteresis", "0"], 1, r"--hysteresis must be > 0"),
+    (["--ddp-bucket-size", "0"], 1, r"--ddp-bucket-size must be > 0"),
     (["--num-workers", "-1"], 1, r"--num-workers must be >= 0"),
     (["--attention-backend", "magic"], 1, r"invalid choice: 'magic'"),
+    # single-flag ranges: the flag and its legal range; negative numbers are values, not flags
+    (["--lr", "-1e-3"], 1, r"--lr must be > 0, got -0.001"),
+    (["--lr", "-1"], 1, r"--lr must be > 0, got -1"),
+    (["--log-interval", "0"], 1, r"--log-interval must be > 0"),
+    (["--make-vocab-size-divisible-by", "0"], 1, r"--make-vocab-size-divisible-by must be > 0"),
+    (["--hidden-dropout", "1.0"], 1, r"--hidden-dropout must be in \[0, 1\), got 1"),
+    (["--attention-dropout", "-0.1"], 1, r"--attention-dropout must be in \[0, 1\)"),
+    (["--adam-beta1", "1.2"], 1, r"--adam-beta1 must be in \[0, 1\)"),
+    (["--adam-beta2", "-0.5"], 1, r"--adam-beta2 must be in \[0, 1\)"),
+    (["--num-threads", "-1"], 1, r"--num-threads must be > 0, got -1"),
+    (["--rotary-base", "0"], 1, r"--rotary-base must be > 0"),
+    (["--ffn-hidden-size", "0"], 1, r"--ffn-hidden-size must be > 0"),
+    (["--min-lr", "0.01", "--lr", "0.001"], 1, r"--min-lr 0.01 is above --lr 0.001"),
+    (["--lr-warmup-iters", "-5"], 1, r"--lr-warmup-iters must be >= 0, got -5"),
+    (["--clip-grad", "-1"], 1, r"--clip-grad must be >= 0, got -1"),
+    (["--eval-interval", "-10"], 1, r"--eval-interval must be >= 0"),
+    (["--exit-interval", "0"], 1, r"--exit-interval must be > 0"),
+    (["--train-iters", "-1"], 1, r"--train-iters must be >= 0"),
+    (["--train-iter", "5"], 1, r"unrecognized argument --train-iter; did you mean --train-iters\?"),
+    (["--tensor-parallel-size", "2"], 1, r"did you mean --tensor-model-parallel-size\?"),
     (["--async-save"], 1, r"--async-save is not implemented yet"),
     (["--save-interval", "10"], 1, r"--save-interval needs --save DIR"),
-    (["--save", "/tmp/x", "--save-interval", "0"], 1, r"--save-interval must be positive"),
+    (["--save", "/tmp/x", "--save-interval", "0"], 1, r"--save-interval must be > 0"),
     (["--ckpt-format", "torch_dist"], 1, r"invalid choice: 'torch_dist'"),
     (["--lr-decay-style", "exp"], 1, r"invalid choice: 'exp'"),
     (["--num-layers", "two"], 1, r"invalid int value: 'two'"),
@@ -115,6 +137,14 @@ def test_bad_input_is_one_line_error(argv, world, message):
     with pytest.raises(ConfigError, match=message) as e:
         parse_args(argv, world_size=world)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("rank,lines", [("0", 1), ("1", 0)])
+def test_flag_errors_are_printed_once_per_job(rank, lines):
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--lr", "-1e-3"], capture_output=True, text=True,
+                          timeout=120, env={"WORLD_SIZE": "2", "RANK": rank, "PATH": ""},
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == lines, proc.stderr
 
 
 def test_pretrain_cli_reports_error_before_any_process_group(tmp_path):

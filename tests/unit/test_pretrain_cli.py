@@ -102,3 +102,11 @@ def test_save_and_resume_through_the_cli_continues_the_run(tmp_path, capsys):
     assert pretrain_gpt.main(common + ["--train-iters", "6", "--load", ck, "--hidden-size", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "hidden_size 32 (checkpoint) vs 64 (run)" in err[0]
+
+
+def test_zero_train_iters_runs_nothing_and_exits_cleanly(capsys):
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(TINY + ["--train-iters", "0", "--eval-iters", "0"]) == 0
+    assert _losses(capsys.readouterr().out) == []

@@ -132,7 +132,7 @@ def test_default_schedule_name():
 
 @pytest.mark.parametrize("name, pp, vp, m, text", [
     ("zero_bubble", 2, 1, 4, "valid: no_pipelining, gpipe, 1f1b, interleaved_1f1b"),
-    ("interleaved_1f1b", 4, 2, 6, "divisible by --pipeline-model-parallel-size (pp=4)"),
+    ("interleaved_1f1b", 4, 2, 6, "a multiple of --pipeline-model-parallel-size (4)"),
     ("interleaved_1f1b", 4, 1, 8, "needs vp > 1"),
     ("1f1b", 4, 2, 8, "needs vp=1"),
     ("no_pipelining", 2, 1, 4, "needs pp=1"),

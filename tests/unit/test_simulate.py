@@ -164,7 +164,7 @@ def test_plot_tool_from_simulator_and_json(tmp_path, capsys):
 def test_plot_tool_rejects_bad_schedule(tmp_path):
     out = _run_tool("--schedule", "interleaved_1f1b", "--pp", "4", "--vp", "2",
                     "--num-microbatches", "6", "--print")
-    assert out.returncode == 2 and "divisible" in out.stderr
+    assert out.returncode == 2 and "a multiple of --pipeline-model-parallel-size (4)" in out.stderr
 
 
 def test_stage_costs_model_a_heavier_last_stage():
