@@ -15,7 +15,7 @@ from megalite.logging import setup_logging
 from megalite.checkpointing import CheckpointError
 from megalite.config import ConfigError
 from megalite.parallel_state import ParallelState
-from megalite.training import Trainer, build_datasets, resolve_data
+from megalite.training import Trainer, TrainingStopped, build_datasets, resolve_data
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -51,7 +51,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         ps.destroy()
         return 2
-    trainer.train(train_ds, valid_ds)
+    try:
+        trainer.train(train_ds, valid_ds)
+    except TrainingStopped as e:
+        if ps.is_logging_rank:  # the rank that knows the loss says it once
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        ps.destroy()
+        return 1
     ps.destroy()
     return 0
 

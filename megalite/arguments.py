@@ -135,6 +135,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=_T.eval_interval)
     g.add_argument("--eval-iters", type=int, default=_T.eval_iters)
     g.add_argument("--exit-interval", type=int, default=_T.exit_interval)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="count non-finite losses/grad norms and skip those updates instead of "
+                                              "stopping the run at the first one")
     g.add_argument("--num-threads", type=int, default=_T.num_threads,
                    help="torch intra-op threads (default: left to OMP_NUM_THREADS / torch)")
 
@@ -267,7 +270,8 @@ def _to_config(a: argparse.Namespace) -> Config:
         tokenizer_model=a.tokenizer_model, num_workers=a.num_workers)
     train = TrainConfig(micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
                         train_iters=a.train_iters, seed=a.seed, eval_interval=a.eval_interval,
-                        eval_iters=a.eval_iters, num_threads=a.num_threads, exit_interval=a.exit_interval)
+                        eval_iters=a.eval_iters, num_threads=a.num_threads, exit_interval=a.exit_interval,
+                        check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad)
     logging_cfg = LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
                                 timeline_out=a.timeline_out)
     ckpt = CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, ckpt_format=a.ckpt_format,

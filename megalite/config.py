@@ -145,6 +145,7 @@ class TrainConfig:
     eval_iters: int = 5
     num_threads: Optional[int] = None  # None: leave torch's default (OMP_NUM_THREADS)
     exit_interval: Optional[int] = None
+    check_for_nan_in_loss_and_grad: bool = True  # stop at the first non-finite loss or grad norm (Megatron)
 
 
 @dataclass(frozen=True)

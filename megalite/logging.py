@@ -45,6 +45,14 @@ def mean_over_data_parallel(losses: Sequence[torch.Tensor], ps: ParallelState) -
     return float(loss)
 
 
+def flag_on_any_rank(flag: bool, ps: ParallelState) -> bool:
+    """True on every rank when ``flag`` is true on at least one."""
+    t = torch.tensor([1.0 if flag else 0.0], device=ps.device)
+    if ps.world_size > 1 and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
 def mean_over_pipeline(value: float, ps: ParallelState) -> float:
     """Mean of a per-stage scalar (e.g. the measured bubble) over the pipeline group."""
     if ps.pp_size == 1:

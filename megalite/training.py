@@ -30,7 +30,7 @@ import torch
 from megalite.config import Config, ConfigError
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.samplers import PretrainingSampler
-from megalite.logging import (TensorBoard, flops_per_iteration, format_log_line, format_timers,
+from megalite.logging import (TensorBoard, flag_on_any_rank, flops_per_iteration, format_log_line, format_timers,
                               mean_over_data_parallel, mean_over_pipeline, write_timeline)
 from megalite.model.gpt import GPTModel
 from megalite.optim.lr_scheduler import LRScheduler
@@ -42,6 +42,10 @@ from megalite.pipeline.schedules import build_schedule, default_schedule_name
 from megalite.tensor_parallel.random import RNGTracker
 
 logger = logging.getLogger("megalite")
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient); the message says why and what to do."""
 
 
 def resolve_data(cfg: Config) -> Config:
@@ -202,6 +206,19 @@ class Trainer:
                 "p2p": stats.p2p, "grads_sync": t1 - t0, "optimizer": t2 - t1,
                 "bubble": self._bubble(stats), "loss_scale": self.optimizer.loss_scale, "updated": updated}
 
+    def _stop_if_not_finite(self, out: Dict[str, float]) -> None:
+        """Megatron's --check-for-nan-in-loss-and-grad: every rank stops at the first non-finite value.
+
+        An fp16 overflow is not one: the loss scaler skips that step (its norm is None).
+        """
+        bad = any(v is not None and not math.isfinite(v) for v in (out["loss"], out["grad_norm"]))
+        if flag_on_any_rank(bad, self.ps):
+            raise TrainingStopped(
+                f"iteration {self.iteration}: the loss or gradient norm is not finite (lm loss {out['loss']}, grad "
+                f"norm {out['grad_norm']} on this rank); stopping, with the weights of iteration "
+                f"{self.iteration - 1}. Lower --lr or check the data; --no-check-for-nan-in-loss-and-grad counts "
+                f"such steps and skips their updates instead")
+
     def _reduce_loss(self, losses: List[torch.Tensor]) -> Optional[float]:
         """Mean micro-batch loss over DP ranks (last stage only; None elsewhere)."""
         return mean_over_data_parallel(losses, self.ps)
@@ -243,6 +260,8 @@ class Trainer:
             out = self.train_step(batches)
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
+            if t.check_for_nan_in_loss_and_grad:
+                self._stop_if_not_finite(out)
             out["lr"] = lr
             history.append(out)
             window.append(out)
@@ -298,7 +317,7 @@ class Trainer:
                              self.cfg.data.num_workers) if self.needs_data else None
         loss = self.evaluate(valid)
         if self.ps.is_logging_rank and loss is not None:
-            ppl = math.exp(min(20.0, loss))
+            ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
             line = f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | " \
                    f"lm loss PPL: {ppl:.6E} |"
             logger.info("-" * len(line) + "\n" + line + "\n" + "-" * len(line))

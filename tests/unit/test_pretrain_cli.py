@@ -110,3 +110,21 @@ def test_zero_train_iters_runs_nothing_and_exits_cleanly(capsys):
 
     assert pretrain_gpt.main(TINY + ["--train-iters", "0", "--eval-iters", "0"]) == 0
     assert _losses(capsys.readouterr().out) == []
+
+
+def test_non_finite_loss_stops_the_run_or_is_counted(capsys):
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+
+    diverging = TINY + ["--train-iters", "4", "--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0",
+                        "--clip-grad", "0", "--eval-iters", "1", "--eval-interval", "4"]
+    assert pretrain_gpt.main(diverging) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"iteration \d: the loss or gradient norm is not finite", err[0]), err
+    assert "--no-check-for-nan-in-loss-and-grad" in err[0]
+    assert pretrain_gpt.main(diverging + ["--no-check-for-nan-in-loss-and-grad"]) == 0
+    out = capsys.readouterr().out
+    nans = [int(x) for x in re.findall(r"number of nan iterations: +(\d+)", out)]
+    assert nans[-1] >= 1
+    assert "lm loss PPL: NAN |" in out  # not exp(20) (Megatron's {:.6E} format of nan)
