@@ -303,7 +303,7 @@ def load_checkpoint(trainer, root: str, *, step: Optional[int] = None, finetune:
     return it
 
 
-def _optimizer_state(trainer, tensors: Dict[str, Dict[str, torch.Tensor]], meta: dict) -> dict:
+def _optimizer_state(tensors: Dict[str, Dict[str, torch.Tensor]], meta: dict) -> dict:
     step = torch.tensor(meta["adam_step"], dtype=torch.float32)
     # Adam's moments exist once a step has been taken (fp16 may skip the first ones)
     return {n: {**t, "step": step.clone()} if "exp_avg" in t else dict(t) for n, t in tensors.items()}
@@ -330,10 +330,11 @@ def _load_torch(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]
                                       f"(check --make-vocab-size-divisible-by and the model flags)")
         chunk.load_state_dict(sd)
     opt_state = state["optimizer"]["state"] if load_optim else {}
+    optimized = {n for n, _ in trainer.optimizer.named}
     for sd in models:  # no fp32 main weights saved (fp32 run, or optimizer not loaded): the weights are them
         for name, t in sd.items():
             if "param" not in opt_state.get(name, {}) and (load_optim or trainer.optimizer.half) \
-                    and name in dict(trainer.optimizer.named):
+                    and name in optimized:
                 opt_state.setdefault(name, {})["param"] = t.float()
     if opt_state:
         trainer.optimizer.load_full_state_dict(opt_state)
@@ -445,7 +446,7 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
         for (i, name), t in model_out.items():
             optim_out.setdefault(name, {})["param"] = t
     if optim_out:
-        trainer.optimizer.load_full_state_dict(_optimizer_state(trainer, optim_out, meta))
+        trainer.optimizer.load_full_state_dict(_optimizer_state(optim_out, meta))
     if load_optim:
         _set_group_steps(trainer, meta)
     if meta["layout"] == _layout(trainer):

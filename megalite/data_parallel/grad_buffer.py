@@ -48,6 +48,7 @@ class Bucket:
         self.grad_handle = None
         self.grad_out: Optional[torch.Tensor] = None
         self.param_handle = None
+        self.gather_src: Optional[torch.Tensor] = None  # kept alive until its all-gather completes
 
 
 class GradBuffer:
@@ -176,7 +177,7 @@ class GradBuffer:
             shard = self.param_data[b.shard[0]:b.shard[1]].clone()
             b.param_handle = all_gather_flat(self.param_data[b.start:b.end], shard,
                                             group=self.dp.group, async_op=True)
-            b._gather_src = shard  # keep the source alive until the gather completes
+            b.gather_src = shard
         if not async_op:
             self.wait_params()
 
@@ -188,7 +189,7 @@ class GradBuffer:
             if b.param_handle is not None:
                 b.param_handle.wait()
                 b.param_handle = None
-                b._gather_src = None
+                b.gather_src = None
 
     def install_param_gather_hooks(self, modules: Sequence[nn.Module]) -> None:
         """Forward pre-hooks: a module waits for its own weights' gather before it runs."""

@@ -230,8 +230,8 @@ class MegatronOptimizer:
         """Bytes this rank holds for the optimizer: Adam moments plus fp32 main weights it owns."""
         total = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        if self.half or self.distributed:
-            total += sum(pc.main.numel() * 4 for pc in self.pieces) if self.half else 0
+        if self.half:  # fp32 weights are their own main weights; half ones have an fp32 copy
+            total += sum(pc.main.numel() * 4 for pc in self.pieces)
         return total
 
     def sharded_state_dict(self) -> Dict[str, object]:
