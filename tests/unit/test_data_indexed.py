@@ -116,6 +116,108 @@ def test_bad_files_are_refused(tmp_path, damage, message):
         IndexedDataset(prefix)
 
 
+# Byte offsets in the .idx of _build(..., [[1, 2, 3], [4, 5]]): S = 2 sequences, D = 3.
+_S = 2
+_LEN, _PTR, _DOC = 34, 34 + 4 * _S, 34 + 12 * _S
+
+
+def _put(path, offset, fmt, value):
+    _corrupt(path, offset, struct.pack(fmt, value))
+
+
+# (damage, file it must name, words of the problem), each on the 2-sequence uint16 pair.
+_INDEX_CASES = {
+    "magic": (lambda p: _corrupt(p + ".idx", 0, b"NOTMEGA"), ".idx", "magic"),
+    "version": (lambda p: _put(p + ".idx", 9, "<Q", 2), ".idx", "unsupported index version 2"),
+    "dtype code": (lambda p: _corrupt(p + ".idx", 17, b"\x00"), ".idx", "unknown dtype code 0"),
+    "idx truncated in header": (lambda p: open(p + ".idx", "r+b").truncate(20), ".idx",
+                                "truncated index (20 bytes"),
+    "idx truncated in arrays": (lambda p: open(p + ".idx", "r+b").truncate(60), ".idx",
+                                "truncated index"),
+    "idx trailing bytes": (lambda p: open(p + ".idx", "ab").write(b"\0" * 8), ".idx",
+                           "trailing bytes"),
+    "sequence count": (lambda p: _put(p + ".idx", 18, "<Q", 3), ".idx", "does not match header"),
+    "negative length": (lambda p: _put(p + ".idx", _LEN + 4, "<i", -5), ".idx",
+                        "sequence 1 has negative length -5"),
+    "first pointer": (lambda p: _put(p + ".idx", _PTR, "<q", 2), ".idx",
+                      "sequence pointer 0 is 2, expected 0"),
+    "pointer past bin": (lambda p: _put(p + ".idx", _PTR + 8, "<q", 1 << 40), ".idx",
+                         "sequence pointer 1 is 1099511627776, past the end of the .bin "
+                         "(10 bytes)"),
+    "pointer overlaps": (lambda p: _put(p + ".idx", _PTR + 8, "<q", 2), ".idx",
+                         "sequence pointer 1 is 2, expected 6 (pointer 0 + length 3 x 2 bytes)"),
+    "docs start": (lambda p: _put(p + ".idx", _DOC, "<q", 1), ".idx",
+                   "document indices must start with 0 (first is 1)"),
+    "docs decrease": (lambda p: _put(p + ".idx", _DOC + 8, "<q", 3), ".idx",
+                      "document index 2 (2) is below document index 1 (3): document indices "
+                      "must be non-decreasing"),
+    "docs end short": (lambda p: _put(p + ".idx", _DOC + 16, "<q", 1), ".idx",
+                       "last document index 1 != sequence count 2"),
+    "docs end past count": (lambda p: _put(p + ".idx", _DOC + 16, "<q", 5), ".idx",
+                            "last document index 5 != sequence count 2"),
+    "bin odd size": (lambda p: open(p + ".bin", "r+b").truncate(7), ".bin",
+                     "not a multiple of the uint16 item size (2 bytes): truncated .bin"),
+    "bin truncated": (lambda p: open(p + ".bin", "r+b").truncate(8), ".bin",
+                      "size 8 bytes, but the index describes 10 bytes"),
+    "bin extra": (lambda p: open(p + ".bin", "ab").write(b"xx"), ".bin",
+                  "size 12 bytes, but the index describes 10 bytes"),
+    "wrong dtype code, size not a multiple": (lambda p: _corrupt(p + ".idx", 17, b"\x04"), ".bin",
+                                              "not a multiple of the int32 item size"),
+}
+
+
+@pytest.mark.parametrize("case", list(_INDEX_CASES))
+def test_whole_index_is_checked_at_open(tmp_path, case):
+    damage, suffix, problem = _INDEX_CASES[case]
+    prefix = _build(tmp_path / "d", [[1, 2, 3], [4, 5]])
+    damage(prefix)
+    with pytest.raises(IndexFormatError) as e:
+        IndexedDataset(prefix)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(prefix + suffix + ": "), msg  # names the file at fault
+    assert problem in msg, msg
+    assert msg.endswith("rebuild the dataset with tools/preprocess_data.py"), msg  # what to do
+
+
+def test_wrong_dtype_code_with_plausible_size_is_caught_by_pointers(tmp_path):
+    prefix = _build(tmp_path / "d", [[1, 2, 3], [4, 5, 6]])  # 12 bytes: a multiple of 4 too
+    _corrupt(prefix + ".idx", 17, b"\x04")  # says int32, data is uint16
+    with pytest.raises(IndexFormatError, match=r"d\.idx: sequence pointer 1 is 6, expected 12"):
+        IndexedDataset(prefix)
+
+
+def test_empty_sequences_documents_and_datasets_are_valid(tmp_path):
+    b = IndexedDatasetBuilder(tmp_path / "e", np.uint16)
+    b.add_item([])  # a zero-length sequence
+    b.end_document()
+    b.end_document()  # an empty document: a repeated document index
+    b.add_item([7])
+    b.finalize()
+    ds = IndexedDataset(tmp_path / "e")
+    assert ds.document_indices.tolist() == [0, 1, 1, 2] and ds[1].tolist() == [7]
+    IndexedDatasetBuilder(tmp_path / "z", np.uint16).finalize()
+    assert len(IndexedDataset(tmp_path / "z")) == 0
+
+
+def test_checks_find_faults_in_later_chunks(tmp_path, monkeypatch):
+    import megalite.data.indexed_dataset as idx_mod
+    monkeypatch.setattr(idx_mod, "_CHECK_CHUNK", 7)  # many chunks over 50 sequences
+    prefix = _build(tmp_path / "d", [[i] * (i % 4) for i in range(50)])
+    IndexedDataset(prefix)  # valid across chunk boundaries
+    ptr = 34 + 4 * 50
+    raw = open(prefix + ".idx", "rb").read()
+    p = np.frombuffer(raw, np.int64, 50, ptr)
+    _put(prefix + ".idx", ptr + 8 * 29, "<q", int(p[29]) + 2)
+    with pytest.raises(IndexFormatError, match="sequence pointer 29 is"):
+        IndexedDataset(prefix)
+    _put(prefix + ".idx", ptr + 8 * 29, "<q", int(p[29]))
+    doc = 34 + 12 * 50
+    _put(prefix + ".idx", doc + 8 * 36, "<q", 0)
+    with pytest.raises(IndexFormatError, match=r"document index 36 \(0\) is below"):
+        IndexedDataset(prefix)
+
+
 def test_open_is_lazy_memory_map(tmp_path):
     prefix = _build(tmp_path / "d", [np.arange(1000)] * 100)
     ds = IndexedDataset(prefix)
