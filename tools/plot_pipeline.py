@@ -94,30 +94,67 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit code."""
-    args = _parse(argv)
-    if args.timeline:
-        with open(args.timeline) as f:
+def _error(message: str) -> int:
+    print(f"plot_pipeline.py: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _matplotlib_missing() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def _load_timeline(path: str) -> dict:
+    """Read a TIMELINE JSON; ValueError with a one-line reason if it is not one."""
+    try:
+        with open(path) as f:
             timeline = json.load(f)
-    else:
-        try:
-            actions = build_schedule(args.schedule, args.pp, args.vp, args.num_microbatches)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if args.print:
-            print(format_schedule(actions))
-        result = simulate(actions, args.pp, args.vp, args.f_cost, args.b_cost, schedule=args.schedule)
-        print(f"makespan {result.makespan:.3f}  bubble {result.bubble_fraction}  "
-              f"peak in flight {result.peak_in_flight}")
-        timeline = result.to_timeline()
+    except OSError as e:
+        raise ValueError(f"cannot read --timeline {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"--timeline {path} is not JSON ({e})") from None
+    missing = [k for k in ("schedule", "pp", "vp", "m", "events")
+               if not isinstance(timeline, dict) or k not in timeline]
+    if missing:
+        raise ValueError(f"--timeline {path} is not a TIMELINE (no {', '.join(missing)}); "
+                         "write one with pretrain_gpt.py --timeline-out or --save-json")
+    return timeline
+
+
+def _simulate(args: argparse.Namespace) -> dict:
+    actions = build_schedule(args.schedule, args.pp, args.vp, args.num_microbatches)
+    if args.print:
+        print(format_schedule(actions))
+    result = simulate(actions, args.pp, args.vp, args.f_cost, args.b_cost, schedule=args.schedule)
+    print(f"makespan {result.makespan:.3f}  bubble {result.bubble_fraction}  "
+          f"peak in flight {result.peak_in_flight}")
+    return result.to_timeline()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the process exit code (2 with one line for bad input)."""
+    args = _parse(argv)
+    if args.out and _matplotlib_missing():  # before any work, not after the simulation
+        return _error("drawing --out needs matplotlib, which is not installed: "
+                      "pip install matplotlib (--print and --save-json work without it)")
+    try:
+        timeline = _load_timeline(args.timeline) if args.timeline else _simulate(args)
+    except ValueError as e:
+        return _error(str(e))
+    try:
         if args.save_json:
             with open(args.save_json, "w") as f:
                 json.dump(timeline, f, indent=1)
-    if args.out:
-        plot_timeline(timeline, args.out)
-        print(f"wrote {args.out}")
+        if args.out:
+            plot_timeline(timeline, args.out)
+            print(f"wrote {args.out}")
+    except OSError as e:
+        return _error(f"cannot write {e.filename or args.out}: {e.strerror}")
+    except ValueError as e:  # matplotlib: unknown image format
+        return _error(f"--out {args.out}: {e}")
     return 0
 
 

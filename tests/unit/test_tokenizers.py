@@ -78,7 +78,7 @@ def test_build_tokenizer_names_missing_flag(cfg, flag):
 def sp_model(tmp_path_factory, data_texts):
     pytest.importorskip("sentencepiece")
     from megalite.data.tokenizers.sentencepiece import train_sentencepiece
-    return train_sentencepiece(data_texts, str(tmp_path_factory.mktemp("sp") / "tok"), 500)
+    return train_sentencepiece(data_texts, str(tmp_path_factory.mktemp("sp") / "tok"), 500).model
 
 
 def test_llama2_tokenizer_bos_eos(sp_model):

@@ -99,6 +99,20 @@ class _PairStats:
                 self.where.pop(p, None)
 
 
+def _early_stop_message(reached: int, wanted: int, merges: int, words: int,
+                        best: tuple[Pair, int] | None, min_frequency: int) -> str:
+    """One line: how far training got, why it stopped, what to do."""
+    head = (f"BPE stopped at a vocabulary of {reached} of the {wanted} requested after "
+            f"{merges} merges: ")
+    if best is None:
+        return head + (f"no pair left to merge (each of the corpus's {words} distinct words is "
+                       "already one token); give more text or ask for a smaller --vocab-size")
+    times = "time" if best[1] == 1 else "times"
+    return head + (f"the most frequent remaining pair occurs {best[1]} {times}, below "
+                   f"--min-frequency {min_frequency} ({words} distinct words); give more text, "
+                   "lower --min-frequency or ask for a smaller --vocab-size")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
               special_tokens: Sequence[str] = (EOT_TOKEN,)
               ) -> tuple[dict[str, int], list[Pair]]:
@@ -106,7 +120,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
 
     The vocabulary is the 256 byte symbols (GPT-2 order), then one token per
     merge, then ``special_tokens``; ``vocab_size`` counts all of them. Training
-    stops early when no pair occurs ``min_frequency`` times.
+    stops early, with a warning that says why, when no pair occurs
+    ``min_frequency`` times.
     """
     base = list(bytes_to_unicode().values())
     if vocab_size < len(base) + len(special_tokens):
@@ -118,9 +133,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
     vocab = {s: i for i, s in enumerate(base)}
     merges: list[Pair] = []
     target = vocab_size - len(special_tokens)
+    best = None
     while len(vocab) < target:
         best = stats.pop_best()
         if best is None or best[1] < min_frequency:
+            logger.warning("%s", _early_stop_message(
+                len(vocab) + len(special_tokens), vocab_size, len(merges), len(words),
+                best, min_frequency))
             break
         pair = best[0]
         new = pair[0] + pair[1]

@@ -1,0 +1,187 @@
+"""Tools under bad input and edge cases (issue 10, part 6).
+
+SentencePiece must see every document, however long; the BPE trainer says why
+it stops short; plot_pipeline without matplotlib and every bad input to the
+tools end with one line on stderr, exit code 2 and no traceback.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import random
+import re
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from megalite.data.tokenizers.bpe_trainer import train_bpe
+from megalite.data.tokenizers.sentencepiece import SP_MAX_SENTENCE_BYTES, split_for_sentencepiece
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _long_corpus() -> list[str]:
+    """pydoc's topics (a third of them over the limit) plus a long single line and a long word."""
+    from pydoc_data.topics import topics
+    words = " ".join(f"word{i % 97}" for i in range(3000))  # ~20 KB on one line
+    return [topics[k] for k in sorted(topics)] + [words, "日本語" * 1500]  # no whitespace, 13 KB
+
+
+def test_split_for_sentencepiece_is_lossless_and_bounded():
+    rng = random.Random(0)
+    units = ["a", "é", "日", "🎉", " ", "\n", "  ", "word "]
+    for _ in range(300):
+        text = "".join(rng.choice(units) * rng.randint(1, 50) for _ in range(rng.randint(0, 400)))
+        limit = rng.choice([4, 5, 8, 64, 300])
+        pieces = list(split_for_sentencepiece(text, limit))
+        assert "".join(pieces) == text
+        assert all(0 < len(p.encode("utf-8")) <= limit for p in pieces)
+    # whole lines are kept together when they fit
+    assert list(split_for_sentencepiece("aaa\nbbb\nccc\n", 8)) == ["aaa\nbbb\n", "ccc\n"]
+
+
+# Runs the library trainer with SentencePiece's own log on, so the test reads what
+# the trainer itself loaded and counted, not what we believe we fed it.
+_SP_SCRIPT = """
+import json, sys
+import sentencepiece as spm
+from megalite.data.tokenizers.sentencepiece import train_sentencepiece
+train = spm.SentencePieceTrainer.train
+spm.SentencePieceTrainer.train = lambda **kw: train(**{**kw, "minloglevel": 0})
+texts = json.load(open(sys.argv[1]))
+used = train_sentencepiece(texts, sys.argv[2], 600)
+print(json.dumps(used.__dict__))
+"""
+
+
+def test_sentencepiece_trains_on_every_character_of_long_documents(tmp_path):
+    docs = _long_corpus()
+    sizes = [len(d.encode("utf-8")) for d in docs]
+    assert sum(s > SP_MAX_SENTENCE_BYTES for s in sizes) >= 20  # the case that used to drop
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    out = _run("-c", _SP_SCRIPT, str(tmp_path / "docs.json"), str(tmp_path / "tok"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    used = json.loads(out.stdout.splitlines()[-1])
+    assert (used["documents"], used["characters"], used["bytes"]) == \
+        (len(docs), sum(map(len, docs)), sum(sizes))
+    assert used["split_documents"] == sum(s > SP_MAX_SENTENCE_BYTES for s in sizes)
+    log = out.stderr
+    assert "too long" not in log.lower() and "Skipped" not in log
+    assert int(re.search(r"Loaded all (\d+) sentences", log)[1]) == used["pieces"]
+    seen = int(re.search(r"all chars count=(\d+)", log)[1])
+    # SentencePiece NFKC-normalizes and folds each whitespace run into one "▁",
+    # so it sees every non-space character and at most one mark per space.
+    text = unicodedata.normalize("NFKC", "".join(docs))
+    non_space = sum(not c.isspace() for c in text)
+    assert non_space <= seen <= len(text) + used["pieces"]
+    short_only = sum(len(d) for d, s in zip(docs, sizes) if s <= SP_MAX_SENTENCE_BYTES)
+    assert short_only < non_space / 4  # dropping long documents could not pass the bound
+
+
+def test_train_tokenizer_sentencepiece_reports_what_it_used(tmp_path):
+    docs = _long_corpus()
+    corpus = tmp_path / "c.jsonl.gz"
+    with gzip.open(corpus, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    out = _run("tools/train_tokenizer.py", "--input", str(corpus), "--type", "sentencepiece",
+               "--vocab-size", "600", "--output-dir", str(tmp_path / "tok"))
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if "SentencePiece trained on" in ln)
+    assert f"on {len(docs)} documents, {sum(map(len, docs))} characters" in line
+    assert "none dropped" in line and (tmp_path / "tok" / "tokenizer.model").is_file()
+
+
+def test_bpe_says_why_it_stops_below_the_requested_vocabulary(caplog):
+    caplog.set_level(logging.WARNING, "megalite.data.tokenizers.bpe_trainer")
+    vocab, merges = train_bpe(["hello hello world"] * 3, 400, min_frequency=4)
+    assert len(vocab) < 400
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert f"vocabulary of {len(vocab)} of the 400 requested after {len(merges)} merges" in msg
+    assert "occurs 3 times, below --min-frequency 4" in msg and "lower --min-frequency" in msg
+    caplog.clear()
+    vocab, merges = train_bpe(["ab cd"], 400, min_frequency=1)
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "no pair left to merge" in msg and f"of {len(vocab)} of the 400" in msg
+    caplog.clear()
+    vocab, _ = train_bpe(["hello hello world"] * 3, 260)  # reached: no warning
+    assert len(vocab) == 260 and not caplog.records
+
+
+def _assert_one_line_error(out: subprocess.CompletedProcess, tool: str, expected: str) -> None:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"{tool}: error: ") and expected in lines[0], lines[0]
+
+
+_NO_MATPLOTLIB = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+                  "sys.argv = ['tools/plot_pipeline.py'] + sys.argv[1:]; "
+                  "runpy.run_path('tools/plot_pipeline.py', run_name='__main__')")
+
+
+def test_plot_pipeline_without_matplotlib_says_how_to_install(tmp_path):
+    out = _run("-c", _NO_MATPLOTLIB, "--schedule", "1f1b", "--pp", "2", "--out",
+               str(tmp_path / "t.png"))
+    _assert_one_line_error(out, "plot_pipeline.py", "pip install matplotlib")
+    assert not (tmp_path / "t.png").exists()
+    out = _run("-c", _NO_MATPLOTLIB, "--schedule", "1f1b", "--pp", "2", "--print")
+    assert out.returncode == 0 and "rank 0: F0" in out.stdout  # text output needs no matplotlib
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    from pydoc_data.topics import topics
+    (d / "ok.jsonl").write_text("".join(json.dumps({"text": topics[k]}) + "\n"
+                                        for k in sorted(topics)[:20]))
+    (d / "empty.jsonl").write_text("")
+    (d / "blank.txt").write_text("\n  \n\n")
+    (d / "other_key.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
+    (d / "garbage.jsonl.gz").write_bytes(b"not gzip at all")
+    (d / "a_file").write_text("x")
+    (d / "not_json.json").write_text("{")
+    (d / "not_timeline.json").write_text(json.dumps({"pp": 2}))
+    return d
+
+
+TT, PP = "tools/train_tokenizer.py", "tools/plot_pipeline.py"
+# (tool, arguments with {d} for the fixture dir, words the one-line error must hold)
+_BAD_INPUTS = [
+    (TT, "--input {d}/missing.jsonl --output-dir {d}/o", "--input file not found: {d}/missing"),
+    (TT, "--input {d} --output-dir {d}/o", "is not a file"),
+    (TT, "--input {d}/empty.jsonl --output-dir {d}/o", "no text in {d}/empty.jsonl"),
+    (TT, "--input {d}/blank.txt --output-dir {d}/o", "every document is empty"),
+    (TT, "--input {d}/other_key.jsonl --output-dir {d}/o", "--json-key 'text'"),
+    (TT, "--input {d}/garbage.jsonl.gz --output-dir {d}/o", "cannot read --input {d}/garbage"),
+    (TT, "--input {d}/ok.jsonl --vocab-size 100 --output-dir {d}/o",
+     "--vocab-size 100 is too small for --type bpe: it needs at least 257"),
+    (TT, "--input {d}/ok.jsonl --type sentencepiece --vocab-size 259 --output-dir {d}/o",
+     "--vocab-size 259 is too small for --type sentencepiece: it needs at least 260"),
+    (TT, "--input {d}/ok.jsonl --type sentencepiece --vocab-size 270 --output-dir {d}/o",
+     "vocabulary size 270 is too small for this corpus"),
+    (TT, "--input {d}/ok.jsonl --min-frequency 0 --output-dir {d}/o", "--min-frequency must be"),
+    (TT, "--input {d}/ok.jsonl --max-documents 0 --output-dir {d}/o", "--max-documents must be"),
+    (TT, "--input {d}/ok.jsonl --output-dir {d}/a_file", "--output-dir {d}/a_file is not a writ"),
+    (TT, "--input {d}/ok.jsonl --output-dir {d}/a_file/sub", "(Not a directory)"),
+    (PP, "--timeline {d}/missing.json --out {d}/t.png", "cannot read --timeline {d}/missing"),
+    (PP, "--timeline {d}/not_json.json --out {d}/t.png", "is not JSON"),
+    (PP, "--timeline {d}/not_timeline.json --out {d}/t.png", "is not a TIMELINE (no schedule"),
+    (PP, "--schedule 1f1b --pp 2 --save-json {d}/no_dir/t.json", "cannot write {d}/no_dir/t.json"),
+    (PP, "--schedule 1f1b --pp 0 --print", "pipeline sizes must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("tool, args, expected", _BAD_INPUTS,
+                         ids=[f"{Path(t).stem}:{e[:30]}" for t, _, e in _BAD_INPUTS])
+def test_bad_tool_input_is_one_line_and_exit_2(bad_inputs, tool, args, expected):
+    out = _run(tool, *args.format(d=bad_inputs).split())
+    _assert_one_line_error(out, Path(tool).name, expected.format(d=bad_inputs))
