@@ -51,6 +51,12 @@ def _check_args(args: argparse.Namespace) -> Optional[str]:
             return f"--input file not found: {f}"
         if not os.path.isfile(f):
             return f"--input {f} is not a file (give the .jsonl/.txt files themselves)"
+    if args.type == "sentencepiece":
+        try:
+            import sentencepiece  # noqa: F401  (optional dependency)
+        except ImportError:
+            return ("--type sentencepiece needs the sentencepiece package, which is not "
+                    "installed: pip install sentencepiece (or use --type bpe)")
     low = MIN_VOCAB[args.type]
     if args.vocab_size < low:
         return (f"--vocab-size {args.vocab_size} is too small for --type {args.type}: "

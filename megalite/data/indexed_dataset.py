@@ -261,7 +261,10 @@ class IndexedDataset:
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for p in (ipath, bpath):
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"indexed dataset file not found: {p}")
+                # The usual slip is a path with .bin/.idx where the prefix is wanted.
+                raise FileNotFoundError(
+                    f"indexed dataset file not found: {p} (a dataset is the {{prefix}}.bin/.idx "
+                    "pair written by tools/preprocess_data.py; give the prefix without .bin/.idx)")
         idx_size = os.path.getsize(ipath)
         dtype, seq_count, doc_count = _read_header(ipath, idx_size)
         expected = HEADER_SIZE + seq_count * 12 + doc_count * 8

@@ -107,7 +107,8 @@ def _corrupt(path, offset, data):
     (lambda p: open(p + ".idx", "r+b").truncate(10), "truncated"),
     (lambda p: open(p + ".bin", "r+b").truncate(7), "truncated .bin"),
     (lambda p: open(p + ".bin", "ab").write(b"xx"), "describes"),
-    (lambda p: os.remove(p + ".bin"), "not found"),
+    (lambda p: os.remove(p + ".bin"), r"file not found: .*d\.bin \(a dataset is the "
+                                      r"\{prefix\}\.bin/\.idx pair written by tools/preprocess"),
 ])
 def test_bad_files_are_refused(tmp_path, damage, message):
     prefix = _build(tmp_path / "d", [[1, 2, 3], [4, 5]])

@@ -137,6 +137,16 @@ def test_plot_pipeline_without_matplotlib_says_how_to_install(tmp_path):
     assert out.returncode == 0 and "rank 0: F0" in out.stdout  # text output needs no matplotlib
 
 
+def test_train_tokenizer_without_sentencepiece_says_how_to_install(tmp_path):
+    script = ("import runpy, sys; sys.modules['sentencepiece'] = None; "
+              "sys.argv = ['tools/train_tokenizer.py'] + sys.argv[1:]; "
+              "runpy.run_path('tools/train_tokenizer.py', run_name='__main__')")
+    (tmp_path / "c.txt").write_text("some text\n")
+    out = _run("-c", script, "--input", str(tmp_path / "c.txt"), "--type", "sentencepiece",
+               "--output-dir", str(tmp_path / "tok"))
+    _assert_one_line_error(out, "train_tokenizer.py", "pip install sentencepiece")
+
+
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
