@@ -17,6 +17,10 @@ and its gradient is summed over the TP group by the optimizer layer.
 
 Parameter names use global layer numbers (``decoder.layers.7...``) so that a
 state dict means the same thing for every pipeline layout.
+
+For generation, ``forward(tokens, kv_cache)`` runs only the new tokens: their
+positions (learned or RoPE) start at ``kv_cache.seq_len``, and every attention
+layer attends over the cached keys and values (kv_cache.py).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallel
                                              init_vocab_rows, linear_with_tp_weight,
                                              set_tp_attributes, vocab_range, vocab_shard)
 from megalite.tensor_parallel.random import RNGTracker, checkpoint, full_normal
+from megalite.model.kv_cache import KVCache
 from megalite.model.transformer import TransformerLayer, build_norm, dropout, rotary_cos_sin
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -120,12 +125,12 @@ class GPTModel(nn.Module):
             out[name] = module.local_from_full(pname, src) if hasattr(module, "local_from_full") else src
         return out
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h] (or the sequence shard [s/tp, b, h] under SP)."""
+    def embed(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """tokens [b, s] at positions offset.. -> hidden [s, b, h] (or the shard [s/tp, b, h] under SP)."""
         sp = self.sequence_parallel
         x = self.embedding.word_embeddings(tokens, reduce=not sp).transpose(0, 1).contiguous()
         s = tokens.shape[1]
-        positions = torch.arange(s, device=tokens.device)
+        positions = torch.arange(offset, offset + s, device=tokens.device)
         if sp:  # each rank keeps its slice of the (summed) sequence
             x = reduce_scatter_to_sequence_parallel_region(x, self.tp)
             positions = positions.chunk(self.tp.size)[self.tp.rank]
@@ -153,15 +158,25 @@ class GPTModel(nn.Module):
             x = checkpoint(lambda h, m=layer: m(h, rope), self.tracker, x) if i < n else layer(x, rope)
         return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the chunk: tokens [b,s] (first stage) or hidden [s,b,h] in; hidden or logits out."""
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Run the chunk: tokens [b,s] (first stage) or hidden [s,b,h] in; hidden or logits out.
+
+        With ``kv_cache`` (inference) the input is the tokens after the cached ones.
+        """
+        offset = kv_cache.seq_len if kv_cache is not None else 0
         if self.pre_process:
-            x = self.embed(x)
+            x = self.embed(x, offset)
         rope = None
         if self.cfg.position_embedding_type == "rope":
             s = x.shape[0] * (self.tp.size if self.sequence_parallel else 1)  # RoPE acts on the full sequence
-            rope = rotary_cos_sin(s, self.cfg.head_dim, self.cfg.rotary_base, x.device)
-        x = self._run_layers(x, rope)
+            cos, sin = rotary_cos_sin(offset + s, self.cfg.head_dim, self.cfg.rotary_base, x.device)
+            rope = (cos[offset:], sin[offset:])
+        if kv_cache is None:
+            x = self._run_layers(x, rope)
+        else:  # no recomputation in inference; each layer appends its keys and values
+            for layer in self.decoder.layers.values():
+                x = layer(x, rope, kv_cache)
+            kv_cache.advance(x.shape[0])
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)

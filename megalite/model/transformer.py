@@ -19,6 +19,10 @@ norms, softmax and loss accumulate in fp32 inside their kernels (torch's
 layer_norm/rms_norm/softmax/SDPA do for bf16 and fp16 inputs) while the saved
 activations stay 16-bit. Recomputation (``checkpoint``) wraps either the core
 attention (selective) or whole layers (full, chosen in gpt.py).
+
+Generation passes a ``KVCache`` (kv_cache.py): each attention layer appends its
+new keys and values and attends over every cached position; queries then
+start at the cache's offset, so the causal mask is aligned to the bottom right.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model.kv_cache import KVCache
 from megalite.parallel_state import AxisGroup
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
 from megalite.tensor_parallel.random import RNGTracker, checkpoint
@@ -79,6 +84,11 @@ def rotary_cos_sin(seq_len: int, head_dim: int, base: int, device=None) -> Tuple
     return emb.cos(), emb.sin()
 
 
+def _cached_causal_mask(s: int, sk: int, device) -> torch.Tensor:
+    """[s, sk] bool, True where query i (position sk - s + i) may attend key j: j <= sk - s + i."""
+    return torch.ones(s, sk, dtype=torch.bool, device=device).tril_(sk - s)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [s, b, n, d] by position: x*cos + rotate_half(x)*sin."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -107,18 +117,25 @@ class Attention(nn.Module):
             name=f"{prefix}.linear_proj", sequence_parallel=sequence_parallel)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v over this rank's heads; q [b,nq,s,d], k/v [b,nkv,s,d]."""
+        """Causal softmax(q k^T / sqrt(d)) v over this rank's heads; q [b,nq,s,d], k/v [b,nkv,sk,d].
+
+        ``sk > s`` only with a KV cache: the queries are the last s of the sk positions.
+        """
         p = self.cfg.attention_dropout if self.training else 0.0
+        sk = k.shape[2]
+        # SDPA's is_causal aligns its mask top-left: right when s == sk; a cached step (s < sk) needs its own.
+        mask = None if sk == q.shape[2] else _cached_causal_mask(q.shape[2], sk, q.device)
+        causal = dict(attn_mask=mask, is_causal=mask is None)
         # Heads differ per TP rank, so their dropout masks must too.
         with self.tracker.fork("tp"):
             if not self.unfused:
                 if self.nkv_local == self.nq_local:
-                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal)
                 if _SDPA_GQA:  # query groups passed natively: no copies of k and v
-                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=True, **causal)
                 rep = self.nq_local // self.nkv_local
                 return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1),
-                                                      v.repeat_interleave(rep, dim=1), dropout_p=p, is_causal=True)
+                                                      v.repeat_interleave(rep, dim=1), dropout_p=p, **causal)
             # Explicit path (Megatron's unfused attention): groups by broadcasting, not copies.
             b, nq, s, d = q.shape
             rep = nq // k.shape[1]
@@ -127,12 +144,13 @@ class Attention(nn.Module):
                 scores = torch.matmul(qg * (1.0 / math.sqrt(d)), k.unsqueeze(2).transpose(-1, -2))
             else:
                 scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
-            probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+            future = torch.ones(s, sk, dtype=torch.bool, device=q.device).triu_(sk - s + 1)
+            probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
             probs = dropout(probs, p, self.training)
             return torch.matmul(probs, v.unsqueeze(2)).view(b, nq, s, d)
 
-    def forward(self, x: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         d = self.cfg.head_dim
         qkv = self.linear_qkv(x)  # [s, b, (nq + 2 nkv) d / tp]; s is the full sequence under SP
         s, b, _ = qkv.shape
@@ -144,6 +162,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if kv_cache is not None:  # attend over the cached positions too (rope already applied to them)
+            k, v = kv_cache.append(self, k, v)
         if self.recompute:
             out = checkpoint(self.core_attention, self.tracker, q, k, v)
         else:
@@ -198,6 +218,6 @@ class TransformerLayer(nn.Module):
                 return dropout(x, self.p, self.training)
         return dropout(x, self.p, self.training)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope))
+    def forward(self, x: torch.Tensor, rope=None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, kv_cache))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

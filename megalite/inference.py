@@ -1,0 +1,290 @@
+"""A trained checkpoint in one process: load any layout, tokenize, sample, generate.
+
+::
+
+    --load DIR  ->  meta.json: the run's Config (model shape, tokenizer, data, seed)
+                ->  full tensors, whatever tp/pp/vp the run was saved with:
+                      sharded  every saved block (index_<rank>.json) placed at its offsets
+                      torch    each mp_rank_TT[_PPP] file's local tensors placed by the
+                               blocks that rank's chunks hold (checkpointing/layout.py)
+                ->  GPTModel at tp = pp = 1 (vocabulary padding re-added for tp 1)
+
+    generate:  prompt ids -> model(prompt, cache) -> sample -> model(new token, cache) -> ...
+               until --max-new-tokens or eod; without a cache each step reruns the whole sequence.
+
+Sampling follows Megatron's text generation: temperature, then top-k, then
+top-p (nucleus) filtering, then one multinomial draw from a seeded generator
+(so a seed gives the same text every time); greedy takes the argmax.
+Used by tools/generate.py and tools/evaluate.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, fields, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megalite.checkpointing import CheckpointError, iteration_dir, read_latest
+from megalite.checkpointing.layout import param_blocks
+from megalite.checkpointing.safe_load import SafeFileSystemReader, safe_torch_load
+from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
+                             ParallelConfig, TrainConfig)
+from megalite.data.tokenizers import Tokenizer, build_tokenizer
+from megalite.model.gpt import GPTModel
+from megalite.model.kv_cache import KVCache
+from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.random import RNGTracker
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig,
+             "train": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+_DEFAULT_CORPUS = "pydoc_topics_text_document"  # default_corpus.py's data prefix, in its cache directory
+
+
+# -- checkpoint -> config and full tensors ---------------------------------------------------------
+def config_from_dict(saved: dict) -> Config:
+    """The run's Config from meta.json's ``config`` (fields this version lacks are ignored, new ones default)."""
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        known = {f.name for f in fields(cls)}
+        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.get(name, {}).items() if k in known}
+        sections[name] = cls(**values)
+    return Config(**sections)
+
+
+def read_checkpoint(root: str, step: Optional[int] = None) -> Tuple[Config, int, Dict[str, torch.Tensor]]:
+    """(run config, iteration, full unsharded model tensors) of ``root``'s latest or ``step`` checkpoint."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load {root}: no such directory")
+    it = step if step is not None else read_latest(root)
+    if it is None:
+        raise CheckpointError(f"--load {root}: no checkpoint there (no latest_checkpointed_iteration.txt)")
+    d = iteration_dir(root, it)
+    meta_path = os.path.join(d, "meta.json")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json); check --load/--ckpt-step")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        cfg = config_from_dict(meta["config"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot read {meta_path} ({e}); the checkpoint is damaged") from None
+    if meta.get("format") == "torch":
+        full = _read_torch_model(d, cfg, meta["layout"])
+    else:
+        full = _read_sharded_model(d)
+    return cfg, it, full
+
+
+def _region(offsets: Sequence[int], sizes: Sequence[int]) -> Tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+
+
+def _read_sharded_model(d: str) -> Dict[str, torch.Tensor]:
+    """Every ``model/`` block of a sharded checkpoint, assembled into full tensors."""
+    SafeFileSystemReader(d).read_metadata()  # refuse a tampered index before dcp reads it
+    entries = []
+    for fn in sorted(os.listdir(d)):
+        if fn.startswith("index_") and fn.endswith(".json"):
+            with open(os.path.join(d, fn)) as f:
+                entries += [e for e in json.load(f) if e["prefix"] == "model"]
+    if not entries:
+        raise CheckpointError(f"{d} has no model tensors (no index_*.json entries); the checkpoint is incomplete")
+    blocks = {e["key"]: torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"])) for e in entries}
+    try:
+        with warnings.catch_warnings():  # dcp warns when run without a process group: intended here
+            warnings.simplefilter("ignore")
+            dcp.load(blocks, storage_reader=SafeFileSystemReader(d))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - dcp wraps every failure in its own exception types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise CheckpointError(f"reading the tensors of {d} failed ({first[:200]}); the checkpoint is damaged") from None
+    full: Dict[str, torch.Tensor] = {}
+    for e in entries:
+        if e["name"] not in full:
+            full[e["name"]] = torch.zeros(e["shape"], dtype=blocks[e["key"]].dtype)
+        full[e["name"]][_region(e["offsets"], e["sizes"])] = blocks[e["key"]]
+    return full
+
+
+def _read_torch_model(d: str, cfg: Config, layout: dict) -> Dict[str, torch.Tensor]:
+    """A legacy (Megatron ``torch``) checkpoint of any tp/pp/vp, assembled into full tensors.
+
+    Each file holds one (tp, pp) rank's local tensors; the chunks that rank built
+    (rebuilt here without process groups) say where each sits in the full tensor.
+    """
+    from megalite.training import build_model_chunks  # the same chunks the saving run built
+    tp, pp = layout["tp"], layout["pp"]
+    run = cfg.with_(parallel=replace(cfg.parallel, tp=tp, pp=pp, vp=layout["vp"],
+                                     decoder_first_pipeline_num_layers=layout["first"] or None,
+                                     decoder_last_pipeline_num_layers=layout["last"] or None),
+                    model=replace(cfg.model, params_dtype="float32", torch_compile=False))
+    full: Dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            # Megatron's file naming: mp_rank_<tp:02d>, plus _<pp:03d> with pipeline parallelism
+            sub = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+            path = os.path.join(d, sub, "model_optim_rng.pt")
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+            state = safe_torch_load(path)
+            ps = ParallelState(tp * pp, tp_rank + pp_rank * tp, tp, pp, create_groups=False)
+            chunks = build_model_chunks(run, ps, RNGTracker(run.train.seed, tp_rank, pp_rank, ps.device))
+            for i, chunk in enumerate(chunks):
+                local = state.get("model" if len(chunks) == 1 else f"model{i}", {})
+                for name, p in chunk.named_parameters():
+                    if name not in local or tuple(local[name].shape) != tuple(p.shape):
+                        raise CheckpointError(f"{path}: {name} is missing or has another shape than the run "
+                                              f"stored in meta.json; the checkpoint is damaged")
+                    for b in param_blocks(chunk, name, p, for_write=True):
+                        if b.name not in full:
+                            full[b.name] = torch.zeros(b.global_shape, dtype=local[name].dtype)
+                        full[b.name][_region(b.offsets, b.sizes)] = b.local(local[name])
+    return full
+
+
+def build_model(cfg: Config, full: Dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                dtype: Optional[str] = None) -> GPTModel:
+    """A single-process GPTModel (eval mode, no dropout) holding ``full``'s weights, in ``dtype``."""
+    model_cfg = replace(cfg.model, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
+                        torch_compile=False, params_dtype=dtype or cfg.model.params_dtype)
+    ps = ParallelState.single(torch.device(device))
+    model = GPTModel(model_cfg, ps, RNGTracker(cfg.train.seed, 0, 0, ps.device), cfg.train.seed).to(ps.device)
+    load_full_weights(model, full)
+    return model.eval()
+
+
+def load_full_weights(model: GPTModel, full: Dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded, unpadded) tensors into a tp = 1 model's parameters, checking every shape."""
+    try:
+        local = model.local_from_full(full)
+    except KeyError as e:
+        raise CheckpointError(f"the checkpoint has no tensor {e}; it was saved from another model") from None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if tuple(local[name].shape) != tuple(p.shape):
+                raise CheckpointError(f"{name} is {tuple(local[name].shape)} in the checkpoint, {tuple(p.shape)} "
+                                      f"in the model its config describes; the checkpoint is damaged")
+            p.copy_(local[name])
+
+
+# -- tokenizer -----------------------------------------------------------------------------------
+def resolve_default_corpus(data: DataConfig) -> DataConfig:
+    """The default run's files, rebuilt (default_corpus.py) when its stored cache paths are gone."""
+    paths = data.data_path
+    if len(paths) != 1 or os.path.basename(paths[0]) != _DEFAULT_CORPUS or os.path.exists(paths[0] + ".idx"):
+        return data
+    from megalite.data.default_corpus import prepare_default_corpus
+    corpus = prepare_default_corpus()
+    return replace(data, data_path=(corpus["data_prefix"],), vocab_file=corpus["vocab_file"],
+                   merge_file=corpus["merge_file"], tokenizer_type=corpus["tokenizer_type"])
+
+
+def run_tokenizer(cfg: Config, overrides: Optional[dict] = None) -> Tokenizer:
+    """The run's tokenizer: the checkpoint's tokenizer flags, each replaced by one given in ``overrides``.
+
+    A --mock-data run has none: its ids are written as numbers (NullTokenizer).
+    """
+    data = resolve_default_corpus(cfg.data)
+    data = replace(data, **{k: v for k, v in (overrides or {}).items() if v is not None})
+    vocab = cfg.model.vocab_size
+    if not data.tokenizer_type:
+        data = replace(data, tokenizer_type="NullTokenizer")
+        return build_tokenizer(data, vocab)  # ids 0..vocab-1 (its eod, vocab, is never generated)
+    # the run's vocabulary counts NullTokenizer's eod: its --vocab-size was one less
+    return build_tokenizer(data, vocab - 1 if data.tokenizer_type == "NullTokenizer" else vocab)
+
+
+# -- sampling and generation ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy, or temperature, top-k (0: off), top-p (1.0: off)."""
+
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def check(self) -> "Sampling":
+        """Raise a one-line ValueError for values sampling cannot use."""
+        if not self.temperature >= 0 or math.isinf(self.temperature):
+            raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0 keeps every token), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1] (1 keeps every token), got {self.top_p}")
+        return self
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """Choose one id from the last position's ``logits`` [V] (float32 on CPU)."""
+    if sampling.greedy or sampling.temperature == 0.0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[torch.topk(logits, sampling.top_k).indices] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if sampling.top_p < 1.0:
+        probs, order = torch.softmax(logits, dim=-1).sort(descending=True)
+        # drop a token once the more likely ones already hold top_p (the most likely always stays)
+        drop_sorted = probs.cumsum(0) - probs >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: GPTModel, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+             seed: int = 1234, eod: Optional[int] = None, use_kv_cache: bool = True) -> List[int]:
+    """The ids that follow ``prompt`` (non-empty), ending with ``eod`` if it was generated.
+
+    With ``use_kv_cache`` the prompt runs once and every later step runs only the
+    new token; without it every step reruns the whole sequence (same tokens).
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    vocab = model.cfg.vocab_size  # the padding rows are never sampled
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    cache = KVCache.for_model(model, 1, len(prompt) + max_new_tokens) if use_kv_cache else None
+    step_input, out = tokens, []
+    for _ in range(max_new_tokens):
+        logits = model(step_input, kv_cache=cache)[-1, 0, :vocab]  # the last position's [V]
+        token = next_token(logits.float().cpu(), sampling, generator)
+        out.append(token)
+        if token == eod:
+            break
+        new = torch.tensor([[token]], dtype=torch.long, device=device)
+        tokens = torch.cat([tokens, new], dim=1)
+        step_input = new if cache is not None else tokens
+    return out
+
+
+# -- command line pieces shared by tools/generate.py and tools/evaluate.py ---------------------------
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``prog: error: ...``, exit code 2), without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """--load, --ckpt-step, --device, --dtype: which checkpoint, and where and how to run it."""
+    g = p.add_argument_group("checkpoint")
+    g.add_argument("--load", required=True, help="checkpoint directory (pretrain_gpt.py --save), any format and layout")
+    g.add_argument("--ckpt-step", type=int, help="load this iteration, not the latest")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="weights and activations (default: the run's, from --bf16/--fp16)")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (the CLIs' error contract)."""
+    return " ".join(str(e).split()) or type(e).__name__
