@@ -39,7 +39,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--append-eod", action="store_true")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1)
-    g.add_argument("--partitions", type=int, default=1)
+    g.add_argument("--partitions", type=int, default=1,
+                   help="split the input into this many parts, each with --workers/partitions "
+                        "workers; lines go round robin to the parts (Megatron's order)")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="with --partitions: give each part a consecutive run of lines, so the "
+                        "output keeps the input's order (Megatron's flag)")
     g.add_argument("--log-interval", type=int, default=10000, help="documents between lines")
     return p.parse_args(argv)
 
@@ -52,6 +57,7 @@ def main(argv=None) -> int:
     opts = PreprocessOptions(input=args.input, output_prefix=args.output_prefix, tokenizer=tok,
                              json_keys=tuple(args.json_keys), append_eod=args.append_eod,
                              workers=args.workers, partitions=args.partitions,
+                             keep_sequential_samples=args.keep_sequential_samples,
                              log_interval=args.log_interval, skip_invalid=args.skip_invalid,
                              vocab_size=args.vocab_size)
     try:

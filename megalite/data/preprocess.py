@@ -4,15 +4,29 @@ The input is read line by line (plain or gzip), in batches handed to a pool
 of tokenizer processes; results come back in input order and are streamed to
 one IndexedDatasetBuilder per json key. Memory is bounded: at most
 ``_INFLIGHT_PER_WORKER`` batches per worker are in flight, and only the
-per-document lengths (4 bytes each) stay resident.
+per-sequence lengths (4 bytes each) stay resident.
 
-Bad input policy:
+Wherever Megatron-LM's tools/preprocess_data.py succeeds, the output is its
+output byte for byte (same tokenizer):
+
+* a line is a document; one whose text tokenizes to nothing is still
+  written, as a document with no sequences (the .idx document index repeats
+  an entry), not dropped;
+* a JSON list value is a document of sentences, one sequence each (what
+  Megatron's ``--split-sentences`` stage writes); sentences that tokenize to
+  nothing are left out; eod goes at the end of the last sequence, and only
+  when the document has tokens;
+* lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (Megatron reads in text mode);
+* with P partitions, line i goes to partition i mod P, or with
+  ``keep_sequential_samples`` the lines go in P consecutive runs of
+  ceil(lines / P); the partitions are concatenated in order.
+
+Where Megatron stops with a traceback, this reports or repairs instead:
 
 * a line that is not JSON, not an object, lacks a key, or whose value is not
-  a string stops the run with ``file:line: reason``; with ``skip_invalid`` it
-  is skipped and counted;
-* blank lines are ignored; documents that tokenize to nothing are skipped
-  and counted (no empty sequences are written, before eod is appended);
+  a string or list of strings stops the run with ``file:line: reason``; with
+  ``skip_invalid`` it is skipped and counted;
+* blank lines are ignored;
 * bytes that are not UTF-8, and lone surrogates from JSON escapes, are
   replaced by U+FFFD / "?" and the affected lines counted;
 * outputs live under temporary names until the end (see IndexedDatasetBuilder).
@@ -22,12 +36,13 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Iterable, Iterator, Optional
+from typing import IO, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -56,6 +71,7 @@ class PreprocessOptions:
     append_eod: bool = False
     workers: int = 1
     partitions: int = 1
+    keep_sequential_samples: bool = False
     log_interval: int = 10000
     skip_invalid: bool = False
     vocab_size: Optional[int] = None  # NullTokenizer only
@@ -65,17 +81,18 @@ class PreprocessOptions:
 class PreprocessStats:
     """Counters reported at the end (and merged across partitions)."""
     lines: int = 0
-    documents: dict = field(default_factory=dict)  # key -> documents written
+    documents: dict = field(default_factory=dict)  # key -> documents written (empty included)
     tokens: dict = field(default_factory=dict)  # key -> tokens written
     bytes_read: int = 0
     invalid_skipped: int = 0
-    empty_skipped: int = 0
+    empty_documents: int = 0  # written with no sequences, as Megatron writes them
     utf8_replaced: int = 0
     seconds: float = 0.0
 
     def merge(self, other: "PreprocessStats") -> None:
         """Add another partition's counters to these (seconds are left to the caller)."""
-        for name in ("lines", "bytes_read", "invalid_skipped", "empty_skipped", "utf8_replaced"):
+        for name in ("lines", "bytes_read", "invalid_skipped", "empty_documents",
+                     "utf8_replaced"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for key, n in other.documents.items():
             self.documents[key] = self.documents.get(key, 0) + n
@@ -87,7 +104,8 @@ class PreprocessStats:
         secs = max(self.seconds, 1e-9)
         ntok = sum(self.tokens.values())
         return (f"{self.lines} lines, documents {self.documents}, tokens {ntok}; "
-                f"skipped {self.invalid_skipped} invalid, {self.empty_skipped} empty, "
+                f"{self.empty_documents} empty (kept as empty documents, as Megatron does); "
+                f"skipped {self.invalid_skipped} invalid; "
                 f"{self.utf8_replaced} lines with invalid UTF-8 replaced; "
                 f"{self.seconds:.1f}s, {self.lines / secs:.0f} docs/s, "
                 f"{self.bytes_read / secs / 1e6:.2f} MB/s, {ntok / secs:.0f} tokens/s")
@@ -101,6 +119,19 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 def open_binary(path: str) -> IO[bytes]:
     """Open .jsonl or .jsonl.gz (by extension) for binary line reading."""
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb", buffering=1 << 20)
+
+
+def iter_lines(f: IO[bytes]) -> Iterator[bytes]:
+    """Raw lines ending at \\n, \\r\\n or \\r: the lines Python's text mode (Megatron's) sees.
+
+    Binary iteration splits at \\n only; a line holding a bare \\r is rare,
+    so it alone pays for the second split.
+    """
+    for raw in f:
+        if b"\r" in raw:
+            yield from raw.splitlines(keepends=True)
+        else:
+            yield raw
 
 
 def iter_json_texts(path: str, key: str = "text") -> Iterator[str]:
@@ -134,7 +165,7 @@ def _init_worker(opts: PreprocessOptions) -> None:
               dtype=optimal_dtype(tok.vocab_size))
 
 
-def _parse_line(raw: bytes) -> tuple[Optional[dict], Optional[str], bool]:
+def _parse_line(raw: bytes, keys: tuple) -> tuple[Optional[dict], Optional[str], bool]:
     """Decode one line; return (object, error reason, had bad UTF-8)."""
     try:
         line, bad = raw.decode("utf-8"), False
@@ -146,43 +177,60 @@ def _parse_line(raw: bytes) -> tuple[Optional[dict], Optional[str], bool]:
         return None, f"invalid JSON ({e})", bad
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}", bad
+    for k in keys:
+        if k not in obj:
+            return None, f"missing key {k!r} (keys present: {sorted(obj)[:8]})", bad
+        v = obj[k]
+        if isinstance(v, list):
+            wrong = next((s for s in v if not isinstance(s, str)), None)
+            if wrong is not None:
+                return None, (f"key {k!r} is a list holding {type(wrong).__name__}, "
+                              "expected strings (sentences)"), bad
+        elif not isinstance(v, str):
+            return None, f"key {k!r} is {type(v).__name__}, not a string", bad
     return obj, None, bad
+
+
+def _tokenize_document(value, bad: bool) -> tuple[list[int], list[int], bool]:
+    """Megatron's Encoder.encode for one key: (ids, sequence lengths, had bad UTF-8)."""
+    tok = _W["tok"]
+    ids: list[int] = []
+    lengths: list[int] = []
+    for sentence in (value if isinstance(value, list) else (value,)):
+        try:
+            sentence.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates from "\udXXX" escapes
+            sentence, bad = sentence.encode("utf-8", "replace").decode("utf-8"), True
+        piece = tok.tokenize(sentence)
+        if piece:
+            ids += piece
+            lengths.append(len(piece))
+    if ids and _W["eod"]:
+        ids.append(tok.eod)
+        lengths[-1] += 1
+    return ids, lengths, bad
 
 
 def _encode_batch(batch: list[tuple[int, bytes]]) -> list[tuple]:
     """Tokenize a batch of (line number, raw line); one result tuple per line.
 
-    Result: (lineno, error or None, bad_utf8, [(token bytes, n_tokens) per key]).
+    Result: (lineno, error or None, bad_utf8, [(token bytes, lengths) per key]).
     """
-    tok, keys, dtype = _W["tok"], _W["keys"], _W["dtype"]
+    keys, dtype = _W["keys"], _W["dtype"]
     out = []
     for lineno, raw in batch:
-        obj, err, bad = _parse_line(raw)
-        if err is None:
-            missing = [k for k in keys if k not in obj]
-            wrong = [k for k in keys if k in obj and not isinstance(obj[k], str)]
-            if missing:
-                err = f"missing key {missing[0]!r} (keys present: {sorted(obj)[:8]})"
-            elif wrong:
-                err = f"key {wrong[0]!r} is {type(obj[wrong[0]]).__name__}, not a string"
+        obj, err, bad = _parse_line(raw, keys)
         if err is not None:
             out.append((lineno, err, bad, None))
             continue
         encoded = []
         for k in keys:
-            text = obj[k]
             try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates from "\udXXX" escapes
-                text, bad = text.encode("utf-8", "replace").decode("utf-8"), True
-            try:
-                ids = tok.tokenize(text) if text else []
+                ids, lengths, bad = _tokenize_document(obj[k], bad)
             except ValueError as e:  # e.g. NullTokenizer given a non-integer
                 err = f"key {k!r}: {e}"
                 break
-            if ids and _W["eod"]:
-                ids.append(tok.eod)
-            encoded.append((np.asarray(ids, dtype=dtype).tobytes(), len(ids)))
+            encoded.append((np.asarray(ids, dtype=dtype).tobytes(), lengths))
         out.append((lineno, err, bad, None if err else encoded))
     return out
 
@@ -205,26 +253,31 @@ class _Throttle:
         self.sem.release()
 
 
-def _batches(f: IO[bytes], start_line: int, end_offset: Optional[int],
-             throttle: _Throttle, counter: list) -> Iterator[list]:
-    """Yield batches of (lineno, bytes), blocking while too many are in flight."""
-    batch, size, lineno = [], 0, start_line
-    pos = f.tell() if end_offset is not None else 0
-    for raw in f:
-        lineno += 1
+# A partition's share of the lines: take(i) says whether 0-based line i is
+# ours, done(i) that no later line is (so reading can stop).
+Selection = tuple[Callable[[int], bool], Callable[[int], bool]]
+_ALL: Selection = (lambda i: True, lambda i: False)
+
+
+def _batches(f: IO[bytes], select: Selection, throttle: _Throttle,
+             counter: list) -> Iterator[list]:
+    """Yield batches of (1-based line number, bytes), blocking while too many are in flight."""
+    take, done = select
+    batch, size = [], 0
+    for i, raw in enumerate(iter_lines(f)):
+        if not take(i):
+            if done(i):
+                break
+            continue
         counter[0] += len(raw)
-        if end_offset is not None:
-            pos += len(raw)
         if raw.strip():
-            batch.append((lineno, raw))
+            batch.append((i + 1, raw))
             size += len(raw)
         if len(batch) >= _BATCH_LINES or size >= _BATCH_BYTES:
             if not throttle.acquire():
                 return
             yield batch
             batch, size = [], 0
-        if end_offset is not None and pos >= end_offset:
-            break
     if batch and throttle.acquire():
         yield batch
 
@@ -238,45 +291,61 @@ def _map_results(opts: PreprocessOptions, batches: Iterable[list]) -> Iterator[l
         yield from pool.imap(_encode_batch, batches)
 
 
-def _run_single(opts: PreprocessOptions, out_prefix: str, start: int = 0,
-                end: Optional[int] = None, start_line: int = 0) -> PreprocessStats:
-    """Process input bytes [start, end) (whole file by default) into ``out_prefix``."""
+def _write_document(builder: IndexedDatasetBuilder, data: bytes, lengths: list[int]) -> None:
+    """One document: its sequences (none for an empty one), then its end."""
+    if len(lengths) == 1:
+        builder.add_raw(data, lengths[0])
+    else:
+        step, off = builder.dtype.itemsize, 0
+        for n in lengths:
+            builder.add_raw(data[off:off + n * step], n)
+            off += n * step
+    builder.end_document()
+
+
+def _consume(opts: PreprocessOptions, results_iter: Iterator[list], throttle: _Throttle,
+             builders: dict, stats: PreprocessStats, progress: Callable[[], None]) -> None:
+    for results in results_iter:
+        throttle.sem.release()
+        for lineno, err, bad, encoded in results:
+            stats.lines += 1
+            stats.utf8_replaced += bad
+            if err is not None:
+                if not opts.skip_invalid:
+                    raise PreprocessError(f"{opts.input}:{lineno}: {err}")
+                stats.invalid_skipped += 1
+                logger.debug("skipping %s:%d: %s", opts.input, lineno, err)
+                continue
+            for k, (data, lengths) in zip(opts.json_keys, encoded):
+                _write_document(builders[k], data, lengths)
+                stats.documents[k] += 1
+                stats.tokens[k] += sum(lengths)
+                stats.empty_documents += not lengths
+        progress()
+
+
+def _run_single(opts: PreprocessOptions, out_prefix: str,
+                select: Selection = _ALL) -> PreprocessStats:
+    """Process the lines ``select`` picks from the input into ``out_prefix``."""
     vocab = build_tokenizer(opts.tokenizer, opts.vocab_size).vocab_size
     stats = PreprocessStats(documents={k: 0 for k in opts.json_keys},
                             tokens={k: 0 for k in opts.json_keys})
     builders = {k: IndexedDatasetBuilder(output_prefix_for(out_prefix, k), optimal_dtype(vocab))
                 for k in opts.json_keys}
     throttle = _Throttle(_INFLIGHT_PER_WORKER * max(1, opts.workers))
-    counter, t0, next_log = [0], time.time(), opts.log_interval
+    counter, t0, next_log = [0], time.time(), [opts.log_interval]
+
+    def progress() -> None:
+        if opts.log_interval and stats.lines >= next_log[0]:
+            next_log[0] += opts.log_interval
+            stats.bytes_read, stats.seconds = counter[0], time.time() - t0
+            logger.info("processed %s", stats.summary())
+
     f = open_binary(opts.input)
-    if start:
-        f.seek(start)
-    results_iter = _map_results(opts, _batches(f, start_line, end, throttle, counter))
+    results_iter = _map_results(opts, _batches(f, select, throttle, counter))
     try:
         with f:
-            for results in results_iter:
-                throttle.sem.release()
-                for lineno, err, bad, encoded in results:
-                    stats.lines += 1
-                    stats.utf8_replaced += bad
-                    if err is not None:
-                        if not opts.skip_invalid:
-                            raise PreprocessError(f"{opts.input}:{lineno}: {err}")
-                        stats.invalid_skipped += 1
-                        logger.debug("skipping %s:%d: %s", opts.input, lineno, err)
-                        continue
-                    for k, (data, n) in zip(opts.json_keys, encoded):
-                        if n == 0:
-                            stats.empty_skipped += 1
-                            continue
-                        builders[k].add_raw(data, n)
-                        builders[k].end_document()
-                        stats.documents[k] += 1
-                        stats.tokens[k] += n
-                if opts.log_interval and stats.lines >= next_log:
-                    next_log += opts.log_interval
-                    stats.bytes_read, stats.seconds = counter[0], time.time() - t0
-                    logger.info("processed %s", stats.summary())
+            _consume(opts, results_iter, throttle, builders, stats, progress)
         for b in builders.values():
             b.finalize()
     except BaseException:
@@ -289,36 +358,28 @@ def _run_single(opts: PreprocessOptions, out_prefix: str, start: int = 0,
     return stats
 
 
-def _partition_ranges(path: str, parts: int) -> list[tuple[int, int]]:
-    """Split a plain file into ``parts`` byte ranges that start at line starts."""
-    size = os.path.getsize(path)
-    cuts = [0]
-    with open(path, "rb") as f:
-        for i in range(1, parts):
-            f.seek(max(cuts[-1], size * i // parts))
-            f.readline()  # move to the start of the next line
-            cuts.append(min(f.tell(), size))
-    cuts.append(size)
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+def _count_lines(path: str) -> int:
+    """Lines as Megatron counts them for --keep-sequential-samples (text-mode lines)."""
+    with open_binary(path) as f:
+        return sum(1 for _ in iter_lines(f))
 
 
-def _count_lines(path: str, end: int, chunk: int = 16 << 20) -> int:
-    """Newlines in the first ``end`` bytes of a file, read in bounded chunks."""
-    count, done = 0, 0
-    with open(path, "rb") as f:
-        while done < end:
-            block = f.read(min(chunk, end - done))
-            if not block:
-                break
-            count += block.count(b"\n")
-            done += len(block)
-    return count
+def partition_selection(parts: int, index: int, run: Optional[int]) -> Selection:
+    """Megatron's share of the input lines for partition ``index`` of ``parts``.
+
+    ``run`` None: round robin over every line, blank ones included. Otherwise
+    the lines [index * run, (index + 1) * run), run = ceil(lines / parts).
+    """
+    if run is None:
+        return (lambda i: i % parts == index), (lambda i: False)
+    return (lambda i: index * run <= i < (index + 1) * run), (lambda i: i >= (index + 1) * run)
 
 
-def _partition_main(opts: PreprocessOptions, prefix: str, start: int, end: int, conn) -> None:
+def _partition_main(opts: PreprocessOptions, prefix: str, index: int, run: Optional[int],
+                    conn) -> None:
     try:
-        start_line = _count_lines(opts.input, start)  # so messages carry true line numbers
-        conn.send(("ok", _run_single(opts, prefix, start, end, start_line)))
+        select = partition_selection(opts.partitions, index, run)
+        conn.send(("ok", _run_single(opts, prefix, select)))
     except BaseException as e:  # forwarded to the parent, which re-raises
         conn.send(("error", f"{e}"))
     finally:
@@ -326,14 +387,16 @@ def _partition_main(opts: PreprocessOptions, prefix: str, start: int, end: int, 
 
 
 def _run_partitioned(opts: PreprocessOptions) -> PreprocessStats:
-    ranges = _partition_ranges(opts.input, opts.partitions)
+    """Each partition reads the whole input for its own lines (Megatron's order), then merge."""
     per = PreprocessOptions(**{**opts.__dict__,
-                               "workers": max(1, opts.workers // len(ranges))})
-    prefixes = [f"{opts.output_prefix}.part{i}-{os.getpid()}" for i in range(len(ranges))]
+                               "workers": max(1, opts.workers // opts.partitions)})
+    prefixes = [f"{opts.output_prefix}.part{i}-{os.getpid()}" for i in range(opts.partitions)]
+    run = (max(1, math.ceil(_count_lines(opts.input) / opts.partitions))
+           if opts.keep_sequential_samples else None)
     procs, stats, errors = [], PreprocessStats(), []
-    for (start, end), prefix in zip(ranges, prefixes):
+    for i, prefix in enumerate(prefixes):
         recv, send = mp.Pipe(duplex=False)
-        proc = mp.Process(target=_partition_main, args=(per, prefix, start, end, send))
+        proc = mp.Process(target=_partition_main, args=(per, prefix, i, run, send))
         proc.start()
         send.close()  # so a child that dies makes recv() fail instead of blocking
         procs.append((proc, recv))
@@ -349,8 +412,8 @@ def _run_partitioned(opts: PreprocessOptions) -> PreprocessStats:
         else:
             errors.append(payload)
     try:
-        if errors:
-            raise PreprocessError(errors[0])
+        if errors:  # the error of the earliest line, as a single pass would report
+            raise PreprocessError(min(errors, key=_error_line))
         for k in opts.json_keys:
             merge_datasets([output_prefix_for(p, k) for p in prefixes],
                            output_prefix_for(opts.output_prefix, k))
@@ -364,17 +427,23 @@ def _run_partitioned(opts: PreprocessOptions) -> PreprocessStats:
     return stats
 
 
+def _error_line(message: str) -> float:
+    """The line number of a ``file:line: reason`` message (inf when it has none)."""
+    head = message.split(": ", 1)[0]
+    number = head.rsplit(":", 1)[-1]
+    return int(number) if number.isdigit() else math.inf
+
+
 def preprocess(opts: PreprocessOptions) -> PreprocessStats:
     """Run preprocessing; return the final counters (see module docstring for policy)."""
     if not os.path.isfile(opts.input):
         raise FileNotFoundError(f"--input {opts.input}: file not found")
+    if opts.partitions < 1 or opts.workers < 1:
+        raise ValueError("--workers and --partitions must be at least 1")
     t0 = time.time()
-    if opts.partitions > 1 and opts.input.endswith(".gz"):
-        logger.warning("--partitions ignored for gzip input (it cannot be split by offset)")
-    if opts.partitions > 1 and not opts.input.endswith(".gz"):
+    if opts.partitions > 1:
         stats = _run_partitioned(opts)
     else:
         stats = _run_single(opts, opts.output_prefix)
     stats.seconds = time.time() - t0
-    logger.info("done: %s", stats.summary())
     return stats
