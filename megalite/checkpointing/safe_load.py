@@ -22,10 +22,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked; the message says what to do (one line)."""
 
 
-def safe_torch_load(path: str) -> Any:
-    """``torch.load`` restricted to plain data; pickled code is refused with a CheckpointError."""
+def safe_torch_load(path: str, mmap: bool = False) -> Any:
+    """``torch.load`` restricted to plain data; pickled code is refused with a CheckpointError.
+
+    ``mmap`` maps the tensors instead of reading them: a converter touching one layer at a
+    time then keeps only that layer's pages resident.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"refusing to load {path}: it holds pickled objects outside the plain-data "

@@ -1,0 +1,246 @@
+"""The common currency of checkpoint conversion: a model as a stream of full tensors.
+
+Every loader (megalite, Megatron-LM, Hugging Face) turns its files into the
+same stream, and every saver shards that stream into its own files::
+
+    source.pre()      embedding.word_embeddings.weight [vocab, h]   (real rows only, no padding)
+                      embedding.position_embeddings.weight [p, h]   (learned positions only)
+    source.layer(i)   input_layernorm.*, self_attention.linear_qkv.* [(nq + 2 nkv) d, h] as [Q; K; V],
+                      self_attention.linear_proj.*, pre_mlp_layernorm.*,
+                      mlp.linear_fc1.* ([gate; up] for SwiGLU), mlp.linear_fc2.*
+    source.post()     decoder.final_layernorm.*, output_layer.weight [vocab, h] (untied only)
+
+Names and layouts are megalite's full (tp = 1) ones, so a megalite -> megalite
+conversion is a pure reshard; a saver holds about one layer at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megalite.checkpointing.safe_load import CheckpointError
+from megalite.config import ModelConfig
+from megalite.pipeline.partition import layers_for_stage, validate_partition
+
+WORD = "embedding.word_embeddings.weight"
+POSITIONS = "embedding.position_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm"
+
+
+def layer_prefix(i: int) -> str:
+    return f"decoder.layers.{i}."
+
+
+def layer_names(cfg: ModelConfig) -> List[str]:
+    """Names (relative to ``decoder.layers.N.``) of one layer's tensors."""
+    norms = ["weight", "bias"] if cfg.normalization == "LayerNorm" else ["weight"]
+    linear = ["weight", "bias"] if cfg.add_bias_linear else ["weight"]
+    out = [f"input_layernorm.{p}" for p in norms]
+    out += [f"self_attention.linear_qkv.{p}" for p in linear] + [f"self_attention.linear_proj.{p}" for p in linear]
+    out += [f"pre_mlp_layernorm.{p}" for p in norms]
+    return out + [f"mlp.linear_fc1.{p}" for p in linear] + [f"mlp.linear_fc2.{p}" for p in linear]
+
+
+def pre_names(cfg: ModelConfig) -> List[str]:
+    return [WORD] + ([POSITIONS] if cfg.position_embedding_type == "learned_absolute" else [])
+
+
+def post_names(cfg: ModelConfig) -> List[str]:
+    norms = ["weight", "bias"] if cfg.normalization == "LayerNorm" else ["weight"]
+    return [f"{FINAL_NORM}.{p}" for p in norms] + ([] if cfg.tied_embeddings else [OUTPUT])
+
+
+def full_shape(cfg: ModelConfig, name: str) -> Tuple[int, ...]:
+    """The full (unsharded, unpadded) shape of tensor ``name`` (global or layer-relative)."""
+    h, d, ffn = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
+    fc1 = 2 * ffn if cfg.swiglu else ffn
+    rows = {"linear_qkv": (qkv, h), "linear_proj": (h, cfg.num_attention_heads * d), "linear_fc1": (fc1, h),
+            "linear_fc2": (h, ffn)}
+    if name in (WORD, OUTPUT):
+        return (cfg.vocab_size, h)
+    if name == POSITIONS:
+        return (cfg.max_positions, h)
+    module, _, param = name.rpartition(".")
+    kind = module.rpartition(".")[2]
+    if kind in rows:
+        return rows[kind] if param == "weight" else (rows[kind][0],)
+    return (h,)  # norms
+
+
+def column_pieces(cfg: ModelConfig, name: str) -> Optional[List[int]]:
+    """Row counts of the fused pieces of a column-parallel tensor (each split over tp separately)."""
+    if ".linear_qkv." in "." + name:
+        d = cfg.head_dim
+        return [cfg.num_attention_heads * d, cfg.query_groups * d, cfg.query_groups * d]
+    if ".linear_fc1." in "." + name:
+        return [cfg.ffn_size, cfg.ffn_size] if cfg.swiglu else [cfg.ffn_size]
+    return None
+
+
+def is_row_parallel(name: str) -> bool:
+    return name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+
+
+def is_vocab(name: str) -> bool:
+    return name in (WORD, OUTPUT)
+
+
+def split_tp(cfg: ModelConfig, name: str, full: torch.Tensor, tp: int) -> List[torch.Tensor]:
+    """megalite's tp shards of a full tensor: what rank r's state dict holds (vocab padded for tp)."""
+    if is_vocab(name):
+        padded = cfg.padded_vocab_size(tp)
+        table = torch.zeros(padded, full.shape[1], dtype=full.dtype)
+        table[:full.shape[0]] = full
+        return list(table.chunk(tp, dim=0))
+    pieces = column_pieces(cfg, name)
+    if pieces is not None:
+        parts = [p.chunk(tp, dim=0) for p in full.split(pieces, dim=0)]
+        return [torch.cat([p[r] for p in parts], dim=0) for r in range(tp)]
+    if is_row_parallel(name):
+        return list(full.chunk(tp, dim=1))
+    return [full] * tp
+
+
+def merge_tp(cfg: ModelConfig, name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The inverse of :func:`split_tp`: the full tensor from every tp rank's shard (padding dropped)."""
+    tp = len(shards)
+    if is_vocab(name):
+        return torch.cat(list(shards), dim=0)[:cfg.vocab_size]
+    pieces = column_pieces(cfg, name)
+    if pieces is not None:
+        local = [p // tp for p in pieces]
+        split = [s.split(local, dim=0) for s in shards]
+        return torch.cat([torch.cat([sp[j] for sp in split], dim=0) for j in range(len(pieces))], dim=0)
+    if is_row_parallel(name):
+        return torch.cat(list(shards), dim=1)
+    return shards[0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A target (or source) parallel layout: tp, pp, virtual stages and an uneven first/last stage."""
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    first: Optional[int] = None
+    last: Optional[int] = None
+
+    def stages(self, num_layers: int) -> List[Tuple[int, int, range]]:
+        """(pp_rank, chunk, global layers) of every chunk, in the order the layers run."""
+        out = [(r, c, layers_for_stage(num_layers, self.pp, self.vp, r, c, self.first, self.last))
+               for c in range(self.vp) for r in range(self.pp)]
+        return out
+
+    def stage_of_layer(self, num_layers: int) -> Dict[int, Tuple[int, int, int]]:
+        """layer -> (pp_rank, chunk, index inside the chunk)."""
+        return {layer: (r, c, j) for r, c, rng in self.stages(num_layers) for j, layer in enumerate(rng)}
+
+
+def check_fits(cfg: ModelConfig, layout: Layout) -> None:
+    """One line when the model cannot be split as ``layout`` asks (nothing written yet)."""
+    tp = layout.tp
+    problems = []
+    if cfg.num_attention_heads % tp:
+        problems.append(f"{cfg.num_attention_heads} attention heads")
+    if cfg.query_groups % tp:
+        problems.append(f"{cfg.query_groups} query groups")
+    if cfg.ffn_size % tp:
+        problems.append(f"ffn hidden size {cfg.ffn_size}")
+    if problems:
+        raise CheckpointError(f"target tensor-parallel size {tp} does not divide the model's "
+                              f"{' and '.join(problems)}; choose a tp that divides them")
+    try:
+        validate_partition(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
+    except ValueError as e:
+        raise CheckpointError(f"target pipeline layout does not fit the model: {e}") from None
+
+
+def model_config_from_dict(d: dict) -> ModelConfig:
+    """A ModelConfig from a saved dict, ignoring fields this version does not know."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class SourceInfo:
+    """What travels with the weights: counters, tokenizer, the source's own description."""
+    iteration: int = 0
+    tokenizer: Dict[str, Optional[str]] = field(default_factory=dict)  # DataConfig tokenizer fields
+    tokenizer_files: List[str] = field(default_factory=list)  # files to copy next to an HF export
+    kind: str = ""
+
+
+class ModelSource:
+    """A loaded checkpoint read lazily: ``pre``, ``layer(i)`` and ``post`` return full tensors."""
+
+    cfg: ModelConfig
+    info: SourceInfo
+
+    def pre(self) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def layer(self, i: int) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def post(self) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop whatever the source keeps open (memory maps, cached stage files)."""
+
+
+def check_tensors(cfg: ModelConfig, tensors: Dict[str, torch.Tensor], names: Sequence[str], where: str) -> None:
+    """Every expected tensor present with its full shape; one line naming the first that is not."""
+    for n in names:
+        if n not in tensors:
+            raise CheckpointError(f"{where} has no tensor {n!r}: it does not hold the model its config describes")
+        if tuple(tensors[n].shape) != full_shape(cfg, n):
+            raise CheckpointError(f"{where}: {n} has shape {tuple(tensors[n].shape)}, the config implies "
+                                  f"{full_shape(cfg, n)}")
+
+
+TIED_COPY = "output_weight"  # megalite's name for the last stage's copy of a tied embedding
+Sharder = Callable[[Dict[str, torch.Tensor], Optional[int]], List[Dict[str, torch.Tensor]]]
+
+
+def stream_to_ranks(source: ModelSource, layout: Layout, sharder: Sharder,
+                    write: Callable[[int, List[Dict[int, Dict[str, torch.Tensor]]]], None],
+                    progress: Callable[[str], None]) -> None:
+    """Read ``source`` in layer order and hand each pipeline rank's shards to ``write`` once complete.
+
+    ``sharder(full tensors, index of the layer inside its chunk or None)`` returns every tp
+    rank's entries; ``write(pp_rank, [per tp rank: {chunk: {name: tensor}}])`` is called
+    when the rank's last chunk is filled, so only unfinished ranks are held in memory.
+    A tied embedding is handed to the last stage again as ``TIED_COPY`` when it is not the first.
+    """
+    cfg = source.cfg
+    stages = layout.stages(cfg.num_layers)
+    pending: Dict[int, List[Dict[int, Dict[str, torch.Tensor]]]] = {}
+    word: Optional[torch.Tensor] = None
+    for s, (r, c, layers) in enumerate(stages):
+        chunk = [f.setdefault(c, {}) for f in pending.setdefault(r, [{} for _ in range(layout.tp)])]
+
+        def add(parts: List[Dict[str, torch.Tensor]]) -> None:
+            for rank, part in enumerate(parts):
+                chunk[rank].update(part)
+        if s == 0:
+            pre = source.pre()
+            word = pre[WORD] if cfg.tied_embeddings and len(stages) > 1 else None
+            add(sharder(pre, None))
+            progress("embeddings")
+        for j, i in enumerate(layers):
+            add(sharder({layer_prefix(i) + n: t for n, t in source.layer(i).items()}, j))
+            progress(f"layer {i}")
+        if s == len(stages) - 1:
+            post = source.post()
+            if word is not None:
+                post[TIED_COPY] = word
+            add(sharder(post, None))
+            progress("final norm and head")
+        if c == layout.vp - 1:
+            write(r, pending.pop(r))

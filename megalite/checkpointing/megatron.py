@@ -1,0 +1,365 @@
+"""Megatron-LM legacy (``torch`` format) checkpoints as a conversion source and target.
+
+Megatron-LM writes ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``, each a
+dict with ``args`` (an ``argparse.Namespace`` of the run's flags), the model
+(``model``, or ``model0``, ``model1``.. with virtual stages; layer numbers are
+local to each chunk), optimizer and ``rng_state`` (numpy states included).
+Megatron-Core's tensors differ from megalite's full ones in two places::
+
+    linear_qkv rows   megalite [Q (all heads); K; V]
+                      Megatron for each query group g: [q heads of g; k_g; v_g]
+                      (tp rank r holds groups r*G/tp .. contiguously)
+    norms             local spec: input_layernorm / pre_mlp_layernorm;
+                      transformer_engine spec: linear_qkv.layer_norm_* / linear_fc1.layer_norm_*
+
+SwiGLU's ``linear_fc1`` is [gate_r; up_r] on each tp rank, exactly as megalite.
+Files are read with ``weights_only`` plus an allow-list (Namespace, numpy's
+array reconstruction, and inert stand-ins for Megatron's own enum classes);
+nothing in them runs. Optimizer and RNG state are not converted (as Megatron's
+own converter): load the result with ``--finetune`` or ``--no-load-optim --no-load-rng``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors,
+                                                layer_names, merge_tp, post_names, pre_names, split_tp,
+                                                stream_to_ranks)
+from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
+from megalite.config import ModelConfig
+
+_TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+class _Opaque:
+    """Stands in for a Megatron class found in ``args`` (an enum): keeps its arguments, runs nothing."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<megatron value {self.args!r}>"
+
+
+def _allowed(name: str):
+    """What an allowed global is replaced with when unpickling, or None when it is refused."""
+    if name == "argparse.Namespace":
+        return argparse.Namespace
+    if name in ("numpy.ndarray", "numpy.dtype"):
+        return getattr(np, name.split(".")[1])
+    if name in ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct"):
+        return (_np_reconstruct(), name)  # numpy 1 and 2 spell the module differently
+    if name.startswith("numpy.dtypes.") and isinstance(getattr(np.dtypes, name[13:], None), type):
+        return (getattr(np.dtypes, name[13:]), name)
+    if name.startswith("megatron."):
+        return (_Opaque, name)
+    return None
+
+
+def _np_reconstruct():
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
+
+
+def load_megatron_file(path: str) -> dict:
+    """One Megatron-LM checkpoint file, unpickled only as far as the allow-list permits (memory-mapped)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except pickle.UnpicklingError as e:  # opcodes the inspector does not know: nothing can be vouched for
+        raise CheckpointError(f"refusing to load {path}: its pickle cannot be checked against the allow-list "
+                              f"({e})") from None
+    except Exception as e:  # noqa: BLE001 - any failure means the file is not a torch zip file
+        raise CheckpointError(f"cannot read {path} ({type(e).__name__}): not a torch checkpoint file") from None
+    allow = []
+    for n in names:
+        sub = _allowed(n)
+        if sub is None:
+            raise CheckpointError(f"refusing to load {path}: it holds the pickled object {n}, outside the "
+                                  f"allow-list for Megatron checkpoints; only load checkpoints you trust")
+        allow.append(sub)
+    with torch.serialization.safe_globals(allow):
+        return safe_torch_load(path, mmap=True)
+
+
+# -- shapes from the stored arguments -------------------------------------------------------------
+def _arg(ns, *names, default=None):
+    for n in names:
+        v = getattr(ns, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: str) -> Tuple[ModelConfig, Layout]:
+    """megalite's ModelConfig and the files' layout from a Megatron run's arguments."""
+    heads, hidden = ns.num_attention_heads, ns.hidden_size
+    unsupported = [f for f, bad in (("qk_layernorm", getattr(ns, "qk_layernorm", False)),
+                                    ("num_experts", getattr(ns, "num_experts", None)),
+                                    ("apply_layernorm_1p", getattr(ns, "apply_layernorm_1p", False)),
+                                    ("rotary_percent != 1", _arg(ns, "rotary_percent", default=1.0) != 1.0),
+                                    ("kv_channels != hidden/heads",
+                                     _arg(ns, "kv_channels", default=hidden // heads) != hidden // heads),
+                                    ("add_qkv_bias without add_bias_linear",
+                                     getattr(ns, "add_qkv_bias", False) and not getattr(ns, "add_bias_linear", True)))
+                   if bad]
+    if unsupported:
+        raise CheckpointError(f"{where} uses {', '.join(unsupported)}, which megalite's model does not have")
+    bf16, fp16 = getattr(ns, "bf16", False), getattr(ns, "fp16", False)
+    vocab = true_vocab or _arg(ns, "vocab_size", "padded_vocab_size")
+    cfg = ModelConfig(
+        num_layers=ns.num_layers, hidden_size=hidden, ffn_hidden_size=_arg(ns, "ffn_hidden_size"),
+        num_attention_heads=heads,
+        num_query_groups=ns.num_query_groups if getattr(ns, "group_query_attention", False) else None,
+        seq_length=ns.seq_length, max_position_embeddings=_arg(ns, "max_position_embeddings"),
+        vocab_size=vocab, make_vocab_size_divisible_by=_arg(ns, "make_vocab_size_divisible_by", default=128),
+        init_method_std=_arg(ns, "init_method_std", default=0.02),
+        hidden_dropout=_arg(ns, "hidden_dropout", default=0.1), attention_dropout=_arg(ns, "attention_dropout",
+                                                                                        default=0.1),
+        normalization=_arg(ns, "normalization", default="LayerNorm"),
+        layernorm_epsilon=_arg(ns, "norm_epsilon", "layernorm_epsilon", default=1e-5),
+        swiglu=bool(getattr(ns, "swiglu", False)),
+        position_embedding_type=_arg(ns, "position_embedding_type", default="learned_absolute"),
+        rotary_base=int(_arg(ns, "rotary_base", default=10000)),
+        untie_embeddings_and_output_weights=bool(getattr(ns, "untie_embeddings_and_output_weights", False)),
+        add_bias_linear=bool(_arg(ns, "add_bias_linear", default=True)),
+        params_dtype="bfloat16" if bf16 else "float16" if fp16 else "float32")
+    vp = _arg(ns, "virtual_pipeline_model_parallel_size", default=1)
+    layout = Layout(tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, vp=vp,
+                    first=_arg(ns, "decoder_first_pipeline_num_layers"),
+                    last=_arg(ns, "decoder_last_pipeline_num_layers"))
+    return cfg, layout
+
+
+def args_for(cfg: ModelConfig, layout: Layout, tokenizer: Dict[str, Optional[str]],
+             base: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+    """The ``args`` Namespace a Megatron-LM run of this model and layout would store."""
+    # a Megatron source's other flags are kept (as Megatron's saver does), but not our inert stand-ins
+    kept = {k: v for k, v in vars(base).items() if not isinstance(v, _Opaque)} if base is not None else {}
+    ns = argparse.Namespace(**kept)
+    vp = layout.vp if layout.vp > 1 else None
+    vals = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_size,
+        num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.head_dim,
+        group_query_attention=cfg.query_groups != cfg.num_attention_heads, num_query_groups=cfg.query_groups,
+        seq_length=cfg.seq_length, max_position_embeddings=cfg.max_positions,
+        position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base, rotary_percent=1.0,
+        normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, swiglu=cfg.swiglu,
+        untie_embeddings_and_output_weights=not cfg.tied_embeddings, add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_bias_linear, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size(layout.tp),
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, init_method_std=cfg.init_method_std,
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        params_dtype=cfg.torch_dtype, bf16=cfg.params_dtype == "bfloat16", fp16=cfg.params_dtype == "float16",
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=vp,
+        num_layers_per_virtual_pipeline_stage=(cfg.num_layers // (layout.pp * layout.vp)
+                                               if vp and layout.first is None and layout.last is None else None),
+        decoder_first_pipeline_num_layers=layout.first, decoder_last_pipeline_num_layers=layout.last,
+        transformer_impl=getattr(ns, "transformer_impl", "local"), data_parallel_size=1,
+        world_size=layout.tp * layout.pp, consumed_train_samples=0, consumed_valid_samples=0)
+    vals.update({k: v for k, v in tokenizer.items() if v is not None})
+    for k, v in vals.items():
+        setattr(ns, k, v)
+    return ns
+
+
+# -- the fused QKV order ----------------------------------------------------------------------------
+def qkv_to_megatron(cfg: ModelConfig, full: torch.Tensor) -> torch.Tensor:
+    """[Q; K; V] rows -> per query group [q heads of the group; k; v] rows (weight or bias)."""
+    g, d = cfg.query_groups, cfg.head_dim
+    q, k, v = full.split([cfg.num_attention_heads * d, g * d, g * d], dim=0)
+    rest = full.shape[1:]
+    parts = [q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def qkv_from_megatron(cfg: ModelConfig, full: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`qkv_to_megatron`."""
+    g, d = cfg.query_groups, cfg.head_dim
+    rest = full.shape[1:]
+    grouped = full.reshape(g, -1, *rest)
+    q, k, v = grouped.split([cfg.num_attention_heads // g * d, d, d], dim=1)
+    return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)], dim=0)
+
+
+def _megatron_name(rel: str, te: bool) -> str:
+    if te:
+        for local, fused in _TE_NORMS.items():
+            if rel.startswith(local):
+                return fused + rel[len(local):]
+    return rel
+
+
+def _split(cfg: ModelConfig, name: str, full: torch.Tensor, tp: int) -> List[torch.Tensor]:
+    if "layer_norm_" in name:  # transformer_engine's fused norm: replicated
+        return [full] * tp
+    if ".linear_qkv." in name:
+        return [s.clone() for s in qkv_to_megatron(cfg, full).chunk(tp, dim=0)]
+    return [s.clone() for s in split_tp(cfg, name, full, tp)]
+
+
+def _merge(cfg: ModelConfig, name: str, shards: List[torch.Tensor]) -> torch.Tensor:
+    if "layer_norm_" in name:
+        return shards[0].clone()
+    if ".linear_qkv." in name:
+        return qkv_from_megatron(cfg, torch.cat(shards, dim=0))
+    return merge_tp(cfg, name, shards).clone()
+
+
+# -- reading ----------------------------------------------------------------------------------------
+LATEST = "latest_checkpointed_iteration.txt"
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+
+
+def _rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+
+
+def find_megatron_iteration(root: str) -> Tuple[str, int]:
+    """(directory, iteration) that ``latest_checkpointed_iteration.txt`` names (``release`` is iteration 0)."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load-dir {root} does not exist")
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{root} has no {LATEST}: it is not a Megatron-LM checkpoint")
+    text = open(path).read().strip()
+    if text == "release":
+        d, it = os.path.join(root, "release"), 0
+    elif text.isdigit():
+        d, it = os.path.join(root, f"iter_{int(text):07d}"), int(text)
+    else:
+        raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{path} names {os.path.basename(d)} but {d} is missing: the checkpoint is incomplete")
+    return d, it
+
+
+class MegatronSource(ModelSource):
+    """A Megatron-LM legacy checkpoint, one pipeline rank's files mapped at a time."""
+
+    def __init__(self, root: str, true_vocab: Optional[int] = None):
+        self.dir, it = find_megatron_iteration(root)
+        if not any(n.startswith("mp_rank_") for n in os.listdir(self.dir)):
+            raise CheckpointError(f"{self.dir} holds no mp_rank_* folders: it is not a Megatron-LM torch-format "
+                                  f"checkpoint (megalite's sharded checkpoints load with --loader megalite)")
+        single = os.path.join(self.dir, "mp_rank_00", "model_optim_rng.pt")
+        first = single if os.path.exists(single) else os.path.join(self.dir, "mp_rank_00_000", "model_optim_rng.pt")
+        state = load_megatron_file(first)
+        ns = state.get("args") if isinstance(state, dict) else None
+        if not isinstance(ns, argparse.Namespace):
+            raise CheckpointError(f"{first} stores no argparse Namespace 'args': it was not written by Megatron-LM "
+                                  f"(megalite's torch-format checkpoints load with --loader megalite)")
+        self.args = ns
+        self.cfg, self.layout = config_from_args(ns, true_vocab, first)
+        self.vocab_guessed = not (true_vocab or getattr(ns, "vocab_size", None))
+        model = state.get("model", state.get("model0", {}))
+        self.te = any(k.endswith("layer_norm_weight") for k in model)
+        self.where = self.layout.stage_of_layer(self.cfg.num_layers)
+        for t in range(self.layout.tp):  # every file present before anything is converted
+            for r in range(self.layout.pp):
+                path = os.path.join(self.dir, _rank_dir(t, r, self.layout.pp), "model_optim_rng.pt")
+                if not os.path.exists(path):
+                    raise CheckpointError(f"{path} is missing: the checkpoint is incomplete (its args say "
+                                          f"tp={self.layout.tp} pp={self.layout.pp})")
+        self.info = SourceInfo(iteration=it, kind="megatron",
+                               tokenizer={k: getattr(ns, k, None) for k in TOKENIZER_FIELDS})
+        self._open_rank: Optional[int] = None
+        self._files: List[dict] = []
+
+    def _chunk(self, pp_rank: int, chunk: int) -> List[dict]:
+        if self._open_rank != pp_rank:
+            self._files = []  # release the previous rank's maps first
+            for t in range(self.layout.tp):
+                self._files.append(load_megatron_file(
+                    os.path.join(self.dir, _rank_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")))
+            self._open_rank = pp_rank
+        key = "model" if self.layout.vp == 1 else f"model{chunk}"
+        if key not in self._files[0]:
+            raise CheckpointError(f"{self.dir}: pipeline rank {pp_rank}'s files have no {key!r}; their args say "
+                                  f"vp={self.layout.vp}")
+        return [f[key] for f in self._files]
+
+    def _read(self, pp_rank: int, chunk: int, names: Dict[str, str]) -> Dict[str, torch.Tensor]:
+        """megalite name -> full tensor, for {megalite name: Megatron name in that chunk}."""
+        shards = self._chunk(pp_rank, chunk)
+        out = {}
+        for ours, theirs in names.items():
+            if theirs not in shards[0]:
+                raise CheckpointError(f"{self.dir}: pipeline rank {pp_rank} chunk {chunk} has no tensor {theirs!r}; "
+                                      f"the files do not match their stored args")
+            out[ours] = _merge(self.cfg, theirs, [s[theirs] for s in shards])
+        return out
+
+    def pre(self) -> Dict[str, torch.Tensor]:
+        out = self._read(0, 0, {n: n for n in pre_names(self.cfg)})
+        check_tensors(self.cfg, out, pre_names(self.cfg), self.dir)
+        return out
+
+    def layer(self, i: int) -> Dict[str, torch.Tensor]:
+        r, c, j = self.where[i]
+        rel = layer_names(self.cfg)
+        out = self._read(r, c, {n: f"decoder.layers.{j}." + _megatron_name(n, self.te) for n in rel})
+        check_tensors(self.cfg, out, rel, f"{self.dir} layer {i}")
+        return out
+
+    def post(self) -> Dict[str, torch.Tensor]:
+        out = self._read(self.layout.pp - 1, self.layout.vp - 1, {n: n for n in post_names(self.cfg)})
+        check_tensors(self.cfg, out, post_names(self.cfg), self.dir)
+        return out
+
+    def close(self) -> None:
+        self._files, self._open_rank = [], None
+
+
+# -- writing ----------------------------------------------------------------------------------------
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def save_megatron(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
+                  progress: Callable[[str], None], base_args: Optional[argparse.Namespace] = None) -> None:
+    """Write ``source`` as Megatron-LM would save it (local transformer spec), without optimizer or RNG."""
+    cfg, it, tp = source.cfg, source.info.iteration, layout.tp
+    ns = args_for(cfg, layout, tokenizer, base_args)
+    d = os.path.join(out, f"iter_{it:07d}")
+
+    def shard(tensors: Dict[str, torch.Tensor], j: Optional[int]) -> List[Dict[str, torch.Tensor]]:
+        parts: List[Dict[str, object]] = [{} for _ in range(tp)]
+        for name, t in tensors.items():
+            if j is not None:  # a layer: Megatron numbers layers from 0 inside each chunk
+                name = f"decoder.layers.{j}." + name.split(".", 3)[3]
+            ours = WORD if name == TIED_COPY else name
+            name = "output_layer.weight" if name == TIED_COPY else name
+            for r, s in enumerate(_split(cfg, ours, t, tp)):
+                parts[r][name] = s
+        extra = [f"decoder.layers.{j}.{m}._extra_state" for m in _LINEARS] if j is not None else []
+        if "output_layer.weight" in parts[0]:
+            extra.append("output_layer._extra_state")
+        for p in parts:
+            p.update({e: None for e in extra})  # what Megatron-Core's linear layers put in their state dicts
+        return parts
+
+    def write(pp_rank: int, files: List[Dict[int, Dict[str, torch.Tensor]]]) -> None:
+        for t, chunks in enumerate(files):
+            models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in sorted(chunks.items())}
+            path = os.path.join(d, _rank_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"args": ns, "checkpoint_version": 3.0, "iteration": it, **models,
+                        "num_floating_point_operations_so_far": 0}, path)
+
+    stream_to_ranks(source, layout, shard, write, progress)
+    with open(os.path.join(out, LATEST), "w") as f:
+        f.write(str(it))

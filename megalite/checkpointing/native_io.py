@@ -1,0 +1,247 @@
+"""megalite's own checkpoints as a conversion source and target, one layer at a time.
+
+Reading: the ``sharded`` format is read block by block with
+torch.distributed.checkpoint (only the blocks of the layer asked for); the
+``torch`` format maps one pipeline rank's files at a time (``mmap``) and joins
+their tp shards. Writing: ``sharded`` saves each layer as its own DCP file and
+merges the indexes at the end, so memory holds one layer; ``torch`` writes a
+pipeline rank's files when the last of its chunks is complete (one stage, or
+the whole model when virtual stages interleave). Optimizer state is not
+converted: the result loads with ``--finetune`` or ``--no-load-optim``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+from dataclasses import asdict
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megalite.checkpointing import (FORMAT_VERSION, _SHAPE_FIELDS, _legacy_dir, _quiet_single_process,
+                                    _read_index, _read_json, iteration_dir, read_latest)
+from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors, layer_names,
+                                                layer_prefix, merge_tp, model_config_from_dict, post_names,
+                                                pre_names, split_tp, stream_to_ranks)
+from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
+from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig
+
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+
+
+def find_iteration(root: str, what: str) -> str:
+    """The iteration directory ``latest_checkpointed_iteration.txt`` names (one-line error otherwise)."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load-dir {root} does not exist")
+    it = read_latest(root)
+    if it is None:
+        raise CheckpointError(f"{root} has no latest_checkpointed_iteration.txt: it is not a {what} checkpoint")
+    d = iteration_dir(root, it)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{root} names iteration {it} but {d} is missing: the checkpoint is incomplete")
+    return d
+
+
+class MegaliteSource(ModelSource):
+    """A megalite checkpoint (either format), read lazily."""
+
+    def __init__(self, root: str):
+        self.dir = find_iteration(root, "megalite")
+        meta_path = os.path.join(self.dir, "meta.json")
+        if not os.path.exists(meta_path):
+            raise CheckpointError(f"{self.dir} has no meta.json: it is not a megalite checkpoint (a Megatron-LM "
+                                  f"one loads with --loader megatron)")
+        self.meta = _read_json(meta_path)
+        config = self.meta.get("config", {})
+        self.cfg = model_config_from_dict(config.get("model", {}))
+        data = config.get("data", {})
+        self.info = SourceInfo(iteration=int(self.meta.get("iteration", 0)), kind="megalite",
+                               tokenizer={k: data.get(k) for k in TOKENIZER_FIELDS})
+        self.format = self.meta.get("format", "sharded")
+        if self.format == "sharded":
+            SafeFileSystemReader(self.dir).read_metadata()  # the allow-listed index, before DCP reads anything
+            self.index = _read_index(self.dir)
+        else:
+            lay = self.meta["layout"]
+            self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None, lay.get("last") or None)
+            self.where = self.layout.stage_of_layer(self.cfg.num_layers)
+            for t in range(self.layout.tp):  # every file present before anything is converted
+                for r in range(self.layout.pp):
+                    path = os.path.join(self.dir, _legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
+                    if not os.path.exists(path):
+                        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+            self._open_rank: Optional[int] = None
+            self._files: List[dict] = []
+
+    # -- sharded: blocks through torch.distributed.checkpoint --------------------------------------
+    def _read_sharded(self, names: List[str]) -> Dict[str, torch.Tensor]:
+        state, parts, out = {}, [], {}
+        for n in names:
+            entries = self.index.get(("model", n))
+            if not entries:
+                raise CheckpointError(f"{self.dir} has no tensor {n!r}: it does not hold the model meta.json "
+                                      f"describes")
+            out[n] = torch.empty(entries[0]["shape"], dtype=getattr(torch, entries[0]["dtype"]))
+            for e in entries:
+                state[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
+                parts.append((n, e))
+        try:
+            with _quiet_single_process():
+                dcp.load(state, storage_reader=SafeFileSystemReader(self.dir))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - DCP wraps read failures
+            first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise CheckpointError(f"reading {self.dir} failed ({first[:160]}): the checkpoint is damaged") from None
+        for n, e in parts:
+            where = tuple(slice(o, o + s) for o, s in zip(e["offsets"], e["sizes"]))
+            out[n][where] = state[e["key"]]
+        return out
+
+    # -- torch: one pipeline rank's files, mapped ------------------------------------------------
+    def _chunk(self, pp_rank: int, chunk: int) -> List[dict]:
+        if self._open_rank != pp_rank:
+            self._files = []  # release the previous rank's maps before opening the next
+            for t in range(self.layout.tp):
+                path = os.path.join(self.dir, _legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")
+                if not os.path.exists(path):
+                    raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+                self._files.append(safe_torch_load(path, mmap=True))
+            self._open_rank = pp_rank
+        key = "model" if self.layout.vp == 1 else f"model{chunk}"
+        return [f[key] for f in self._files]
+
+    def _read_torch(self, pp_rank: int, chunk: int, names: List[str]) -> Dict[str, torch.Tensor]:
+        shards = self._chunk(pp_rank, chunk)
+        out = {}
+        for n in names:
+            if n not in shards[0]:
+                raise CheckpointError(f"{self.dir}: no tensor {n!r} in pipeline rank {pp_rank}'s files")
+            out[n] = merge_tp(self.cfg, n, [s[n] for s in shards]).clone()
+        return out
+
+    def _read(self, names: List[str], pp_rank: int, chunk: int) -> Dict[str, torch.Tensor]:
+        if self.format == "sharded":
+            return self._read_sharded(names)
+        return self._read_torch(pp_rank, chunk, names)
+
+    def pre(self) -> Dict[str, torch.Tensor]:
+        out = self._read(pre_names(self.cfg), 0, 0)
+        check_tensors(self.cfg, out, pre_names(self.cfg), self.dir)
+        return out
+
+    def layer(self, i: int) -> Dict[str, torch.Tensor]:
+        rel = layer_names(self.cfg)
+        r, c = self.where[i][:2] if self.format != "sharded" else (0, 0)
+        got = self._read([layer_prefix(i) + n for n in rel], r, c)
+        out = {n: got[layer_prefix(i) + n] for n in rel}
+        check_tensors(self.cfg, out, rel, f"{self.dir} layer {i}")
+        return out
+
+    def post(self) -> Dict[str, torch.Tensor]:
+        last = (self.layout.pp - 1, self.layout.vp - 1) if self.format != "sharded" else (0, 0)
+        out = self._read(post_names(self.cfg), *last)
+        check_tensors(self.cfg, out, post_names(self.cfg), self.dir)
+        return out
+
+    def close(self) -> None:
+        self._files, self._open_rank = [], None
+
+
+# -- writing --------------------------------------------------------------------------------------
+def _meta(cfg: ModelConfig, info: SourceInfo, layout: Layout, fmt: str, tokenizer: Dict[str, Optional[str]]) -> dict:
+    """meta.json of a converted checkpoint: weights only (no optimizer, no RNG; the layout marks it converted)."""
+    full = Config(model=cfg, parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp,
+                                                     decoder_first_pipeline_num_layers=layout.first,
+                                                     decoder_last_pipeline_num_layers=layout.last),
+                  data=DataConfig(**{k: v for k, v in tokenizer.items() if k in TOKENIZER_FIELDS}))
+    return {"format_version": FORMAT_VERSION, "format": fmt, "iteration": info.iteration, "consumed_samples": 0,
+            "skipped_iters": 0, "nan_iters": 0, "scheduler": {"num_steps": info.iteration}, "scaler": None,
+            "adam_step": 0.0, "group_steps": [],
+            # never equal to a run's layout, so no RNG file is looked for
+            "layout": {"world": layout.tp * layout.pp, "tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "dp": 1,
+                       "first": layout.first or 0, "last": layout.last or 0, "converted_from": info.kind},
+            "config": json.loads(json.dumps(asdict(full), default=str)),
+            "model_shape": {f: getattr(cfg, f) for f in _SHAPE_FIELDS}}
+
+
+def _whole_key(name: str, t: torch.Tensor) -> str:
+    """The DCP key of a block that is the whole tensor (the key format of checkpointing.layout.Block)."""
+    return f"model/{name}@{','.join('0' for _ in t.shape)}"
+
+
+def _write_finish(out: str, meta: dict, iteration: int) -> None:
+    with open(os.path.join(iteration_dir(out, iteration), "meta.json"), "w") as f:
+        json.dump(meta, f)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+
+
+def save_sharded(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
+                 progress: Callable[[str], None]) -> None:
+    """Write ``source`` as a megalite sharded checkpoint under ``out`` (a fresh directory)."""
+    cfg, it = source.cfg, source.info.iteration
+    d = iteration_dir(out, it)
+    os.makedirs(d)
+    index: List[dict] = []
+    merged_md, merged_storage = {}, {}
+    groups = [("embeddings", source.pre)] + [(f"layer {i}", lambda i=i: {layer_prefix(i) + k: v for k, v in
+                                                                       source.layer(i).items()})
+                                             for i in range(cfg.num_layers)] + [("final norm and head", source.post)]
+    for k, (what, read) in enumerate(groups):
+        tensors = {n: t.contiguous() for n, t in read().items()}
+        state = {_whole_key(n, t): t for n, t in tensors.items()}
+        part = os.path.join(d, f".part{k}")
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(part))
+        md = SafeFileSystemReader(part).read_metadata()
+        fname = f"__{k}_0.distcp"
+        files = {info.relative_path for info in md.storage_data.values()}
+        if len(files) != 1:
+            raise CheckpointError(f"unexpected torch.distributed.checkpoint output in {part}: {sorted(files)}")
+        os.replace(os.path.join(part, files.pop()), os.path.join(d, fname))
+        shutil.rmtree(part)
+        merged_md.update(md.state_dict_metadata)
+        merged_storage.update({idx: dataclasses.replace(info, relative_path=fname)
+                               for idx, info in md.storage_data.items()})
+        for n, t in tensors.items():
+            index.append({"key": _whole_key(n, t), "prefix": "model", "name": n,
+                          "shape": list(t.shape), "offsets": [0] * t.dim(), "sizes": list(t.shape),
+                          "dtype": str(t.dtype).replace("torch.", "")})
+        progress(what)
+    md.state_dict_metadata, md.storage_data = merged_md, merged_storage
+    with open(os.path.join(d, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with open(os.path.join(d, "index_00000.json"), "w") as f:
+        json.dump(index, f)
+    _write_finish(out, _meta(cfg, source.info, layout, "sharded", tokenizer), it)
+
+
+def save_torch(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
+               progress: Callable[[str], None]) -> None:
+    """Write ``source`` in megalite's torch (legacy, per tp/pp rank) format for ``layout``."""
+    cfg, it, tp = source.cfg, source.info.iteration, layout.tp
+    d = iteration_dir(out, it)
+    meta = _meta(cfg, source.info, layout, "torch", tokenizer)
+
+    def shard(tensors: Dict[str, torch.Tensor], _: Optional[int]) -> List[Dict[str, torch.Tensor]]:
+        # clones: a shard must not keep the full tensor alive
+        split = {n: split_tp(cfg, WORD if n == TIED_COPY else n, t, tp) for n, t in tensors.items()}
+        return [{n: s[r].clone() for n, s in split.items()} for r in range(tp)]
+
+    def write(pp_rank: int, files: List[Dict[int, Dict[str, torch.Tensor]]]) -> None:
+        for t, chunks in enumerate(files):
+            models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in chunks.items()}
+            path = os.path.join(d, _legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"args": meta["config"], "checkpoint_version": 3.0, "iteration": it, "consumed_samples": 0,
+                        **models, "optimizer": {"state": {}, "scaler": None, "group_steps": []},
+                        "opt_param_scheduler": meta["scheduler"], "rng_state": [], "layout": meta["layout"],
+                        "model_shape": meta["model_shape"]}, path)
+
+    stream_to_ranks(source, layout, shard, write, progress)
+    _write_finish(out, meta, it)
