@@ -4,7 +4,8 @@
 Example:
   python tools/merge_datasets.py --input data/shards --output-prefix data/all_text_document
   python tools/merge_datasets.py --input a_text_document b_text_document --output-prefix ab
---input takes dataset prefixes, or one directory whose *.idx files are merged in name order.
+--input takes dataset prefixes, or one directory whose *.idx datasets are merged in
+prefix order (Megatron's tools/merge_datasets.py order).
 """
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     prefixes = args.input
     if len(prefixes) == 1 and Path(prefixes[0]).is_dir():
-        prefixes = [str(f.with_suffix("")) for f in sorted(Path(prefixes[0]).glob("*.idx"))]
+        # Megatron's order: sorted by prefix, so "a" comes before "a-b" (sorting the
+        # file names would put "a-b.idx" first, since "-" < ".")
+        folder = Path(prefixes[0])
+        prefixes = [str(folder / name) for name in sorted(f.name[:-4] for f in folder.glob("*.idx"))]
+        if not prefixes:
+            sys.exit(f"error: {folder}: no .idx files to merge")
     try:
         n = merge_datasets(prefixes, args.output_prefix)
     except (IndexFormatError, FileNotFoundError, ValueError) as e:

@@ -1,7 +1,8 @@
 """Builds the train/valid/test datasets the training loop asks for.
 
 ``--data-path`` (one prefix, ``w1 p1 w2 p2 ...`` or bare prefixes weighted
-by their token counts) is cut by ``--split`` into document ranges;
+by the samples in one epoch of each) is cut by ``--split`` into document
+ranges exactly as megatron-core cuts it;
 ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` give a
 split its own blend, used whole. Rank coordination is injected: the primary
 rank builds and caches the indices, then calls ``barrier()``; the others
@@ -17,7 +18,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from megalite.config import DataConfig
-from megalite.data.blended_dataset import BlendedDataset, parse_blend, samples_per_dataset
+from megalite.data.blended_dataset import (SURPLUS, BlendedDataset, normalize, parse_blend,
+                                           samples_per_dataset)
 from megalite.data.gpt_dataset import GPTDataset, split_document_ranges
 from megalite.data.indexed_dataset import IndexedDataset
 
@@ -32,7 +34,18 @@ def default_cache_dir(prefix: str, kind: str) -> str:
 
 
 class _Builder:
-    """One build pass; opens each prefix once and shares it across splits."""
+    """One build pass; opens each prefix once and shares it across splits.
+
+    The structure is megatron-core's BlendedMegatronDatasetBuilder, case by
+    case, since every case changes which indices get built:
+
+    * one prefix without a weight: a GPTDataset of the requested size;
+    * weights (even for one prefix): each part asks ceil(n * w) samples and is
+      built ``SURPLUS`` larger; the blend holds the sum of the asks (>= n);
+    * several prefixes without weights: each part is one epoch of its
+      documents, weighted by its sample count; the blend holds
+      min(n, all their samples), which can be fewer than asked for.
+    """
 
     def __init__(self, cfg: DataConfig, seq_length: int, seed: int, write_cache: bool):
         self.cfg, self.seq_length, self.seed = cfg, seq_length, seed
@@ -45,17 +58,34 @@ class _Builder:
             self._opened[prefix] = IndexedDataset(prefix)
         return self._opened[prefix]
 
-    def documents(self, prefix: str, split: int, whole: bool) -> np.ndarray:
-        """Sequence indices of ``prefix`` that belong to split ``split``."""
+    def documents(self, prefix: str, split: int, whole: bool) -> Optional[np.ndarray]:
+        """Sequence indices of ``prefix`` in split ``split``; None for a zero-weight split."""
         n = len(self.open(prefix))
-        begin, end = (0, n) if whole else split_document_ranges(self.cfg.split, n)[split]
-        return np.arange(begin, end, dtype=np.int32)
+        bounds = (0, n) if whole else split_document_ranges(self.cfg.split, n)[split]
+        return None if bounds is None else np.arange(*bounds, dtype=np.int32)
 
-    def gpt(self, prefix: str, docs: np.ndarray, num_samples: int, split: int) -> GPTDataset:
+    def gpt(self, prefix: str, docs: np.ndarray, num_samples: Optional[int],
+            split: int) -> GPTDataset:
         """A GPTDataset over ``docs`` of ``prefix``, its indices cached per the config."""
         cache = self.cfg.data_cache_path or default_cache_dir(prefix, "GPTDataset")
         return GPTDataset(self.open(prefix), docs, num_samples, self.seq_length,
                           self.seed, cache, SPLIT_NAMES[split], self.write)
+
+    def has_tokens(self, prefix: str, docs: np.ndarray, split: int) -> bool:
+        """False (with a warning) when the split's share of ``prefix`` holds no tokens.
+
+        A small dataset can round to no documents for a small split (e.g. the
+        test part of 969,30,1 with fewer than 500 documents); megatron-core
+        loops forever there. Leaving the dataset out of that split is the only
+        sensible reading.
+        """
+        if int(self.open(prefix).sequence_lengths[docs].sum(dtype=np.int64)) > 0:
+            return True
+        logger.warning("%s: no tokens in the %s split (documents %d..%d of %d); it gives "
+                       "that split nothing", prefix, SPLIT_NAMES[split],
+                       docs[0] if len(docs) else 0, docs[-1] + 1 if len(docs) else 0,
+                       len(self.open(prefix)))
+        return False
 
     def split_dataset(self, paths: Sequence[str], split: int, num_samples: int,
                       whole: bool):
@@ -63,30 +93,40 @@ class _Builder:
         if num_samples <= 0:
             return None
         prefixes, weights = parse_blend(paths)
+        if len(prefixes) == 1 and (weights is None or whole):
+            docs = self.documents(prefixes[0], split, whole)
+            if docs is None or not self.has_tokens(prefixes[0], docs, split):
+                return None
+            return self.gpt(prefixes[0], docs, num_samples, split)
         docs = [self.documents(p, split, whole) for p in prefixes]
-        tokens = [int(self.open(p).sequence_lengths[d].sum(dtype=np.int64))
-                  for p, d in zip(prefixes, docs)]
-        if weights is None:  # bare prefixes: each weighs its share of tokens
-            weights = [float(t) for t in tokens]
-        keep = [i for i in range(len(prefixes)) if weights[i] > 0 and tokens[i] > 0]
-        for i in range(len(prefixes)):
-            if i not in keep and weights[i] > 0:
-                logger.warning("%s: no tokens in the %s split; left out of the blend",
-                               prefixes[i], SPLIT_NAMES[split])
+        if any(d is None for d in docs):  # the split has weight 0: all parts are empty
+            return None
+        keep = [i for i in range(len(prefixes)) if (weights is None or weights[i] > 0)
+                and self.has_tokens(prefixes[i], docs[i], split)]
         if not keep:
             return None
-        if len(keep) == 1:
-            i = keep[0]
-            return self.gpt(prefixes[i], docs[i], num_samples, split)
-        kept_weights = [weights[i] for i in keep]
-        sizes = samples_per_dataset(num_samples, kept_weights)
-        parts = [self.gpt(prefixes[i], docs[i], n, split) for i, n in zip(keep, sizes)]
+        if weights is None:
+            parts = [self.gpt(prefixes[i], docs[i], None, split) for i in keep]
+            blend_weights = [len(p) for p in parts]
+            size = min(num_samples, sum(blend_weights))
+            if size < num_samples:
+                logger.warning("the unweighted %s blend has %d samples in one epoch of its "
+                               "datasets, fewer than the %d asked for (megatron-core caps it "
+                               "the same way; give weights to draw more)",
+                               SPLIT_NAMES[split], size, num_samples)
+        else:
+            blend_weights = normalize([weights[i] for i in keep])
+            targets = samples_per_dataset(num_samples, blend_weights)
+            asks = samples_per_dataset(num_samples, blend_weights, SURPLUS)
+            parts = [self.gpt(prefixes[i], docs[i], n, split) for i, n in zip(keep, asks)]
+            size = sum(targets)
         cache = self.cfg.data_cache_path or default_cache_dir(prefixes[keep[0]],
                                                               "BlendedDataset")
         description = {"prefixes": [os.path.abspath(prefixes[i]) for i in keep],
                        "split": SPLIT_NAMES[split], "parts": [len(p) for p in parts],
                        "seed": self.seed, "seq_length": self.seq_length}
-        return BlendedDataset(parts, kept_weights, num_samples, cache, description, self.write)
+        return BlendedDataset(parts, blend_weights, size, cache, description, self.write,
+                              SPLIT_NAMES[split])
 
 
 def _build(cfg: DataConfig, num_samples: Sequence[int], seq_length: int, seed: int,

@@ -19,57 +19,84 @@ input that defines them, written atomically, and loaded by memory map.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import time
-from typing import Callable, Optional
+import re
+from typing import Optional
 
 import numpy as np
 
+from megalite.data.index_cache import cached_arrays
 from megalite.data.indexed_dataset import IndexedDataset, idx_path
 
 logger = logging.getLogger(__name__)
 
 
 def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> normalized train/valid/test weights (missing parts are 0)."""
+    """``"969,30,1"`` -> train/valid/test weights normalized as megatron-core does.
+
+    Missing parts are 0. The division is numpy's float64 one, as in
+    megatron-core's ``normalize``, so the split boundaries below round
+    exactly as Megatron's do.
+    """
     try:
-        parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+        parts = [float(x) for x in re.split(r"[,/\s]+", split.strip()) if x]
     except ValueError:
         parts = []
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+    if not parts or len(parts) > 3 or any(not p >= 0 for p in parts) or sum(parts) <= 0:
         raise ValueError(f"--split {split!r}: expected up to 3 non-negative weights, e.g. 969,30,1")
     parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
+    w = np.array(parts, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
 
 
-def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """Megatron's split of ``num_documents`` into three contiguous [begin, end) ranges."""
-    weights = parse_split(split)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w * float(num_documents))))
-    excess = bounds[-1] - num_documents  # rounding may over/undershoot: shift the ends
-    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+def split_document_ranges(split: str, num_documents: int) -> list[Optional[tuple[int, int]]]:
+    """megatron-core's [begin, end) document range of each split, None for a zero-weight split.
+
+    The bookends are running float sums of the normalized weights, each
+    rounded on its own (``round(bookend * n)``), as in
+    BlendedMegatronDatasetBuilder: two splits share a boundary, so the ranges
+    tile [0, n) without gaps. (Legacy Megatron-LM rounded each weight and
+    shifted the ends; that differs for many document counts.)
+    """
+    bookends = [0]
+    for w in parse_split(split):
+        bookends.append(bookends[-1] + w)
+    ranges: list[Optional[tuple[int, int]]] = []
+    for lo, hi in zip(bookends[:-1], bookends[1:]):
+        if hi <= lo:  # megatron-core's split matrix has None here: no dataset at all
+            ranges.append(None)
+        else:
+            ranges.append((int(round(lo * float(num_documents))),
+                           int(round(hi * float(num_documents)))))
+    return ranges
 
 
-def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Smallest epoch count whose tokens make ``num_samples`` samples (+1 extra token)."""
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int,
+                      num_samples: Optional[int]) -> int:
+    """Smallest epoch count whose tokens make ``num_samples`` samples (+1 extra token).
+
+    ``num_samples`` None (a part of an unweighted blend) means one epoch.
+    """
+    if num_samples is None:
+        return 1
     needed = num_samples * seq_length + 1
     return max(1, -(-needed // tokens_per_epoch))
 
 
-def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int,
+def num_samples_built(tokens_per_epoch: int, seq_length: int, num_epochs: int) -> int:
+    """Samples the sample index holds: every full sample the epochs' tokens make."""
+    return (num_epochs * tokens_per_epoch - 1) // seq_length
+
+
+def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int],
                          num_epochs: int) -> bool:
     """Megatron's rule: shuffle the last epoch alone when < 80% of it is used."""
-    if num_epochs == 1:
+    if num_epochs == 1 or num_samples is None:
         return False
-    before_last = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    before_last = num_samples_built(tokens_per_epoch, seq_length, num_epochs - 1)
     from_last = num_samples - before_last
-    per_epoch = (tokens_per_epoch - 1) // seq_length
+    per_epoch = num_samples_built(tokens_per_epoch, seq_length, 1)
     return from_last < int(0.80 * per_epoch)
 
 
@@ -85,6 +112,12 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return np.concatenate((first, last))
 
 
+def sample_index_dtype(all_sizes: np.ndarray, document_index_length: int) -> np.dtype:
+    """int32 unless a position or offset could pass int32 (megatron-core's rule, same inputs)."""
+    largest = max(document_index_length, int(all_sizes.max(initial=0)))
+    return np.dtype(np.int32 if largest <= np.iinfo(np.int32).max else np.int64)
+
+
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray,
                        seq_length: int) -> np.ndarray:
     """Start (position in document_index, token offset) of every sample, plus the end.
@@ -93,7 +126,8 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray,
     boundary i is the token at stream position i * seq_length; it lies in
     the last document whose start is <= that position (empty documents are
     passed over, as in Megatron's C++ loop). Vectorized: one cumsum and one
-    searchsorted, about a second for 10M documents.
+    searchsorted, about a second for 10M documents. ``sizes`` is every
+    sequence length of the dataset (it also decides the dtype, as Megatron's).
     """
     doc_sizes = sizes[document_index].astype(np.int64)
     starts = np.zeros(len(doc_sizes), dtype=np.int64)
@@ -104,16 +138,20 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray,
     doc_pos = np.searchsorted(starts, positions, side="right") - 1
     offsets = positions - starts[doc_pos]
     doc_pos[0], offsets[0] = 0, 0  # Megatron always starts at (0, 0)
-    big = max(len(document_index), int(offsets.max(initial=0))) >= np.iinfo(np.int32).max
-    out = np.empty((num_samples + 1, 2), dtype=np.int64 if big else np.int32)
+    out = np.empty((num_samples + 1, 2), dtype=sample_index_dtype(sizes, len(document_index)))
     out[:, 0], out[:, 1] = doc_pos, offsets
     return out
+
+
+def shuffle_index_dtype(total_size: int) -> np.dtype:
+    """uint32, or int64 for indices past uint32 (megatron-core's rule)."""
+    return np.dtype(np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64)
 
 
 def build_shuffle_index(num_samples: int, total_size: int,
                         rng: np.random.RandomState) -> np.ndarray:
     """Permutation of [0, num_samples) then, separately, of [num_samples, total_size)."""
-    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    dtype = shuffle_index_dtype(total_size)
     first = np.arange(num_samples, dtype=dtype)
     rng.shuffle(first)
     if num_samples == total_size:
@@ -136,67 +174,31 @@ def data_fingerprint(prefix: str) -> str:
     return h.hexdigest()
 
 
-def cached_arrays(cache_dir: Optional[str], description: dict, names: tuple[str, ...],
-                  build: Callable[[], dict], write: bool) -> tuple[dict, bool]:
-    """Load arrays ``names`` from the cache keyed by ``description``, or build them.
-
-    Returns (arrays, cache_hit). With ``write`` (the primary rank), a miss is
-    built and saved as ``{md5}-{name}.npy`` (temporary name, then rename, the
-    description .json last so its presence means complete). Without
-    ``write``, a miss is built in memory with a warning (cache not shared).
-    """
-    text = json.dumps(description, sort_keys=True, indent=2)
-    key = hashlib.md5(text.encode()).hexdigest()
-    if cache_dir is not None:
-        paths = {n: os.path.join(cache_dir, f"{key}-{n}.npy") for n in names}
-        marker = os.path.join(cache_dir, f"{key}-description.json")
-        if os.path.isfile(marker) and all(os.path.isfile(p) for p in paths.values()):
-            return {n: np.load(p, mmap_mode="r", allow_pickle=False)
-                    for n, p in paths.items()}, True
-    t0 = time.time()
-    arrays = build()
-    logger.info("built %s indices in %.2fs", description.get("class"), time.time() - t0)
-    if cache_dir is None:
-        return arrays, False
-    if not write:
-        logger.warning("index cache %s missing on a non-primary rank (is --data-cache-path "
-                       "shared?); built in memory", cache_dir)
-        return arrays, False
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        for n, p in paths.items():
-            tmp = f"{p}.tmp-{os.getpid()}.npy"
-            np.save(tmp, arrays[n], allow_pickle=False)
-            os.replace(tmp, p)
-        tmp = f"{marker}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, marker)
-    except OSError as e:
-        logger.warning("could not write index cache under %s (%s); using in-memory indices",
-                       cache_dir, e)
-    return arrays, False
-
-
 class GPTDataset:
     """Samples of ``seq_length + 1`` tokens over a range of an IndexedDataset's documents.
 
     ``documents`` are sequence indices of ``indexed`` (one sequence per
     document, as our preprocessing and Megatron's write them). ``len(ds)`` is
-    at least ``num_samples``; ``ds[i]`` is ``{"text": int64 array}``.
+    at least ``num_samples``; ``num_samples`` None builds exactly one epoch
+    (megatron-core's mid-level datasets of an unweighted blend).
+    ``ds[i]`` is ``{"text": int64 array}``.
     """
 
-    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: Optional[str] = None,
-                 split_name: str = "train", write_cache: bool = True):
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray,
+                 num_samples: Optional[int], seq_length: int, seed: int,
+                 cache_dir: Optional[str] = None, split_name: str = "train",
+                 write_cache: bool = True):
         self.indexed = indexed
         self.seq_length = seq_length
+        self.num_samples = num_samples
+        self.documents = documents
         sizes = indexed.sequence_lengths
         tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
         if tokens_per_epoch == 0:
             raise ValueError(f"{indexed.prefix}: split {split_name!r} has no tokens")
         num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
         separate = separate_final_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
+        total = num_samples_built(tokens_per_epoch, seq_length, num_epochs)
         description = {
             "class": "GPTDataset", "dataset_path": os.path.abspath(indexed.prefix),
             "fingerprint": data_fingerprint(indexed.prefix), "index_split": split_name,
@@ -204,19 +206,21 @@ class GPTDataset:
             "num_samples": num_samples, "random_seed": seed, "sequence_length": seq_length,
             "add_extra_token_to_sequence": True,
         }
+        doc_len = num_epochs * len(documents)
+        spec = {"document_index": (np.dtype(np.int32), (doc_len,)),
+                "sample_index": (sample_index_dtype(sizes, doc_len), (total + 1, 2)),
+                "shuffle_index": (shuffle_index_dtype(total), (total,))}
 
         def build() -> dict:
             rng = np.random.RandomState(seed)
             doc_index = build_document_index(documents, num_epochs, rng, separate)
             sample_index = build_sample_index(sizes, doc_index, seq_length)
-            n = sample_index.shape[0] - 1
-            first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else n
+            first = num_samples_built(tokens_per_epoch, seq_length, num_epochs - 1) \
+                if separate else total
             return {"document_index": doc_index, "sample_index": sample_index,
-                    "shuffle_index": build_shuffle_index(first, n, rng)}
+                    "shuffle_index": build_shuffle_index(first, total, rng)}
 
-        arrays, self.cache_hit = cached_arrays(
-            cache_dir, description, ("document_index", "sample_index", "shuffle_index"),
-            build, write_cache)
+        arrays, self.cache_hit = cached_arrays(cache_dir, description, spec, build, write_cache)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]

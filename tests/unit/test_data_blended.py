@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from megalite.config import DataConfig
-from megalite.data.blended_dataset import (BlendedDataset, build_blending_indices, parse_blend,
-                                           samples_per_dataset)
+from megalite.data.blended_dataset import (SURPLUS, BlendedDataset, build_blending_indices,
+                                           parse_blend, samples_per_dataset)
 from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 
@@ -30,7 +30,8 @@ def test_parse_blend_forms():
     assert parse_blend(["a"]) == (["a"], None)
     with pytest.raises(ValueError):
         parse_blend(["0.3", "a", "b"])
-    assert samples_per_dataset(1000, [0.3, 0.7]) == [302, 704]
+    assert samples_per_dataset(1000, [0.3, 0.7]) == [300, 700]  # the blend's targets
+    assert samples_per_dataset(1000, [0.3, 0.7], SURPLUS) == [302, 704]  # parts built larger
 
 
 def test_blended_dataset_reads_parts_and_caches(tmp_path):
@@ -38,7 +39,7 @@ def test_blended_dataset_reads_parts_and_caches(tmp_path):
     ds = BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1})
     assert [int(ds[i]["text"][0]) for i in range(4)] == [1, 0, 1, 1]
     assert BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1}).cache_hit
-    with pytest.raises(ValueError, match="needs"):
+    with pytest.raises(ValueError, match="asks dataset 0 for 50 samples but it has 10"):
         BlendedDataset([parts[0][:10], parts[1]], [0.5, 0.5], 100)
 
 
@@ -74,3 +75,24 @@ def test_builder_separate_split_paths(tmp_path):
     assert all(train[i]["text"][0] == 1 for i in range(100))
     assert {int(valid[i]["text"][0]) for i in range(20)} == {1, 2}
     assert test is None
+
+
+def test_blend_sizes_follow_megatron_core(tmp_path, caplog):
+    a, b, c = (_write(tmp_path / n, 60, v) for n, v in (("a", 1), ("b", 2), ("c", 3)))
+    # weighted: every part asks ceil(n * w) and the blend holds their sum (1002, not 1000);
+    # the parts are built 0.5% larger than they are asked
+    cfg = DataConfig(data_path=("1", a, "1", b, "1", c), split="1,0,0",
+                     data_cache_path=str(tmp_path / "c"))
+    train, _, _ = build_train_valid_test_datasets(cfg, (1000, 0, 0), seq_length=8, seed=3)
+    assert len(train) == 1002
+    assert [p.num_samples for p in train.datasets] == [336, 336, 336]  # ceil(334 * 1.005)
+    # one weighted prefix is still a blend (its part gets the margin too)
+    cfg = DataConfig(data_path=("0.5", a), split="1,0,0", data_cache_path=str(tmp_path / "c"))
+    train, _, _ = build_train_valid_test_datasets(cfg, (100, 0, 0), seq_length=8, seed=3)
+    assert isinstance(train, BlendedDataset) and train.datasets[0].num_samples == 101
+    # unweighted: one epoch of each part, the blend capped at their samples, with a warning
+    cfg = DataConfig(data_path=(a, b), split="1,0,0", data_cache_path=str(tmp_path / "c"))
+    train, _, _ = build_train_valid_test_datasets(cfg, (10 ** 6, 0, 0), seq_length=8, seed=3)
+    one_epoch = (60 * 20 - 1) // 8
+    assert [p.num_samples for p in train.datasets] == [None, None]
+    assert len(train) == 2 * one_epoch and "fewer than the 1000000 asked for" in caplog.text

@@ -48,12 +48,16 @@ def test_sample_index_equals_megatron_loop(seed, seq):
                                   _reference_sample_index(sizes, doc_idx, seq))
 
 
-def test_split_ranges_megatron_rounding():
+def test_split_ranges_megatron_core_rounding():
     assert split_document_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
-    assert split_document_ranges("98,2", 10) == [(0, 10), (10, 10), (10, 10)]
-    assert split_document_ranges("1,1,1", 10) == [(0, 4), (4, 7), (7, 10)]
-    with pytest.raises(ValueError, match="--split"):
-        split_document_ranges("a,b", 10)
+    # a zero-weight split has no range at all (megatron-core builds nothing for it)
+    assert split_document_ranges("98,2", 10) == [(0, 10), (10, 10), None]
+    # each running bookend is rounded on its own; legacy Megatron-LM gave (0,4),(4,7),(7,10)
+    assert split_document_ranges("1,1,1", 10) == [(0, 3), (3, 7), (7, 10)]
+    assert split_document_ranges("99 1", 7) == [(0, 7), (7, 7), None]
+    for bad in ("a,b", "1,2,3,4", "-1,2", "0,0,0", ""):
+        with pytest.raises(ValueError, match="--split"):
+            split_document_ranges(bad, 10)
 
 
 def _dataset(tmp_path, n_docs=120, seed=0, max_len=40):
@@ -126,6 +130,10 @@ def test_builder_single_prefix_and_none_cases(tmp_path):
     assert train[0]["text"].shape == (17,)
     t2, v2, _ = build_train_valid_test_datasets(_cfg(tmp_path, split="100,0,0"), (10, 10, 10), **SEQ)
     assert t2 is not None and v2 is None
+    # 120 documents: the test part of 969,30,1 rounds to none (megatron-core would hang)
+    t3, v3, e3 = build_train_valid_test_datasets(_cfg(tmp_path, split="969,30,1"), (10, 10, 10),
+                                                 **SEQ)
+    assert len(t3) >= 10 and len(v3) >= 10 and e3 is None
     with pytest.raises(ValueError, match="--data-path"):
         build_train_valid_test_datasets(DataConfig(), (1, 1, 1), **SEQ)
 
@@ -147,3 +155,63 @@ def test_builder_default_cache_next_to_data(tmp_path):
     _dataset(tmp_path)
     build_train_valid_test_datasets(_cfg(tmp_path, data_cache_path=None), (10, 0, 0), **SEQ)
     assert os.listdir(tmp_path / "cache" / "GPTDataset_indices")
+
+
+# ------------------------------------------------ damaged index caches (issue 10)
+def _damage_truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def _damage_garbage(path):
+    open(path, "wb").write(b"not an npy file at all")
+
+
+def _damage_dtype(path):
+    np.save(path, np.load(path).astype(np.int64))
+
+
+def _damage_length(path):
+    np.save(path, np.load(path)[:-1])
+
+
+def _damage_pickle(path):
+    np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+
+
+@pytest.mark.parametrize("name", ["document_index", "sample_index", "shuffle_index"])
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_garbage, _damage_dtype,
+                                    _damage_length, _damage_pickle])
+def test_damaged_cache_file_is_one_line_naming_it(tmp_path, name, damage):
+    from megalite.data.index_cache import IndexCacheError
+    ds = _dataset(tmp_path)
+    docs = np.arange(10, 90, dtype=np.int32)
+    args = (ds, docs, 300, 16, 7, str(tmp_path / "cache"))
+    good = GPTDataset(*args)
+    [path] = [str(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")
+              if f.endswith(f"-{name}.npy")]
+    damage(path)
+    with pytest.raises(IndexCacheError) as err:
+        GPTDataset(*args)
+    msg = str(err.value)
+    assert path in msg and "delete it" in msg and "\n" not in msg
+    os.remove(path)  # what the message says to do: the cache is rebuilt
+    again = GPTDataset(*args)
+    assert not again.cache_hit
+    np.testing.assert_array_equal(again.shuffle_index, good.shuffle_index)
+    assert GPTDataset(*args).cache_hit
+
+
+def test_damaged_description_and_blend_cache(tmp_path):
+    from megalite.data.blended_dataset import BlendedDataset
+    from megalite.data.index_cache import IndexCacheError
+    parts = [[{"text": np.full(3, d)} for _ in range(100)] for d in range(2)]
+    BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1})
+    [idx] = [str(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith("-dataset_index.npy")]
+    np.save(idx, np.load(idx).astype(np.uint8))  # the dtype earlier megalite versions wrote
+    with pytest.raises(IndexCacheError, match="dtype uint8, expected int16"):
+        BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1})
+    [desc] = [str(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith("description.json")]
+    open(desc, "w").write("{}")
+    with pytest.raises(IndexCacheError, match="description does not match"):
+        BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1})
