@@ -33,6 +33,22 @@ def default_cache_dir(prefix: str, kind: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", f"{kind}_indices")
 
 
+def megatron_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
+                         eval_iters: int) -> tuple[int, int, int]:
+    """The (train, valid, test) sample counts Megatron-LM asks its dataset builder for.
+
+    Megatron evaluates ``eval_iters`` batches every ``eval_interval`` iterations
+    and once more at the end, each evaluation going on where the last one
+    stopped: (train_iters // eval_interval + 1) * eval_iters batches of
+    validation; test is one evaluation. The counts decide how many epochs a
+    split's indices span, so valid/test samples come in Megatron's order only
+    when these exact counts are requested.
+    """
+    valid_iters = (train_iters // eval_interval + 1) * eval_iters if eval_interval > 0 else 0
+    return (train_iters * global_batch_size, valid_iters * global_batch_size,
+            eval_iters * global_batch_size)
+
+
 class _Builder:
     """One build pass; opens each prefix once and shares it across splits.
 

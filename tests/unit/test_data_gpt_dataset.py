@@ -215,3 +215,12 @@ def test_damaged_description_and_blend_cache(tmp_path):
     open(desc, "w").write("{}")
     with pytest.raises(IndexCacheError, match="description does not match"):
         BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1})
+
+
+def test_megatron_num_samples():
+    from megalite.data.builder import megatron_num_samples
+    # Megatron-LM's get_train_valid_test_num_samples: 500 iterations, evaluation every 100
+    # for 10 batches (five times plus the end), test one evaluation
+    assert megatron_num_samples(500, 32, 100, 10) == (16000, 6 * 10 * 32, 320)
+    assert megatron_num_samples(99, 8, 100, 2) == (792, 16, 16)
+    assert megatron_num_samples(10, 4, 5, 0) == (40, 0, 0)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megalite.config import DataConfig
@@ -270,3 +271,23 @@ def test_tool_prints_its_summary_once(tmp_path, data_write_jsonl, data_random_id
     assert out.returncode == 0, out.stderr
     both = out.stdout + out.stderr
     assert both.count("docs/s") == 1 and both.count("50 lines") == 1, both
+
+
+def test_merge_tool_takes_a_directory_in_megatron_prefix_order(tmp_path):
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+    shards = tmp_path / "shards"
+    for name, value in (("a-b", 2), ("a", 1), ("a_c", 3)):
+        b = IndexedDatasetBuilder(shards / name, np.uint16)
+        b.add_document([value] * 3, [3])
+        b.finalize()
+    out = subprocess.run([sys.executable, "tools/merge_datasets.py", "--input", str(shards),
+                          "--output-prefix", str(tmp_path / "m")], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ds = IndexedDataset(tmp_path / "m")
+    # Megatron sorts the prefixes: "a" < "a-b" < "a_c" (file names would put "a-b.idx" first)
+    assert [int(ds[i][0]) for i in range(3)] == [1, 2, 3]
+    out = subprocess.run([sys.executable, "tools/merge_datasets.py", "--input", str(tmp_path / "m"),
+                          "--output-prefix", str(tmp_path / "n")], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0  # a prefix, not a directory
