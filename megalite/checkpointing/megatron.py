@@ -346,7 +346,7 @@ def save_megatron(source: ModelSource, out: str, layout: Layout, tokenizer: Dict
             for r, s in enumerate(_split(cfg, ours, t, tp)):
                 parts[r][name] = s
         extra = [f"decoder.layers.{j}.{m}._extra_state" for m in _LINEARS] if j is not None else []
-        if "output_layer.weight" in parts[0]:
+        if any(n.startswith("decoder.final_layernorm") for n in tensors):  # the last stage, tied or not
             extra.append("output_layer._extra_state")
         for p in parts:
             p.update({e: None for e in extra})  # what Megatron-Core's linear layers put in their state dicts
