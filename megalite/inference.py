@@ -15,7 +15,8 @@
 Sampling follows Megatron's text generation: temperature, then top-k, then
 top-p (nucleus) filtering, then one multinomial draw from a seeded generator
 (so a seed gives the same text every time); greedy takes the argmax.
-Used by tools/generate.py and tools/evaluate.py.
+Used by tools/generate.py and tools/evaluate.py (``split_dataset``: the samples the
+training run evaluates on, for any split).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from megalite.checkpointing.layout import param_blocks
 from megalite.checkpointing.safe_load import SafeFileSystemReader, safe_torch_load
 from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
                              ParallelConfig, TrainConfig)
+from megalite.data.builder import build_train_valid_test_datasets
+from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.model.gpt import GPTModel
 from megalite.model.kv_cache import KVCache
@@ -199,6 +202,27 @@ def run_tokenizer(cfg: Config, overrides: Optional[dict] = None) -> Tokenizer:
         return build_tokenizer(data, vocab)  # ids 0..vocab-1 (its eod, vocab, is never generated)
     # the run's vocabulary counts NullTokenizer's eod: its --vocab-size was one less
     return build_tokenizer(data, vocab - 1 if data.tokenizer_type == "NullTokenizer" else vocab)
+
+
+# -- evaluation data ---------------------------------------------------------------------------
+def split_dataset(cfg: Config, split: str):
+    """The samples pretrain_gpt.py evaluates on (valid), or the same recipe for test / train.
+
+    The sample order of a real dataset depends on how many samples are asked for, so
+    each split asks for what the training run asked: eval_iters x global batch
+    (valid, test) or train_iters x global batch (train, at least the batches read).
+    """
+    t, index = cfg.train, ("train", "valid", "test").index(split)
+    n_eval = t.eval_iters * t.global_batch_size
+    if cfg.data.mock_data:  # pretrain_gpt.py's seeds: train seed + 0, valid seed + 1 (here test: + 2)
+        return MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed + index, n_eval)
+    counts = [0, 0, 0]
+    counts[index] = max(n_eval, t.train_iters * t.global_batch_size) if split == "train" else n_eval
+    ds = build_train_valid_test_datasets(cfg.data, tuple(counts), seq_length=cfg.model.seq_length,
+                                         seed=t.seed)[index]
+    if ds is None:
+        raise ValueError(f"the {split} split has no documents (see --split, or give --{split}-data-path)")
+    return ds
 
 
 # -- sampling and generation ---------------------------------------------------------------------

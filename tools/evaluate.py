@@ -28,13 +28,9 @@ import torch  # noqa: E402
 
 from megalite.checkpointing import CheckpointError  # noqa: E402
 from megalite.config import Config, ConfigError, OptimConfig, ParallelConfig  # noqa: E402
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
 from megalite.inference import (OneLineArgumentParser, add_load_args, load_full_weights, one_line,  # noqa: E402
-                                read_checkpoint, resolve_default_corpus)
+                                read_checkpoint, resolve_default_corpus, split_dataset)
 from megalite.parallel_state import ParallelState  # noqa: E402
-
-SPLITS = ("train", "valid", "test")
-
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     p = OneLineArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0])
@@ -74,27 +70,6 @@ def eval_config(cfg: Config, args) -> Config:
                           f"{train.global_batch_size} a multiple of --micro-batch-size {train.micro_batch_size}")
     return cfg.with_(data=data, train=train, parallel=ParallelConfig(), optim=OptimConfig(),
                      model=replace(cfg.model, recompute_granularity=None, torch_compile=False))
-
-
-def split_dataset(cfg: Config, split: str):
-    """The samples pretrain_gpt.py evaluates on (valid), or the same recipe for test / train.
-
-    The sample order of a real dataset depends on how many samples are asked for, so
-    each split asks for what the training run asked: eval_iters x global batch
-    (valid, test) or train_iters x global batch (train, at least the batches read).
-    """
-    t, index = cfg.train, SPLITS.index(split)
-    n_eval = t.eval_iters * t.global_batch_size
-    if cfg.data.mock_data:  # pretrain_gpt.py's salts: train seed + 0, valid seed + 1 (test + 2)
-        return MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed + index, n_eval)
-    from megalite.data.builder import build_train_valid_test_datasets
-    counts = [0, 0, 0]
-    counts[index] = max(n_eval, t.train_iters * t.global_batch_size) if split == "train" else n_eval
-    ds = build_train_valid_test_datasets(cfg.data, tuple(counts), seq_length=cfg.model.seq_length,
-                                         seed=t.seed)[index]
-    if ds is None:
-        raise ConfigError(f"the {split} split has no documents (see --split, or give --{split}-data-path)")
-    return ds
 
 
 class _CheckedBatches:

@@ -49,7 +49,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 def _prompt_ids(text: str, tokenizer, vocab: int, limit: int, max_new: int) -> List[int]:
     """The prompt's ids, checked against the model's vocabulary and positions."""
-    ids = tokenizer.tokenize(text) if text else []
+    try:
+        ids = tokenizer.tokenize(text) if text else []
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"--prompt cannot be tokenized by the {type(tokenizer).__name__}: {one_line(e)}") from None
     if not ids:  # unconditional: what follows an end of document
         if not 0 <= tokenizer.eod < vocab:
             raise ValueError("an empty --prompt starts after eod, which this run's tokenizer lacks; give --prompt")

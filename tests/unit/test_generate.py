@@ -17,6 +17,7 @@ import json
 import pathlib
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -193,6 +194,7 @@ BAD_GENERATE = [
     (["--prompt", "the " * 40], "the model holds at most 32 positions"),
     (["--max-new-tokens", "40"], "lower --max-new-tokens to"),
     (["--top-k", "many"], "invalid int value"),
+    (["--tokenizer-type", "NullTokenizer"], "--prompt cannot be tokenized by the NullTokenizer"),
     (["--ckpt-step", "3"], "not a complete megalite checkpoint"),
 ]
 
@@ -219,3 +221,15 @@ def test_bad_evaluate_input_is_one_line_exit_2(trained, tmp_path, capsys):
         assert _exit_code(evaluate.main, args) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_default_run_tokenizer_is_rebuilt_when_its_cache_is_gone(tmp_path, monkeypatch):
+    from megalite.config import Config, DataConfig
+    monkeypatch.setenv("MEGALITE_CACHE", str(tmp_path))
+    gone = str(tmp_path / "elsewhere" / "pydoc_topics_text_document")  # the saving machine's cache
+    cfg = Config(data=DataConfig(data_path=(gone,), tokenizer_type="GPT2BPETokenizer",
+                                 vocab_file=gone + "/../vocab.json", merge_file=gone + "/../merges.txt"))
+    cfg = cfg.with_(model=replace(cfg.model, vocab_size=4096))
+    tokenizer = run_tokenizer(cfg)
+    assert tokenizer.vocab_size == 4096 and tokenizer.detokenize(tokenizer.tokenize("The for statement")) == \
+        "The for statement"
