@@ -10,6 +10,16 @@ subprocess so its peak RSS (parent and worker processes) can be read.
   python benchmarks/bench_data.py                 # full run (50 MB, 10 vs 100 MB, 1M/10M docs)
   python benchmarks/bench_data.py --quick         # 1/25 of the sizes, for a smoke test
   python benchmarks/bench_data.py --only indices  # one section
+  python benchmarks/bench_data.py --only megatron --megatron-lm ~/Megatron-LM --megatron-mb 5
+                                                  # vs Megatron-LM's own tool, same corpus
+
+The Megatron comparison runs Megatron-LM's tools/preprocess_data.py from a checkout
+(core_v0.16.x) with its own GPT-2 BPE (--legacy-tokenizer: the default GPT2BPETokenizer
+of that release loads the "gpt2" config from the Hugging Face Hub) on the same corpus,
+vocabulary and --workers, times both tools as whole processes, and checks that the two
+.bin/.idx pairs are byte-identical. Megatron-LM imports triton at import time through
+megatron.training; on a machine without it, that one module is stubbed by the runner
+below (nothing in preprocessing uses it).
 """
 from __future__ import annotations
 
@@ -115,6 +125,75 @@ def bench_preprocess(tmp: Path, tok: dict, throughput_mb: float, memory_mb: tupl
               f"{r['rss_main_mb']:.0f} / {r['rss_worker_mb']:.0f} |", flush=True)
 
 
+_MEGATRON_RUNNER = """
+import runpy, sys, types
+name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+try:
+    import triton  # noqa: F401
+except ImportError:  # imported by megatron.training at import time, unused by preprocessing
+    stub = types.ModuleType(name)
+    def _attr(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return lambda *a, **k: None
+    stub.__getattr__ = _attr
+    sys.modules[name] = stub
+tool = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(tool, run_name="__main__")
+"""
+
+
+def _timed(cmd: list, env: dict | None = None, cwd: Path | None = None) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def _tool_commands(megatron_lm: Path, runner: Path, tok: dict, inp: Path, out: Path,
+                   workers: int) -> tuple[list, list]:
+    common = ["--input", str(inp), "--tokenizer-type", "GPT2BPETokenizer",
+              "--vocab-file", tok["vocab_file"], "--merge-file", tok["merge_file"],
+              "--append-eod", "--workers", str(workers)]
+    ours = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), *common,
+            "--output-prefix", str(out / "megalite"), "--log-interval", "0"]
+    theirs = [sys.executable, str(runner), str(megatron_lm / "tools" / "preprocess_data.py"),
+              *common, "--output-prefix", str(out / "megatron"), "--legacy-tokenizer",
+              "--log-interval", "100000000"]
+    return ours, theirs
+
+
+def bench_vs_megatron(tmp: Path, tok: dict, megatron_lm: Path, megabytes: float,
+                      workers_list: list[int]) -> None:
+    print(f"\n## Preprocessing vs Megatron-LM's tools/preprocess_data.py ({megatron_lm}), "
+          f"GPT2BPETokenizer 4k vocab, --append-eod, {megabytes:g} MB, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} at start")
+    print("| workers | megalite s | Megatron s | speedup | startup s megalite / Megatron "
+          "| speedup after startup | identical .bin/.idx |")
+    print("|---|---|---|---|---|---|---|")
+    runner = tmp / "run_megatron_tool.py"
+    runner.write_text(_MEGATRON_RUNNER)
+    env = {**os.environ, "PYTHONPATH": str(megatron_lm)}
+    corpus, tiny = tmp / "corpus_vs_megatron.jsonl", tmp / "one_line.jsonl"
+    build_corpus(corpus, megabytes)
+    tiny.write_text(json.dumps({"text": "startup only"}) + "\n")
+    for workers in workers_list:
+        out = tmp / f"vs_megatron_w{workers}"
+        out.mkdir()
+        startup = []
+        for inp in (tiny, corpus):  # the one-line run measures each tool's start-up cost
+            ours, theirs = _tool_commands(megatron_lm, runner, tok, inp, out, workers)
+            startup.append((_timed(ours), _timed(theirs, env=env, cwd=out)))
+        (s_ours, s_theirs), (t_ours, t_theirs) = startup
+        same = all((out / f"megalite_text_document{e}").read_bytes()
+                   == (out / f"megatron_text_document{e}").read_bytes() for e in (".bin", ".idx"))
+        net = (t_theirs - s_theirs) / max(t_ours - s_ours, 1e-9)
+        print(f"| {workers} | {t_ours:.1f} | {t_theirs:.1f} | {t_theirs / t_ours:.1f}x | "
+              f"{s_ours:.1f} / {s_theirs:.1f} | {net:.1f}x | {'yes' if same else 'NO'} |",
+              flush=True)
+
+
 def bench_indices(doc_counts: list[int], seq_length: int = 2048) -> None:
     print(f"\n## Index build (one epoch, seq_length {seq_length}, doc sizes ~ lognormal, "
           "mean ~600 tokens)")
@@ -148,14 +227,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--only", choices=("preprocess", "indices"), default=None)
+    p.add_argument("--only", choices=("preprocess", "indices", "megatron"), default=None)
+    p.add_argument("--megatron-lm", type=Path, default=None,
+                   help="a Megatron-LM checkout (core_v0.16.x): adds the comparison with its "
+                        "tools/preprocess_data.py")
+    p.add_argument("--megatron-mb", type=float, default=20.0,
+                   help="corpus size for the Megatron comparison (MB)")
+    p.add_argument("--megatron-workers", type=int, nargs="+", default=[1, 2])
     args = p.parse_args()
+    if args.only == "megatron" and args.megatron_lm is None:
+        p.error("--only megatron needs --megatron-lm PATH (a Megatron-LM checkout)")
+    if args.megatron_lm is not None and not (args.megatron_lm / "tools" /
+                                             "preprocess_data.py").is_file():
+        p.error(f"--megatron-lm {args.megatron_lm}: no tools/preprocess_data.py there")
     scale = 0.04 if args.quick else 1.0
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
-        if args.only in (None, "preprocess"):
+        compare = args.megatron_lm is not None and args.only in (None, "megatron")
+        tok = None
+        if args.only in (None, "preprocess") or compare:
             tok = prepare_default_corpus(str(tmp / "tokenizer"))
+        if args.only in (None, "preprocess"):
             bench_preprocess(tmp, tok, 50 * scale, (10 * scale, 100 * scale))
+        if compare:
+            bench_vs_megatron(tmp, tok, args.megatron_lm.resolve(), args.megatron_mb,
+                              args.megatron_workers)
         if args.only in (None, "indices"):
             bench_indices([int(1_000_000 * scale), int(10_000_000 * scale)])
             bench_blending([int(1_000_000 * scale)])
