@@ -224,3 +224,30 @@ def test_megatron_num_samples():
     assert megatron_num_samples(500, 32, 100, 10) == (16000, 6 * 10 * 32, 320)
     assert megatron_num_samples(99, 8, 100, 2) == (792, 16, 16)
     assert megatron_num_samples(10, 4, 5, 0) == (40, 0, 0)
+
+
+def test_damaged_cache_through_pretrain_gpt_is_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    b = IndexedDatasetBuilder(tmp_path / "d", np.uint16)
+    rng = np.random.RandomState(0)
+    for _ in range(200):
+        b.add_item(rng.randint(0, 99, size=rng.randint(5, 40)))
+        b.end_document()
+    b.finalize()
+    cmd = [sys.executable, "pretrain_gpt.py", "--vocab-size", "100", "--tokenizer-type",
+           "NullTokenizer", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
+           "2", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+           "--train-iters", "1", "--eval-iters", "0", "--data-path", str(tmp_path / "d"),
+           "--data-cache-path", str(tmp_path / "cache"), "--split", "90,10,0"]
+    ok = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    [path] = [str(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")
+              if f.endswith("sample_index.npy")]
+    _damage_truncate(path)
+    bad = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr[-2000:]
+    assert path in lines[0] and "delete it" in lines[0] and "Traceback" not in bad.stdout
