@@ -86,6 +86,9 @@ class MegaliteSource(ModelSource):
                 raise CheckpointError(f"{self.dir} has no tensor {n!r}: it does not hold the model meta.json "
                                       f"describes")
             out[n] = torch.empty(entries[0]["shape"], dtype=getattr(torch, entries[0]["dtype"]))
+            if len(entries) == 1 and entries[0]["sizes"] == entries[0]["shape"]:
+                state[entries[0]["key"]] = out[n]  # one block is the whole tensor: read straight into place
+                continue
             for e in entries:
                 state[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
                 parts.append((n, e))

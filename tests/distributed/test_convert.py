@@ -139,17 +139,18 @@ def test_megatron_core_checkpoint_converts_with_its_logits(tmp_path, style):
     assert out["vocab"] == (256, VOCAB)
 
 
-def _save_sharded_run(ps, cfg, root: str) -> bool:
-    save_checkpoint(Trainer(cfg, ps), root, "torch")  # Megatron's per-rank layout, iteration 0
+def _save_sharded_run(ps, cfg, root: str, fmt: str) -> bool:
+    save_checkpoint(Trainer(cfg, ps), root, fmt)  # iteration 0
     return True
 
 
-@pytest.mark.parametrize("style,tp,pp,vp,layers", [("llama", 2, 2, 1, 2), ("gpt2", 1, 2, 2, 4)])
-def test_hf_export_of_tp_pp_sharded_run(tmp_path, style, tp, pp, vp, layers):
+@pytest.mark.parametrize("style,tp,pp,vp,layers,fmt", [("llama", 2, 2, 1, 2, "torch"), ("llama", 2, 1, 1, 2, "sharded"),
+                                                       ("gpt2", 1, 2, 2, 4, "torch")])
+def test_hf_export_of_tp_pp_sharded_run(tmp_path, style, tp, pp, vp, layers, fmt):
     transformers = pytest.importorskip("transformers")
     one = make_trainer(style, num_layers=layers)  # initialization does not depend on the layout
     cfg = tiny_config(tp=tp, pp=pp, vp=vp).with_(model=one.cfg.model)
-    run_distributed(_save_sharded_run, tp * pp, cfg, str(tmp_path / "run"), tp=tp, pp=pp)
+    run_distributed(_save_sharded_run, tp * pp, cfg, str(tmp_path / "run"), fmt, tp=tp, pp=pp)
     assert convert("megalite", "hf", tmp_path / "run", tmp_path / "hf") == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
