@@ -56,8 +56,8 @@ class _Builder:
     case, since every case changes which indices get built:
 
     * one prefix without a weight: a GPTDataset of the requested size;
-    * weights (even for one prefix): each part asks ceil(n * w) samples and is
-      built ``SURPLUS`` larger; the blend holds the sum of the asks (>= n);
+    * weights (even for one prefix): part d is asked for ceil(n * w_d) samples
+      and built ``SURPLUS`` larger; the blend holds the sum of the asks (>= n);
     * several prefixes without weights: each part is one epoch of its
       documents, weighted by its sample count; the blend holds
       min(n, all their samples), which can be fewer than asked for.
@@ -126,10 +126,12 @@ class _Builder:
             blend_weights = [len(p) for p in parts]
             size = min(num_samples, sum(blend_weights))
             if size < num_samples:
-                logger.warning("the unweighted %s blend has %d samples in one epoch of its "
-                               "datasets, fewer than the %d asked for (megatron-core caps it "
-                               "the same way; give weights to draw more)",
-                               SPLIT_NAMES[split], size, num_samples)
+                short = (f"the unweighted {SPLIT_NAMES[split]} blend holds {size} samples (one "
+                         f"epoch of each dataset, as megatron-core builds it), fewer than the "
+                         f"{num_samples} asked for; give weights (e.g. 1 A 1 B) to draw more")
+                if split == 0:  # training would run dry part way: say so now, in one line
+                    raise ValueError(short + " or train for fewer iterations")
+                logger.warning("%s", short)
         else:
             blend_weights = normalize([weights[i] for i in keep])
             targets = samples_per_dataset(num_samples, blend_weights)
@@ -170,11 +172,13 @@ def build_train_valid_test_datasets(
         cfg: DataConfig, num_samples: tuple[int, int, int], *, seq_length: int, seed: int,
         is_primary: bool = True,
         barrier: Callable[[], None] = lambda: None) -> tuple[Optional[object], ...]:
-    """Build (train, valid, test) datasets with at least ``num_samples`` samples each.
+    """Build (train, valid, test) datasets as megatron-core builds them for ``num_samples``.
 
-    Each dataset maps ``i`` to ``{"text": int64 array [seq_length + 1]}`` (documents
-    shuffled with ``seed``); a
-    split with no requested samples or no tokens is None. The primary rank
+    Each holds at least its ``num_samples``, except an unweighted blend, which
+    holds at most one epoch of its parts (as in megatron-core). Each dataset
+    maps ``i`` to ``{"text": int64 array [seq_length + 1]}`` (documents
+    shuffled with ``seed``); a split with no requested samples, no weight in
+    --split or no tokens is None. The primary rank
     builds and caches the index arrays and then calls ``barrier()``; other
     ranks call ``barrier()`` first and then load the cache (memory-mapped),
     so every rank ends with identical datasets and one rank did the work.

@@ -13,8 +13,10 @@ GPTDataset (and its C++ ``build_sample_idx``) builds them::
 
 When the last epoch is needed only for a few samples (< 80% of one), it is
 shuffled separately so those samples are not drawn from the whole epoch mix.
-The arrays are cached as .npy under a directory keyed by an md5 of every
-input that defines them, written atomically, and loaded by memory map.
+The arrays (dtypes included) and the --split document ranges equal
+megatron-core 0.16's for the same inputs; tests/unit/test_data_megatron_parity.py
+checks them against megatron-core itself. They are cached as .npy (see
+index_cache.py) and loaded by memory map.
 """
 from __future__ import annotations
 

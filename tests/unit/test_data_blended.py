@@ -91,8 +91,11 @@ def test_blend_sizes_follow_megatron_core(tmp_path, caplog):
     train, _, _ = build_train_valid_test_datasets(cfg, (100, 0, 0), seq_length=8, seed=3)
     assert isinstance(train, BlendedDataset) and train.datasets[0].num_samples == 101
     # unweighted: one epoch of each part, the blend capped at their samples, with a warning
-    cfg = DataConfig(data_path=(a, b), split="1,0,0", data_cache_path=str(tmp_path / "c"))
-    train, _, _ = build_train_valid_test_datasets(cfg, (10 ** 6, 0, 0), seq_length=8, seed=3)
-    one_epoch = (60 * 20 - 1) // 8
-    assert [p.num_samples for p in train.datasets] == [None, None]
-    assert len(train) == 2 * one_epoch and "fewer than the 1000000 asked for" in caplog.text
+    cfg = DataConfig(data_path=(a, b), split="1,1,0", data_cache_path=str(tmp_path / "c"))
+    _, valid, _ = build_train_valid_test_datasets(cfg, (10, 10 ** 6, 0), seq_length=8, seed=3)
+    one_epoch = (30 * 20 - 1) // 8
+    assert [p.num_samples for p in valid.datasets] == [None, None]
+    assert len(valid) == 2 * one_epoch and "fewer than the 1000000 asked for" in caplog.text
+    # ... which for training is an error now rather than a run that stops part way
+    with pytest.raises(ValueError, match="unweighted train blend holds 148 samples"):
+        build_train_valid_test_datasets(cfg, (10 ** 6, 10, 0), seq_length=8, seed=3)
