@@ -114,10 +114,25 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return np.concatenate((first, last))
 
 
-def sample_index_dtype(all_sizes: np.ndarray, document_index_length: int) -> np.dtype:
-    """int32 unless a position or offset could pass int32 (megatron-core's rule, same inputs)."""
-    largest = max(document_index_length, int(all_sizes.max(initial=0)))
+def sample_index_dtype(largest_size: int, document_index_length: int) -> np.dtype:
+    """int32 unless a position or offset could pass int32: megatron-core's rule, on the
+    largest sequence of the whole dataset and the document index's length."""
+    largest = max(document_index_length, largest_size)
     return np.dtype(np.int32 if largest <= np.iinfo(np.int32).max else np.int64)
+
+
+def largest_sequence(indexed: IndexedDataset) -> int:
+    """The longest sequence's length, scanning the lengths only when it can matter.
+
+    The dataset's token count bounds it and costs nothing (last pointer plus
+    last length); a full scan of a billion-sequence index is paid only when
+    that bound passes int32.
+    """
+    sizes = indexed.sequence_lengths
+    if len(sizes) == 0:
+        return 0
+    total = int(indexed.sequence_pointers[-1]) // indexed.dtype.itemsize + int(sizes[-1])
+    return total if total <= np.iinfo(np.int32).max else int(sizes.max())
 
 
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray,
@@ -140,7 +155,8 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray,
     doc_pos = np.searchsorted(starts, positions, side="right") - 1
     offsets = positions - starts[doc_pos]
     doc_pos[0], offsets[0] = 0, 0  # Megatron always starts at (0, 0)
-    out = np.empty((num_samples + 1, 2), dtype=sample_index_dtype(sizes, len(document_index)))
+    dtype = sample_index_dtype(int(sizes.max(initial=0)), len(document_index))
+    out = np.empty((num_samples + 1, 2), dtype=dtype)
     out[:, 0], out[:, 1] = doc_pos, offsets
     return out
 
@@ -210,7 +226,8 @@ class GPTDataset:
         }
         doc_len = num_epochs * len(documents)
         spec = {"document_index": (np.dtype(np.int32), (doc_len,)),
-                "sample_index": (sample_index_dtype(sizes, doc_len), (total + 1, 2)),
+                "sample_index": (sample_index_dtype(largest_sequence(indexed), doc_len),
+                                 (total + 1, 2)),
                 "shuffle_index": (shuffle_index_dtype(total), (total,))}
 
         def build() -> dict:
