@@ -27,6 +27,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--input", required=True, help=".jsonl or .jsonl.gz, one JSON object a line")
     g.add_argument("--output-prefix", required=True)
     g.add_argument("--json-keys", nargs="+", default=["text"])
+    g.add_argument("--split-sentences", action="store_true",
+                   help="not supported (Megatron's needs nltk's punkt model): give each document "
+                        "as a JSON list of sentences instead; lists are read as Megatron reads "
+                        "the output of its sentence splitter, one sequence a sentence")
     g.add_argument("--skip-invalid", action="store_true",
                    help="skip (and count) invalid JSON lines / lines missing a key, "
                         "instead of stopping at the first one")
@@ -51,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.split_sentences:
+        sys.exit("error: --split-sentences is not supported; give each document as a JSON list "
+                 "of sentences (one sequence each, as Megatron writes split sentences)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     tok = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)

@@ -291,3 +291,12 @@ def test_merge_tool_takes_a_directory_in_megatron_prefix_order(tmp_path):
                           "--output-prefix", str(tmp_path / "n")], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0  # a prefix, not a directory
+
+
+def test_split_sentences_is_refused_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", "x.jsonl",
+                          "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+                          "NullTokenizer", "--split-sentences"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
+    assert "JSON list of sentences" in out.stderr
