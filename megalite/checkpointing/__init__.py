@@ -96,7 +96,8 @@ def _layout(trainer) -> Dict[str, int]:
     ps = trainer.ps
     return {"world": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": trainer.cfg.parallel.vp,
             "dp": ps.dp_size, "first": trainer.cfg.parallel.decoder_first_pipeline_num_layers or 0,
-            "last": trainer.cfg.parallel.decoder_last_pipeline_num_layers or 0}
+            "last": trainer.cfg.parallel.decoder_last_pipeline_num_layers or 0,
+            "stage_layers": list(trainer.cfg.parallel.pipeline_stage_layers or ())}
 
 
 def _meta(trainer) -> dict:
@@ -309,14 +310,21 @@ def _optimizer_state(tensors: Dict[str, Dict[str, torch.Tensor]], meta: dict) ->
     return {n: {**t, "step": step.clone()} if "exp_avg" in t else dict(t) for n, t in tensors.items()}
 
 
+def _split_text(layout: dict) -> str:
+    """Layers per stage of a saved or running layout: ``3,1`` or ``first 0 last 0`` (older files lack the list)."""
+    return ",".join(map(str, layout.get("stage_layers") or ())) or f"first {layout['first']} last {layout['last']}"
+
+
 def _load_torch(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
     ps, here = trainer.ps, _layout(trainer)
     saved = meta["layout"]
-    if any(saved[k] != here[k] for k in ("tp", "pp", "vp", "first", "last")):
+    split = _split_text
+    if any(saved[k] != here[k] for k in ("tp", "pp", "vp")) or split(saved) != split(here):
         raise CheckpointError(
-            f"{d} is a torch-format checkpoint saved with tp={saved['tp']} pp={saved['pp']} vp={saved['vp']}; "
-            f"this run has tp={here['tp']} pp={here['pp']} vp={here['vp']}: run with the saved layout or save "
-            f"with --ckpt-format sharded, which loads into any layout")
+            f"{d} is a torch-format checkpoint saved with tp={saved['tp']} pp={saved['pp']} vp={saved['vp']} "
+            f"(layers per stage: {split(saved)}); this run has tp={here['tp']} pp={here['pp']} vp={here['vp']} "
+            f"({split(here)}): run with the saved layout (--pipeline-stage-layers) or save with --ckpt-format "
+            f"sharded, which loads into any layout")
     path = os.path.join(d, _legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size), "model_optim_rng.pt")
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")

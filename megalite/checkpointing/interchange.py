@@ -129,10 +129,12 @@ class Layout:
     vp: int = 1
     first: Optional[int] = None
     last: Optional[int] = None
+    stage_layers: Optional[Tuple[int, ...]] = None  # a general split (--pipeline-stage-layers)
 
     def stages(self, num_layers: int) -> List[Tuple[int, int, range]]:
         """(pp_rank, chunk, global layers) of every chunk, in the order the layers run."""
-        out = [(r, c, layers_for_stage(num_layers, self.pp, self.vp, r, c, self.first, self.last))
+        out = [(r, c, layers_for_stage(num_layers, self.pp, self.vp, r, c, self.first, self.last,
+                                       self.stage_layers))
                for c in range(self.vp) for r in range(self.pp)]
         return out
 
@@ -155,7 +157,7 @@ def check_fits(cfg: ModelConfig, layout: Layout) -> None:
         raise CheckpointError(f"target tensor-parallel size {tp} does not divide the model's "
                               f"{' and '.join(problems)}; choose a tp that divides them")
     try:
-        validate_partition(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
+        validate_partition(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last, layout.stage_layers)
     except ValueError as e:
         raise CheckpointError(f"target pipeline layout does not fit the model: {e}") from None
 

@@ -67,7 +67,8 @@ class MegaliteSource(ModelSource):
             self.index = _read_index(self.dir)
         else:
             lay = self.meta["layout"]
-            self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None, lay.get("last") or None)
+            self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None, lay.get("last") or None,
+                                 tuple(lay.get("stage_layers") or ()) or None)
             self.where = self.layout.stage_of_layer(self.cfg.num_layers)
             for t in range(self.layout.tp):  # every file present before anything is converted
                 for r in range(self.layout.pp):

@@ -13,11 +13,18 @@ the first (last) pipeline rank holds ``first`` (``last``) layers in total,
 ``first // vp`` per virtual chunk; the remaining "middle" layers are divided
 evenly over the other pipeline ranks and their chunks. Every virtual round
 (one chunk on every rank) therefore holds the same number of layers.
+
+General split (``--pipeline-stage-layers a,b,...``, or the one
+``--pipeline-balance measured`` chooses): one layer count per virtual stage,
+in stage order, so pp=2, vp=2 with ``3,1,2,2`` puts layers 0-2 on rank 0
+chunk 0, 3 on rank 1 chunk 0, 4-5 on rank 0 chunk 1, 6-7 on rank 1 chunk 1.
+Parameter names stay global (``decoder.layers.N``) whatever the split.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
+_STAGES = "--pipeline-stage-layers"
 _FIRST = "--decoder-first-pipeline-num-layers"
 _LAST = "--decoder-last-pipeline-num-layers"
 _VP = ("virtual pipeline size (--virtual-pipeline-model-parallel-size, or the layers per stage / "
@@ -76,15 +83,35 @@ def _check_uneven(num_layers: int, pp: int, vp: int, first: Optional[int], last:
         )
 
 
+def _check_stage_layers(num_layers: int, pp: int, vp: int, first: Optional[int], last: Optional[int],
+                        stage_layers: Sequence[int]) -> None:
+    """Validate a general per-virtual-stage split; see ``validate_partition``."""
+    if first is not None or last is not None:
+        raise ValueError(f"{_STAGES} and {_FIRST}/{_LAST} are exclusive; give one")
+    if pp == 1:
+        raise ValueError(f"{_STAGES} needs --pipeline-model-parallel-size > 1 (got 1)")
+    if len(stage_layers) != pp * vp:
+        raise ValueError(f"{_STAGES} has {len(stage_layers)} entries; it needs one per virtual pipeline stage "
+                         f"(pp x vp = {pp} x {vp} = {pp * vp}), in stage order")
+    for s, n in enumerate(stage_layers):
+        if n < 1:
+            raise ValueError(f"{_STAGES} gives stage {s} {n} layers; every stage needs >= 1")
+    if sum(stage_layers) != num_layers:
+        raise ValueError(f"{_STAGES} sums to {sum(stage_layers)} layers, not --num-layers={num_layers}")
+
+
 def validate_partition(
-    num_layers: int, pp: int, vp: int, first: Optional[int] = None, last: Optional[int] = None
+    num_layers: int, pp: int, vp: int, first: Optional[int] = None, last: Optional[int] = None,
+    stage_layers: Optional[Sequence[int]] = None,
 ) -> None:
     """Raise ValueError (one line naming the flags) unless the layout is legal.
 
     Legal means: positive sizes; vp > 1 only with pp > 1; in the even case
     ``num_layers`` divisible by ``pp * vp``; in the uneven case ``first`` and
     ``last`` (when given) are >= 1 and divisible by vp, and the remaining
-    layers split evenly and non-emptily over the other ranks and their chunks.
+    layers split evenly and non-emptily over the other ranks and their chunks;
+    ``stage_layers`` (exclusive with them) gives pp*vp counts >= 1 summing to
+    ``num_layers``.
     """
     if num_layers < 1:
         raise ValueError(f"--num-layers must be >= 1 (got {num_layers})")
@@ -94,6 +121,9 @@ def validate_partition(
         raise ValueError(f"the {_VP} must be >= 1 (got {vp})")
     if vp > 1 and pp == 1:
         raise ValueError(f"virtual pipeline (vp={vp}) needs --pipeline-model-parallel-size > 1")
+    if stage_layers is not None:
+        _check_stage_layers(num_layers, pp, vp, first, last, stage_layers)
+        return
     if first is not None or last is not None:
         _check_uneven(num_layers, pp, vp, first, last)
         return
@@ -118,6 +148,22 @@ def _layers_per_chunk(num_layers: int, pp: int, vp: int, pp_rank: int,
     return middle // (middle_ranks * vp)
 
 
+def stage_layer_counts(
+    num_layers: int,
+    pp: int,
+    vp: int,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
+    stage_layers: Optional[Sequence[int]] = None,
+) -> list[int]:
+    """Return the number of layers of every virtual stage, in stage order (validated)."""
+    validate_partition(num_layers, pp, vp, first, last, stage_layers)
+    if stage_layers is not None:
+        return list(stage_layers)
+    per_rank = [_layers_per_chunk(num_layers, pp, vp, r, first, last) for r in range(pp)]
+    return [per_rank[s % pp] for s in range(pp * vp)]
+
+
 def layers_for_stage(
     num_layers: int,
     pp: int,
@@ -126,17 +172,16 @@ def layers_for_stage(
     vp_chunk: int,
     first: Optional[int] = None,
     last: Optional[int] = None,
+    stage_layers: Optional[Sequence[int]] = None,
 ) -> range:
     """Return the global layer indices held by (pp_rank, vp_chunk).
 
     Stages are filled in order of their global index ``vp_chunk * pp +
-    pp_rank``; each holds a consecutive run of layers whose length depends only
-    on its pipeline rank (see the module docstring). Raises ValueError for an
-    illegal layout or out-of-range rank/chunk.
+    pp_rank``; each holds a consecutive run of layers, as many as
+    ``stage_layer_counts`` gives it (see the module docstring). Raises
+    ValueError for an illegal layout or out-of-range rank/chunk.
     """
-    validate_partition(num_layers, pp, vp, first, last)
-    stage_of(pp, vp, pp_rank, vp_chunk)  # range-checks rank and chunk
-    per_rank = [_layers_per_chunk(num_layers, pp, vp, r, first, last) for r in range(pp)]
-    # Every virtual round holds sum(per_rank) layers; inside a round ranks go in order.
-    start = vp_chunk * sum(per_rank) + sum(per_rank[:pp_rank])
-    return range(start, start + per_rank[pp_rank])
+    counts = stage_layer_counts(num_layers, pp, vp, first, last, stage_layers)
+    s = stage_of(pp, vp, pp_rank, vp_chunk)  # range-checks rank and chunk
+    start = sum(counts[:s])
+    return range(start, start + counts[s])
