@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""The planner's memory estimate against measured CPU runs, layout by layout.
+
+Measured per rank (as bench_memory.py counts it): the bytes of every distinct
+storage autograd saves during each chunk's forward (and the loss), replayed in
+the order of the rank's schedule (+ at its forward, - at its backward) for the
+peak, plus parameter, gradient-buffer and optimizer-state bytes of the real
+Trainer after one step. The row compares the most loaded rank's total with
+``megalite.planner.estimate_memory`` for the same layout.
+
+  python benchmarks/bench_plan.py            # 12 layouts (GPT-2 and Llama style), ~2-4 minutes on 2 cores
+  python benchmarks/bench_plan.py --quick    # 4 layouts
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
+from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
+from megalite.parallel_state import ParallelState  # noqa: E402
+from megalite.pipeline.schedules import build_compute  # noqa: E402
+from megalite.planner import RECOMPUTE, Layout, estimate_memory  # noqa: E402
+from megalite.training import MicroBatches, Trainer  # noqa: E402
+
+GPT2 = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=2048,
+            hidden_dropout=0.1, attention_dropout=0.1, params_dtype="bfloat16", attention_backend="unfused")
+LLAMA = dict(num_layers=8, hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=128,
+             vocab_size=2048, hidden_dropout=0.0, attention_dropout=0.0, params_dtype="bfloat16",
+             normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+             untie_embeddings_and_output_weights=True, add_bias_linear=False, attention_backend="auto")
+
+# (model, layout, global batch): 1 to 8 ranks; every option of the planner appears at least once
+LAYOUTS: List[Tuple[str, Layout, int]] = [
+    ("gpt2", Layout(1, 1, 1, mbs=2), 4),
+    ("gpt2", Layout(1, 1, 1, mbs=2, recompute="selective"), 4),
+    ("gpt2", Layout(1, 1, 1, mbs=2, recompute="full"), 4),
+    ("gpt2", Layout(2, 1, 1, mbs=2, sp=True), 4),
+    ("gpt2", Layout(2, 1, 1, mbs=2), 4),
+    ("gpt2", Layout(1, 2, 1, mbs=2), 8),
+    ("gpt2", Layout(1, 2, 1, vp=2, mbs=1), 4),
+    ("gpt2", Layout(1, 1, 2, mbs=2, dist_opt=True), 8),
+    ("gpt2", Layout(2, 2, 2, mbs=1, sp=True, dist_opt=True), 8),
+    ("llama", Layout(1, 1, 1, mbs=2), 4),
+    ("llama", Layout(2, 2, 1, vp=2, mbs=1, sp=True, recompute="selective"), 4),
+    ("llama", Layout(1, 4, 1, mbs=1), 8),
+]
+QUICK = [0, 2, 3, 5]
+
+
+def make_config(model: Dict, layout: Layout, gbs: int) -> Config:
+    mdl = ModelConfig(**model, **RECOMPUTE[layout.recompute])
+    return Config(model=mdl, parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp,
+                                                     sequence_parallel=layout.sp),
+                  optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True,
+                                    use_distributed_optimizer=layout.dist_opt),
+                  data=DataConfig(mock_data=True),
+                  train=TrainConfig(micro_batch_size=layout.mbs, global_batch_size=gbs, train_iters=10, seed=1,
+                                    eval_iters=0))
+
+
+class SavedBytes:
+    """Bytes of every distinct storage autograd saves inside the context, weights excluded."""
+
+    def __init__(self, params=()):
+        self.storages: Dict[int, int] = {}
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.skip:
+            self.storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[str, float]:
+    """This rank's measured bytes: weights, grad buffer, optimizer state, peak saved activations."""
+    torch.set_num_threads(1)
+    cfg = make_config(model, layout, gbs)
+    trainer = Trainer(cfg, ps)
+    sizes: List[List[int]] = [[] for _ in trainer.chunks]  # per chunk, per micro-batch in forward order
+    for c, chunk in enumerate(trainer.chunks):
+        forward, loss = chunk.forward, chunk.loss
+
+        def counted_forward(x, forward=forward, c=c):
+            with SavedBytes(trainer.params) as counter:
+                out = forward(x)
+            sizes[c].append(counter.total)
+            return out
+
+        def counted_loss(*args, loss=loss, c=c):
+            with SavedBytes(trainer.params) as counter:
+                out = loss(*args)
+            sizes[c][-1] += counter.total
+            return out
+        chunk.forward, chunk.loss = counted_forward, counted_loss
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, 1, gbs)
+    data = MicroBatches(ds, 0, layout.mbs, trainer.m, ps) if trainer.needs_data else None
+    trainer.train_step(data.next() if data is not None else [None] * trainer.m)
+    live, peak = 0, 0
+    for act in build_compute(trainer.schedule_name, ps.pp_size, layout.vp, trainer.m)[ps.pp_rank]:
+        size = sizes[act.chunk][act.mb]
+        live += size if act.kind == "F" else -size
+        peak = max(peak, live)
+    grads = trainer.optimizer.grads.grad_data
+    return {"weights": sum(p.numel() * p.element_size() for p in trainer.params),
+            "grads": grads.numel() * grads.element_size(), "optimizer": trainer.optimizer.state_bytes(),
+            "activations": peak, "params": sum(p.numel() for p in trainer.params)}
+
+
+def measure_layout(model: Dict, layout: Layout, gbs: int) -> Dict[str, float]:
+    """The most loaded rank's measured bytes (one process, or gloo workers for several ranks)."""
+    if layout.world == 1:
+        ranks = [measure(ParallelState.single(), model, layout, gbs)]
+    else:
+        from tests.distributed.harness import run_distributed
+        ranks = run_distributed(measure, layout.world, model, layout, gbs, tp=layout.tp, pp=layout.pp)
+    return max(ranks, key=lambda r: r["weights"] + r["grads"] + r["optimizer"] + r["activations"])
+
+
+def compare(name: str, layout: Layout, gbs: int) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """(measured, estimated) bytes by part for one row of the table."""
+    model = GPT2 if name == "gpt2" else LLAMA
+    got = measure_layout(model, layout, gbs)
+    est = estimate_memory(ModelConfig(**model), layout, gbs, device="cpu")
+    return got, {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer,
+                 "activations": est.activations}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="4 layouts")
+    a = p.parse_args()
+    rows = [LAYOUTS[i] for i in QUICK] if a.quick else LAYOUTS
+    print("models (bf16, seq 128, hidden 128, 8 layers, vocab 2048): gpt2 = LayerNorm, GeLU, learned positions, "
+          "dropout 0.1, unfused attention; llama = RMSNorm, SwiGLU, RoPE, GQA 4/2, untied, dropout 0, SDPA")
+    print("| model | layout | gbs | weights+grads+optimizer MiB (est / measured) | activations MiB "
+          "(est / measured) | total MiB est | total MiB measured | est / measured |")
+    print("|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for name, layout, gbs in rows:
+        got, est = compare(name, layout, gbs)
+        state = [sum(d[k] for k in ("weights", "grads", "optimizer")) / 2 ** 20 for d in (est, got)]
+        total_est, total_got = (sum(d[k] for k in ("weights", "grads", "optimizer", "activations"))
+                                for d in (est, got))
+        ratio = total_est / total_got
+        worst = max(worst, abs(ratio - 1))
+        print(f"| {name} | {layout.describe()} | {gbs} | {state[0]:.2f} / {state[1]:.2f} | "
+              f"{est['activations'] / 2 ** 20:.2f} / {got['activations'] / 2 ** 20:.2f} | "
+              f"{total_est / 2 ** 20:.2f} | {total_got / 2 ** 20:.2f} | {ratio:.3f} |")
+    print(f"largest total error: {100 * worst:.1f}% (goal: within 10%)")
+
+
+if __name__ == "__main__":
+    main()

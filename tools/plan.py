@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Choose a parallel layout before spending GPU hours: the layouts that fit, fastest first.
+
+    python tools/plan.py --num-gpus 16 --gpu-memory 80 --model-size llama2-7b --global-batch-size 512 --seq-length 4096
+    python tools/plan.py --num-gpus 8 --gpu-memory 141 --num-layers 24 --hidden-size 2048 \\
+        --num-attention-heads 16 --global-batch-size 256 --seq-length 2048
+
+For every (tp, pp, vp, dp, micro-batch, recompute, sequence parallel, distributed optimizer)
+layout that pretrain_gpt.py accepts, megalite/planner.py estimates the memory of the most
+loaded rank (weights, fp32 grads, optimizer state, activations in flight for the schedule)
+and the step time (FLOPs at --efficiency of the peak, tensor-parallel and data-parallel
+traffic, the pipeline simulator's bubble). Layouts over (1 - --headroom) x --gpu-memory are
+dropped; the best one's pretrain_gpt.py flags are printed last. Bad input: one line, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megalite.config import ModelConfig  # noqa: E402
+from megalite.planner import GiB, Hardware, plan  # noqa: E402
+from megalite.throughput import peak_tflops_for  # noqa: E402
+
+_LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+              untie_embeddings_and_output_weights=True, add_bias_linear=False, hidden_dropout=0.0,
+              attention_dropout=0.0, vocab_size=32000)
+_GPT3 = dict(vocab_size=50257, hidden_dropout=0.1, attention_dropout=0.1)
+PRESETS = {  # GPT-3 paper table 2.1 shapes; Llama 2 paper shapes
+    "gpt3-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, **_GPT3),
+    "gpt3-350m": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, **_GPT3),
+    "gpt3-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, **_GPT3),
+    "gpt3-2.7b": dict(num_layers=32, hidden_size=2560, num_attention_heads=32, **_GPT3),
+    "gpt3-6.7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, **_GPT3),
+    "gpt3-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, **_GPT3),
+    "gpt3-175b": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, **_GPT3),
+    "llama2-7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, **_LLAMA),
+    "llama2-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=13824, **_LLAMA),
+    "llama2-70b": dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                       ffn_hidden_size=28672, **_LLAMA),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-gpus", type=int, required=True, help="devices in the job")
+    p.add_argument("--gpu-memory", type=float, required=True, help="memory per device, GiB (H100: 80, H200: 141)")
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--model-size", choices=sorted(PRESETS), help="a preset shape (or give the model flags)")
+    g = p.add_argument_group("model flags (pretrain_gpt.py's names; override the preset)")
+    for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
+                 "vocab-size"):
+        g.add_argument(f"--{flag}", type=int)
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    h = p.add_argument_group("hardware and search")
+    h.add_argument("--gpu", default="H100", help="device name for the bf16 peak table (A100, H100, H200, B200)")
+    h.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (overrides --gpu)")
+    h.add_argument("--efficiency", type=float, default=0.5, help="fraction of the peak the matmuls reach")
+    h.add_argument("--gpus-per-node", type=int, default=8, help="tensor parallelism stays inside a node")
+    h.add_argument("--intra-node-gbps", type=float, default=300.0, help="per-device NVLink bandwidth, GB/s")
+    h.add_argument("--inter-node-gbps", type=float, default=25.0, help="per-device network bandwidth, GB/s")
+    h.add_argument("--headroom", type=float, default=0.15,
+                   help="memory kept free for temporaries, allocator slack and the CUDA context (fraction)")
+    h.add_argument("--top", type=int, default=10, help="rows to print")
+    return p
+
+
+def model_config(a: argparse.Namespace) -> ModelConfig:
+    """The preset (if any) with every model flag given on the command line applied on top."""
+    if a.model_size is None and (a.num_layers is None or a.hidden_size is None or a.num_attention_heads is None):
+        raise ValueError("give --model-size or --num-layers, --hidden-size and --num-attention-heads")
+    kw = dict(PRESETS.get(a.model_size, {}))
+    kw.setdefault("vocab_size", 50257)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                 "vocab_size", "swiglu", "normalization", "position_embedding_type"):
+        if getattr(a, name) is not None:
+            kw[name] = getattr(a, name)
+    if a.untie_embeddings_and_output_weights:
+        kw["untie_embeddings_and_output_weights"] = True
+    if a.disable_bias_linear:
+        kw["add_bias_linear"] = False
+    return ModelConfig(seq_length=a.seq_length, params_dtype="bfloat16", attention_backend="auto", **kw)
+
+
+def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
+    """pretrain_gpt.py flags for the model shape, precision and batch (the layout adds its own)."""
+    out = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
+           "--num-attention-heads", str(cfg.num_attention_heads)]
+    if cfg.num_query_groups is not None:
+        out += ["--group-query-attention", "--num-query-groups", str(cfg.num_query_groups)]
+    if cfg.ffn_hidden_size is not None:
+        out += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
+    if cfg.swiglu:
+        out.append("--swiglu")
+    if cfg.normalization != "LayerNorm":
+        out += ["--normalization", cfg.normalization]
+    if cfg.position_embedding_type != "learned_absolute":
+        out += ["--position-embedding-type", cfg.position_embedding_type]
+    if cfg.untie_embeddings_and_output_weights:
+        out.append("--untie-embeddings-and-output-weights")
+    if not cfg.add_bias_linear:
+        out.append("--disable-bias-linear")
+    out += ["--hidden-dropout", f"{cfg.hidden_dropout:g}", "--attention-dropout", f"{cfg.attention_dropout:g}",
+            "--seq-length", str(cfg.seq_length), "--max-position-embeddings", str(cfg.seq_length),
+            "--global-batch-size", str(global_batch_size), "--bf16"]
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        cfg = model_config(a)
+        peak = a.peak_tflops or peak_tflops_for(a.gpu)
+        if peak is None:
+            raise ValueError(f"--gpu {a.gpu!r} is not in the peak table (A100, H100, H200, B200); give --peak-tflops")
+        if min(a.num_gpus, a.gpu_memory, a.global_batch_size, a.seq_length) <= 0:
+            raise ValueError("--num-gpus, --gpu-memory, --global-batch-size and --seq-length must be > 0")
+    except ValueError as e:
+        print(f"tools/plan.py: error: {e}", file=sys.stderr)
+        return 2
+    hw = Hardware(peak, a.efficiency, a.intra_node_gbps, a.inter_node_gbps, a.gpus_per_node)
+    plans = plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom)
+    tokens = a.global_batch_size * a.seq_length
+    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
+          f"{f' (groups {cfg.num_query_groups})' if cfg.num_query_groups else ''}, ffn {cfg.ffn_size}, seq "
+          f"{cfg.seq_length}, vocab {cfg.vocab_size}; {a.num_gpus} x {a.gpu_memory:g} GiB at {peak:g} TFLOP/s "
+          f"(x {a.efficiency:g}), global batch {a.global_batch_size}")
+    if not plans:
+        print(f"no layout fits in {a.gpu_memory * (1 - a.headroom):.1f} GiB per device: add devices, lower "
+              f"--seq-length, or raise --gpu-memory", file=sys.stderr)
+        return 1
+    print(f"{len(plans)} layouts fit; the best {min(a.top, len(plans))} (GiB per device, most loaded rank):")
+    print(f"{'#':>3} {'layout':<42} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
+          f"{'step s':>8} {'bubble':>7} {'tok/s/GPU':>10}")
+    for i, p in enumerate(plans[:a.top], 1):
+        m = p.memory
+        print(f"{i:>3} {p.layout.describe():<42} {m.weights / GiB:>8.2f} {m.grads / GiB:>7.2f} "
+              f"{m.optimizer / GiB:>7.2f} {m.activations / GiB:>7.2f} {m.total / GiB:>7.2f} {p.step_s:>8.3f} "
+              f"{100 * p.bubble:>6.1f}% {tokens / p.step_s / a.num_gpus:>10.0f}")
+    best = plans[0].layout
+    flags = model_flags(cfg, a.global_batch_size) + best.flags(cfg.num_layers)
+    print(f"\nbest layout: {best.describe()}; its flags (add your data and schedule flags):")
+    per_node = min(a.num_gpus, a.gpus_per_node)
+    nodes = (f"--nnodes {a.num_gpus // per_node} --rdzv-backend c10d --rdzv-endpoint \"$MASTER_ADDR:$MASTER_PORT\" "
+             if a.num_gpus > per_node else "")
+    print(f"torchrun {nodes}--nproc-per-node {per_node} pretrain_gpt.py " + " ".join(flags))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
