@@ -27,7 +27,23 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megalite.pipeline.partition import stage_layer_counts
 from megalite.pipeline.schedules import build_schedule
+from megalite.pipeline import simulate as _simulate
 from megalite.pipeline.simulate import simulate
+
+try:  # stage placements other than interleaved (the V of zero-bubble schedules) come with stage_layout.py
+    from megalite.pipeline.stage_layout import layout_for
+except ImportError:  # pragma: no cover - an older tree: every schedule is interleaved
+    layout_for = None
+
+
+def _simulator_options(schedule: str, pp: int, vp: int) -> dict:
+    """How to simulate ``schedule`` as the executor runs it: its stage placement, and the simulator
+    mode with the executor's own blocking rules where the simulator has one (some schedules, a V,
+    are deadlock-free only under those rules; the conservative rendezvous mode is the fallback)."""
+    options = {"layout": layout_for(schedule, pp, vp)} if layout_for is not None else {}
+    if "executor" in getattr(_simulate, "MODES", ()):
+        options["mode"] = "executor"
+    return options
 
 Split = Tuple[int, ...]
 _MIN_GAIN = 1e-6  # a move must shorten the step by this fraction: float noise never moves a layer
@@ -163,13 +179,14 @@ class _Simulator:
     def __init__(self, schedule: str, pp: int, vp: int, m: int, costs: LayerCosts):
         self.schedule, self.pp, self.vp, self.costs = schedule, pp, vp, costs
         self.actions = build_schedule(schedule, pp, vp, m)
+        self.placement = _simulator_options(schedule, pp, vp)
         self.rank_stages = _rank_stages(self.actions, pp * vp)
         self.cache: Dict[Split, Prediction] = {}
 
     def __call__(self, counts: Split) -> Prediction:
         if counts not in self.cache:
             r = simulate(self.actions, self.pp, self.vp, stage_costs=stage_costs(counts, self.costs),
-                         schedule=self.schedule)
+                         schedule=self.schedule, **self.placement)
             bubble = sum(r.bubble_fraction) / len(r.bubble_fraction)
             self.cache[counts] = Prediction(counts, r.makespan, bubble, tuple(r.busy))
         return self.cache[counts]

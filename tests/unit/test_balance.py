@@ -12,10 +12,11 @@ import torch
 from megalite.arguments import parse_args
 from megalite.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.balance import LayerCosts, choose_split, even_split, stage_costs
+from megalite.pipeline.balance import LayerCosts, _simulator_options, choose_split, even_split, stage_costs
 from megalite.pipeline.measure import measure_layer_costs, plan_for
 from megalite.pipeline.partition import layers_for_stage, stage_layer_counts, validate_partition
-from megalite.pipeline.simulate import simulate_schedule
+from megalite.pipeline.schedules import SCHEDULES, build_schedule
+from megalite.pipeline.simulate import simulate
 
 
 # -- partition: a general split --------------------------------------------------------------------
@@ -43,7 +44,10 @@ def test_bad_stage_layers_are_one_line_errors(args, message):
 
 # -- the search --------------------------------------------------------------------------------------
 def _schedules(vp):
-    return ("1f1b", "gpipe") if vp == 1 else ("interleaved_1f1b", "gpipe")
+    """Every schedule with a backward for this vp, the zero-bubble ones too once they exist."""
+    if vp == 1:
+        return [s for s in ("1f1b", "gpipe", "zb_h1") if s in SCHEDULES]
+    return [s for s in ("interleaved_1f1b", "gpipe", "zbv") if s in SCHEDULES]
 
 
 def _random_costs(rng):
@@ -54,17 +58,19 @@ def _random_costs(rng):
 
 
 def _simulated(schedule, pp, vp, m, counts, costs):
-    return simulate_schedule(schedule, pp, vp, m, stage_costs=stage_costs(counts, costs)).makespan
+    """A fresh simulation of the split, under the placement and mode the search uses."""
+    return simulate(build_schedule(schedule, pp, vp, m), pp, vp, stage_costs=stage_costs(counts, costs),
+                    **_simulator_options(schedule, pp, vp)).makespan
 
 
 def test_balanced_split_is_never_slower_than_even_and_deterministic():
     rng = random.Random(12)
-    improved = 0
+    improved = cases = 0
     for pp in range(2, 9):
         for vp in (1, 2):
             layers = 2 * pp * vp
             for schedule in _schedules(vp):
-                for m in (pp, 2 * pp):
+                for m in ((pp, 2 * pp) if pp <= 4 else (pp + vp * pp,)):  # m = 2pp or 3pp when pp > 4
                     costs = _random_costs(rng)
                     plan = choose_split(layers, pp, vp, m, schedule, costs)
                     counts = plan.chosen.counts
@@ -75,10 +81,10 @@ def test_balanced_split_is_never_slower_than_even_and_deterministic():
                     chosen = _simulated(schedule, pp, vp, m, counts, costs)
                     assert chosen <= even, (schedule, pp, vp, m, costs, counts)
                     assert abs(chosen - plan.chosen.step_time) <= 1e-9 * chosen
-                    improved += chosen < 0.99 * even
+                    improved, cases = improved + (chosen < 0.99 * even), cases + 1
                     if pp in (2, 5, 8):  # same costs, same answer (a fresh search, nothing shared)
                         assert choose_split(layers, pp, vp, m, schedule, LayerCosts.from_list(costs.as_list())) == plan
-    assert improved >= 40  # random embedding/head costs: most runs gain over 1%
+    assert cases >= 50 and improved >= 0.75 * cases, (improved, cases)  # random end costs: most gain over 1%
 
 
 def _compositions(total, parts):
