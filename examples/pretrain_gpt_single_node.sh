@@ -1,28 +1,48 @@
 #!/usr/bin/env bash
-# One node, all its GPUs (or CPU processes): TP x PP x DP = nproc.
-# Usage: NPROC=8 TP=2 PP=2 bash examples/pretrain_gpt_single_node.sh [extra pretrain_gpt.py flags]
+# One node, 8 GPUs, torchrun: a GPT-2 small (124M) with TP x PP x DP = 8.
+#
+#   bash examples/pretrain_gpt_single_node.sh                       # data parallel 8
+#   TP=2 PP=2 bash examples/pretrain_gpt_single_node.sh --train-iters 100   # extra flags go to pretrain_gpt.py
+#
+# Data (once, before training): tokenize a JSONL corpus into .bin/.idx files, then set DATA_PREFIX:
+#   python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+#       --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
+#       --append-eod --workers 16
+#   DATA_PREFIX=data/corpus_text_document VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt bash $0
+# Without DATA_PREFIX the run trains on --mock-data (synthetic tokens).
 set -euo pipefail
-NPROC=${NPROC:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
+NPROC=${NPROC:-8}
 TP=${TP:-1}
 PP=${PP:-1}
-DATA_ARGS=${DATA_ARGS:---mock-data --vocab-size 50257}
-# On GPUs: bf16 with fp32 main weights, ZeRO-1 with overlapped communication, and sequence
-# parallelism whenever there is tensor parallelism. On CPU (bf16 matmuls are slow there): fp32.
-# MEMORY_ARGS (even empty) replaces these defaults.
-if [ -z "${MEMORY_ARGS+set}" ]; then
-    MEMORY_ARGS=""
-    if [ "$(python -c "import torch; print(int(torch.cuda.is_available()))")" = 1 ]; then
-        MEMORY_ARGS="--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
-        if [ "$TP" -gt 1 ]; then MEMORY_ARGS="$MEMORY_ARGS --sequence-parallel"; fi
-    fi
+
+# Data: the preprocessed corpus and its tokenizer, or synthetic tokens.
+if [ -n "${DATA_PREFIX:-}" ]; then
+    DATA_ARGS=(--data-path "$DATA_PREFIX" --split "969,30,1" --tokenizer-type GPT2BPETokenizer
+               --vocab-file "${VOCAB_FILE:?set VOCAB_FILE}" --merge-file "${MERGE_FILE:?set MERGE_FILE}")
+else
+    DATA_ARGS=(--mock-data --vocab-size 50257)
 fi
 
+# Parallelism: tensor x pipeline from the environment, data parallel over the rest of the 8 GPUs.
+# Sequence parallelism splits norms/dropout along the sequence when TP > 1 (ignored at TP = 1).
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel)
+
+# Memory and precision: bf16 with fp32 main weights and grads; ZeRO-1 with overlapped communication.
+MEMORY_ARGS=(--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
+
+# Model: GPT-2 small (12 layers, hidden 768, 12 heads, 1024 positions).
+MODEL_ARGS=(--num-layers 12 --hidden-size 768 --num-attention-heads 12
+            --seq-length 1024 --max-position-embeddings 1024)
+
+# Batch, optimizer and schedule: 64 sequences (64k tokens) per step.
+TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size 64 --train-iters 5000
+            --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 200
+            --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0)
+
+# Logging, evaluation and checkpoints (MFU uses the GPU's bf16 peak; --peak-tflops overrides it).
+LOG_ARGS=(--log-interval 10 --eval-interval 500 --eval-iters 20
+          --save "${CHECKPOINT_DIR:-checkpoints/gpt2-124m}" --save-interval 1000)
+
 exec torchrun --standalone --nproc-per-node "$NPROC" "$(dirname "$0")/../pretrain_gpt.py" \
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    --num-layers 12 --hidden-size 768 --num-attention-heads 12 \
-    --seq-length 1024 --max-position-embeddings 1024 \
-    --micro-batch-size 4 --global-batch-size 64 \
-    --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 200 \
-    --train-iters 5000 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
-    --log-interval 10 --eval-interval 500 --eval-iters 20 \
-    $DATA_ARGS $MEMORY_ARGS "$@"
+    "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
+    "${LOG_ARGS[@]}" "$@"

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Llama-2-7B shape (32 layers, hidden 4096, 32 heads, SwiGLU 11008, RMSNorm, RoPE, 4096 tokens) on
+# 2 nodes x 8 GPUs: run the same command on each node with its NODE_RANK.
+# Layout: TP=2 inside a node with sequence parallelism, PP=2 across nodes, DP=4 with ZeRO-1: 25 GiB
+# per GPU estimated by `python tools/plan.py --num-gpus 16 --gpu-memory 80 --model-size llama2-7b
+# --global-batch-size 1024 --seq-length 4096 --top 200`, which ranks TP=1 PP=4 (36 GiB) about 10%
+# faster; this one keeps room for longer sequences. Run the planner for your cluster and swap flags.
+#
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash examples/llama2_7b.sh   # and NODE_RANK=1 on node1
+#
+# Data (once): Llama 2's SentencePiece tokenizer (tokenizer.model from Meta's release):
+#   python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+#       --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod --workers 32
+# then DATA_PREFIX=data/corpus_text_document TOKENIZER_MODEL=tokenizer.model.
+set -euo pipefail
+NNODES=${NNODES:-2}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+
+# Launcher: c10d rendezvous at node 0.
+LAUNCH_ARGS=(--nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$GPUS_PER_NODE"
+             --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}")
+
+# Data: preprocessed corpus or synthetic tokens (Llama 2's 32000-token vocabulary).
+if [ -n "${DATA_PREFIX:-}" ]; then
+    DATA_ARGS=(--data-path "$DATA_PREFIX" --tokenizer-type Llama2Tokenizer
+               --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL}")
+else
+    DATA_ARGS=(--mock-data --vocab-size 32000)
+fi
+
+# Model: Llama 2 7B; no biases, untied output layer, no dropout.
+MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008
+            --normalization RMSNorm --norm-epsilon 1e-5 --swiglu
+            --position-embedding-type rope --rotary-base 10000
+            --untie-embeddings-and-output-weights --disable-bias-linear
+            --hidden-dropout 0 --attention-dropout 0
+            --seq-length 4096 --max-position-embeddings 4096)
+
+# Parallelism and memory: TP=2 + sequence parallel, PP=2, the rest data parallel with ZeRO-1; bf16.
+PARALLEL_ARGS=(--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+               --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
+
+# Batch and optimizer: 1024 x 4096 = 4M tokens per step, as Llama 2; lr 3e-4, cosine to 10%.
+TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 1024 --train-iters 500000
+            --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+            --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --clip-grad 1.0)
+
+# Logging, evaluation and checkpoints (on a file system both nodes share).
+LOG_ARGS=(--log-interval 10 --eval-interval 1000 --eval-iters 10
+          --save "${CHECKPOINT_DIR:-checkpoints/llama2-7b}" --save-interval 1000)
+
+exec torchrun "${LAUNCH_ARGS[@]}" "$(dirname "$0")/../pretrain_gpt.py" \
+    "${DATA_ARGS[@]}" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${LOG_ARGS[@]}" "$@"
