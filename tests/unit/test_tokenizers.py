@@ -91,6 +91,13 @@ def test_llama2_tokenizer_bos_eos(sp_model):
     assert tok.detokenize(tok.tokenize("日本語 🎉")) == "日本語 🎉"  # byte fallback
 
 
+def test_trained_sentencepiece_keeps_newlines_tabs_and_spaces(sp_model):
+    """Llama's identity normalization: code and multi-line text decode to exactly what was encoded."""
+    tok = build_tokenizer(DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=sp_model))
+    text = "def f(x):\n\treturn x  *  2\n\nend 12345"
+    assert tok.detokenize(tok.tokenize(text)) == text
+
+
 def test_sentencepiece_tokenizer_megatron_specials(sp_model):
     tok = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer",
                                      tokenizer_model=sp_model))

@@ -227,6 +227,11 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
             sentence_iterator=itertools.chain([first], pieces), model_prefix=tmp_prefix,
             vocab_size=vocab_size, model_type=model_type, character_coverage=1.0,
             byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            # Llama's settings: text kept as it is (the default NFKC rule would fold newlines and
+            # tabs into spaces, so decode(encode(text)) would lose them), digits split, runs of
+            # spaces kept as pieces.
+            normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+            allow_whitespace_only_pieces=True,
             max_sentence_length=stats.max_bytes, input_sentence_size=0,
             hard_vocab_limit=False, minloglevel=2, num_threads=os.cpu_count() or 1)
     except RuntimeError as e:
