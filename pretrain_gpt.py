@@ -3,30 +3,79 @@
 
     python pretrain_gpt.py                      # small GPT on the default corpus, CPU
     torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 ...
+
+Exit codes: 0 done (or stopped on request after saving), 1 the run failed (a
+non-finite loss, a bad sample, a lost or hung rank), 2 bad flags, data or paths,
+128 + N killed by signal N without --exit-signal-handler.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Optional, Sequence
 
+import torch.distributed as dist
+
 from megalite.arguments import parse_args
-from megalite.logging import setup_logging
 from megalite.checkpointing import CheckpointError
 from megalite.config import ConfigError
+from megalite.faults import ExitConditions, ExitSignals, watch_launcher
+from megalite.logging import setup_logging
 from megalite.parallel_state import ParallelState
-from megalite.training import Trainer, TrainingStopped, build_datasets, resolve_data
+from megalite.preflight import check_output_paths
+from megalite.training import DatasetError, Trainer, TrainingStopped, build_datasets, resolve_data
+
+PROG = "pretrain_gpt.py"
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+
+
+def _is_comm_failure(e: RuntimeError) -> bool:
+    """A collective or transfer failed because a peer died or hung (gloo reports these as RuntimeError)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(k in text for k in (
+        "gloo/transport", "Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+        "NCCL communicator was aborted", "Broken pipe"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    rank = os.environ.get("RANK", "0")
     try:
         cfg = resolve_data(parse_args(argv))
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank finds the same error: say it once
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        if rank == "0":  # every rank finds the same error: say it once
+            _error(str(e))
         return 2
+    try:
+        check_output_paths(cfg)
+    except ConfigError as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: paths may differ between nodes
+            _error(str(e))
+        return 2
+    signals = ExitSignals(save_on_signal=cfg.train.exit_signal_handler).install()
+    watch_launcher()
+    try:
+        return _run(cfg, signals)
+    except RuntimeError as e:
+        if not _is_comm_failure(e):
+            raise
+        # A peer died or hung past --distributed-timeout-minutes: one line per rank that saw it, no traceback.
+        first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
+        first = first.split(". ")[0]  # gloo appends generic advice after the first sentence
+        _error(f"rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
+               f"(a rank that died first has its own message above)")
+        return 1
+    finally:
+        signals.uninstall()
+
+
+def _run(cfg, signals: ExitSignals) -> int:
     par = cfg.parallel
-    ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend)
+    ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
+                                timeout_s=60.0 * par.distributed_timeout_minutes)
     log = setup_logging(ps.is_logging_rank, ps.rank)
     m = cfg.model
     log.info(f"megalite: world {ps.world_size} = tp {ps.tp_size} x dp {ps.dp_size} x pp {ps.pp_size} "
@@ -39,7 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             trainer.load()
         except CheckpointError as e:
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+            _error(str(e))
             ps.destroy()
             return 2
     n_params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
@@ -47,15 +96,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"parameters on this rank: {n_params:,}")
     try:
         train_ds, valid_ds = build_datasets(cfg, ps)
-    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad data files or split
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+    except DatasetError as e:  # bad data files, split or caches: every rank stops, one says why
+        if e.report:
+            _error(str(e))
         ps.destroy()
         return 2
     try:
-        trainer.train(train_ds, valid_ds)
+        trainer.train(train_ds, valid_ds, ExitConditions(signals, cfg.train.exit_duration_in_mins))
     except TrainingStopped as e:
-        if ps.is_logging_rank:  # the rank that knows the loss says it once
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        if e.report:  # the rank that knows the problem says it once
+            _error(str(e))
         ps.destroy()
         return 1
     ps.destroy()

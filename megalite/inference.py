@@ -209,15 +209,18 @@ def split_dataset(cfg: Config, split: str):
     """The samples pretrain_gpt.py evaluates on (valid), or the same recipe for test / train.
 
     The sample order of a real dataset depends on how many samples are asked for, so
-    each split asks for what the training run asked: eval_iters x global batch
-    (valid, test) or train_iters x global batch (train, at least the batches read).
+    each split asks for what the training run asked (``training.validation_plan``,
+    Megatron's counts), and at least one evaluation's worth.
     """
+    from megalite.training import validation_plan
     t, index = cfg.train, ("train", "valid", "test").index(split)
     n_eval = t.eval_iters * t.global_batch_size
+    planned = validation_plan(t)
+    n = max(n_eval, planned[index])
     if cfg.data.mock_data:  # pretrain_gpt.py's seeds: train seed + 0, valid seed + 1 (here test: + 2)
-        return MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed + index, n_eval)
+        return MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed + index, n)
     counts = [0, 0, 0]
-    counts[index] = max(n_eval, t.train_iters * t.global_batch_size) if split == "train" else n_eval
+    counts[index] = n
     ds = build_train_valid_test_datasets(cfg.data, tuple(counts), seq_length=cfg.model.seq_length,
                                          seed=t.seed)[index]
     if ds is None:

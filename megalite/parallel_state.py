@@ -93,9 +93,13 @@ class ParallelState:
 
     def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1,
                  create_groups: bool = True, backend: Optional[str] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, timeout: Optional[timedelta] = None):
         self.world_size, self.rank = world_size, rank
         self.backend = backend
+        # How long a blocking wait may last before the job is declared hung: every group gets it
+        # (new_group would otherwise use torch's default, 30 min for gloo) and gloo point-to-point
+        # receives need it passed explicitly or they wait forever.
+        self.timeout = timeout
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                       else torch.device("cpu"))
@@ -107,7 +111,7 @@ class ParallelState:
             mine = None
             for ranks in all_groups:
                 # Every rank must call new_group for every group, in the same order.
-                handle = dist.new_group(ranks) if use_dist and len(ranks) > 1 else None
+                handle = dist.new_group(ranks, timeout=timeout) if use_dist and len(ranks) > 1 else None
                 if rank in ranks:
                     mine = AxisGroup(ranks, ranks.index(rank), handle)
             self.axes[name] = mine if mine is not None else AxisGroup([rank], 0, None)
@@ -138,7 +142,8 @@ class ParallelState:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
-        return cls(dist.get_world_size(), dist.get_rank(), tp, pp, backend=backend)
+        return cls(dist.get_world_size(), dist.get_rank(), tp, pp, backend=backend,
+                   timeout=timedelta(seconds=timeout_s))
 
     @classmethod
     def init_for_test(cls, rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
@@ -147,7 +152,7 @@ class ParallelState:
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
-        return cls(world_size, rank, tp, pp, backend="gloo")
+        return cls(world_size, rank, tp, pp, backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def destroy(self) -> None:
         """Tear the process group down (end of a run or test)."""

@@ -31,6 +31,7 @@ from megalite.config import Config, ConfigError, OptimConfig, ParallelConfig  # 
 from megalite.inference import (OneLineArgumentParser, add_load_args, load_full_weights, one_line,  # noqa: E402
                                 read_checkpoint, resolve_default_corpus, split_dataset)
 from megalite.parallel_state import ParallelState  # noqa: E402
+from megalite.training import TrainingStopped  # noqa: E402
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     p = OneLineArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0])
@@ -72,32 +73,29 @@ def eval_config(cfg: Config, args) -> Config:
                      model=replace(cfg.model, recompute_granularity=None, torch_compile=False))
 
 
-class _CheckedBatches:
-    """Micro-batches whose token ids are checked against the vocabulary (another tokenizer's data)."""
+def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Optional[str] = None,
+             iteration: int = 0) -> float:
+    """Mean lm loss over ``eval_iters`` global batches of ``split``, computed by the Trainer's own evaluate().
 
-    def __init__(self, batches, vocab: int):
-        self.batches, self.vocab = batches, vocab
-
-    def next(self):
-        out = self.batches.next()
-        top = max(int(torch.maximum(b["tokens"].max(), b["labels"].max())) for b in out)
-        if top >= self.vocab:
-            raise ValueError(f"the data holds token id {top}, outside the model's vocabulary of {self.vocab}: "
-                             f"it was tokenized with another tokenizer than the run's")
-        return out
-
-
-def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Optional[str] = None) -> float:
-    """Mean lm loss over ``eval_iters`` global batches of ``split``, computed by the Trainer's own evaluate()."""
-    from megalite.training import MicroBatches, Trainer  # the training run's evaluation, unchanged
+    For the validation split the batches are those the training run's evaluation at ``iteration``
+    read (each evaluation goes on where the last stopped); other splits start at their beginning.
+    """
+    from megalite.training import MicroBatches, Trainer, valid_samples_before  # the run's evaluation
     if dtype:
         cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
     dataset = split_dataset(cfg, split)
     ps = ParallelState.single(torch.device(device))
     trainer = Trainer(cfg, ps)
     load_full_weights(trainer.chunks[0], full)
-    batches = MicroBatches(dataset, 0, cfg.train.micro_batch_size, trainer.m, ps, cfg.data.num_workers)
-    return trainer.evaluate(_CheckedBatches(batches, cfg.model.vocab_size))
+    t = cfg.train
+    start = valid_samples_before(iteration, t) if split == "valid" and t.eval_interval > 0 else 0
+    if start + t.eval_iters * t.global_batch_size > len(dataset):
+        start = 0
+    batches = MicroBatches(dataset, start, t.micro_batch_size, trainer.m, ps, cfg.data.num_workers, name=split)
+    try:
+        return trainer.evaluate(batches)
+    except TrainingStopped as e:  # a sample outside the vocabulary: another tokenizer's data
+        raise ValueError(str(e)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -106,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg, iteration, full = read_checkpoint(args.load, args.ckpt_step)
         cfg = eval_config(cfg, args)
-        loss = evaluate(cfg, full, args.split_name, args.device, args.dtype)
+        loss = evaluate(cfg, full, args.split_name, args.device, args.dtype, iteration)
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"evaluate.py: error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -110,3 +110,14 @@ def test_sampler_resumed_at_consumed_samples_reads_what_the_run_would_have(dp_ra
     assert resumed == full[10:]  # 40 consumed samples = 10 micro-steps of 2 x dp 2
     assert {i for mb in full for i in mb}.isdisjoint(
         {i for mb in PretrainingSampler(100, 0, 2, 1 - dp_rank, 2) for i in mb})
+
+
+def test_validation_follows_megatrons_plan():
+    """Each evaluation reads the next eval_iters batches; the split is sized for all of them plus one."""
+    from megalite.config import TrainConfig
+    from megalite.training import validation_plan, valid_samples_before
+    t = TrainConfig(train_iters=10, global_batch_size=4, eval_interval=3, eval_iters=2)
+    assert validation_plan(t) == (40, (10 // 3 + 1) * 2 * 4, 2 * 4)
+    # evaluations at 3, 6, 9 and at the end (10): each starts after the ones before
+    assert [valid_samples_before(i, t) for i in (3, 6, 9, 10)] == [0, 8, 16, 24]
+    assert validation_plan(TrainConfig(eval_iters=0)) == (TrainConfig().train_iters * 16, 0, 0)

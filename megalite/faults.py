@@ -1,0 +1,104 @@
+"""How a run ends when something outside it intervenes: a signal, a dead launcher, a time limit.
+
+::
+
+    SIGTERM / SIGINT      default: one line (rank 0), every rank exits at once (128 + signal)
+                          --exit-signal-handler: noted; at the end of the iteration all ranks agree
+                          (one all-reduce), save a checkpoint and exit 0. A second signal exits at once.
+    launcher gone         a rank started by torchrun whose parent died exits within a second
+                          instead of training on as an orphan
+    --exit-duration-in-mins   checked every iteration with the same all-reduce: save and exit 0
+
+A hung or stopped rank is the process group's timeout (``--distributed-timeout-minutes``):
+the waiting ranks' collectives fail and pretrain_gpt.py turns that into one line and exit 1.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _say(line: str) -> None:
+    """One line on stderr from rank 0 only (every rank receives the same signal)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+class ExitSignals:
+    """SIGTERM/SIGINT handling for a training process (see the module docstring)."""
+
+    def __init__(self, save_on_signal: bool):
+        self.save_on_signal = save_on_signal
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def install(self) -> "ExitSignals":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set from the main thread (e.g. under a test runner)
+        for sig in _SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.save_on_signal and self.received is None:
+            self.received = signum
+            _say(f"pretrain_gpt.py: received {name}: saving a checkpoint at the end of this iteration, "
+                 f"then exiting (send it again to exit at once)")
+            return
+        _say(f"pretrain_gpt.py: received {name}: exiting without saving"
+             + ("" if self.save_on_signal else " (--exit-signal-handler saves a checkpoint first)"))
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+
+def watch_launcher(poll_s: float = 0.5) -> Optional[threading.Thread]:
+    """Under torchrun, exit this rank when its launcher dies (the rank's parent process changes)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank of the node sees it: say it once
+                    print(f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) is gone; "
+                      f"exiting (and so do the node's other ranks)", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="megalite-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+class ExitConditions:
+    """Per-iteration stop requests other than the iteration count: a signal or the time limit."""
+
+    def __init__(self, signals: Optional[ExitSignals], duration_mins: Optional[float],
+                 start_time: Optional[float] = None):
+        self.signals, self.duration_mins = signals, duration_mins
+        self.start_time = time.time() if start_time is None else start_time
+
+    def local_reason(self) -> Optional[str]:
+        """Why this rank wants to stop now (None: it does not)."""
+        if self.signals is not None and self.signals.received is not None:
+            return f"received {signal.Signals(self.signals.received).name}"
+        if self.duration_mins is not None and time.time() - self.start_time > 60.0 * self.duration_mins:
+            return f"--exit-duration-in-mins {self.duration_mins:g} reached"
+        return None
+
+    @property
+    def active(self) -> bool:
+        return (self.signals is not None and self.signals.save_on_signal) or self.duration_mins is not None

@@ -1,0 +1,191 @@
+"""Bad input to pretrain_gpt.py, table driven: every case ends with its exit code and one line naming
+the flag or file at fault, and no traceback.
+
+Flags, data files (missing, corrupt, truncated, foreign dtype, out-of-vocabulary ids, damaged caches)
+and output paths. Most cases call ``main()`` in this process (an exception escaping it fails the
+test just as a traceback would); a subset runs as real processes, and two under torchrun, where the
+line must appear once for the whole job.
+"""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megalite.data.indexed_dataset import IndexedDatasetBuilder
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+import pretrain_gpt  # noqa: E402
+
+TINY = ["--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+        "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1"]
+MOCK = ["--mock-data"] + TINY
+DATA = TINY + ["--tokenizer-type", "NullTokenizer", "--split", "80,20,0"]
+
+# (base, extra flags, exit code, text the one error line must contain). $T is the data directory.
+CASES = [
+    # -- flags -------------------------------------------------------------------------------------
+    (MOCK, "--train-iters -1", 2, "--train-iters must be >= 0"),
+    (MOCK, "--log-interval 0", 2, "--log-interval must be > 0"),
+    (MOCK, "--make-vocab-size-divisible-by 0", 2, "--make-vocab-size-divisible-by must be > 0"),
+    (MOCK, "--hidden-dropout 1.0", 2, "--hidden-dropout must be in [0, 1)"),
+    (MOCK, "--attention-dropout -0.1", 2, "--attention-dropout must be in [0, 1)"),
+    (MOCK, "--adam-beta1 1.0", 2, "--adam-beta1 must be in [0, 1)"),
+    (MOCK, "--adam-beta2 -0.5", 2, "--adam-beta2 must be in [0, 1)"),
+    (MOCK, "--num-threads -1", 2, "--num-threads must be > 0"),
+    (MOCK, "--position-embedding-type rope --rotary-base 0", 2, "--rotary-base must be > 0"),
+    (MOCK, "--ffn-hidden-size 0", 2, "--ffn-hidden-size must be > 0"),
+    (MOCK, "--num-query-groups 2", 2, "--num-query-groups needs --group-query-attention"),
+    (MOCK, "--min-lr 1 --lr 0.1", 2, "--min-lr 1 is above --lr 0.1"),
+    (MOCK, "--lr-warmup-iters -1", 2, "--lr-warmup-iters must be >= 0"),
+    (MOCK, "--clip-grad -1", 2, "--clip-grad must be >= 0"),
+    (MOCK, "--eval-interval -1", 2, "--eval-interval must be >= 0"),
+    (MOCK, "--lr -1e-3", 2, "--lr must be > 0, got -0.001"),
+    (MOCK, "--lr -1", 2, "--lr must be > 0, got -1"),
+    (MOCK, "--lr abc", 2, "argument --lr: invalid float value: 'abc'"),
+    (MOCK, "--hidden-size 30", 2, "--hidden-size 30 is not divisible by --num-attention-heads 4"),
+    (MOCK, "--tensor-model-parallel-size 3", 2, "world size 1 is not divisible by tensor-model-parallel-size (3)"),
+    (MOCK, "--global-batch-size 7", 2, "--global-batch-size 7 is not divisible by --micro-batch-size 2"),
+    (MOCK, "--micro-batch-size 0", 2, "--micro-batch-size must be > 0"),
+    (MOCK, "--num-layrs 2", 2, "did you mean --num-layers?"),
+    (MOCK, "--bf16 --fp16", 2, "--bf16 and --fp16 are exclusive"),
+    (MOCK, "--context-parallel-size 2", 2, "--context-parallel-size is not implemented yet"),
+    (MOCK, "--recompute-granularity full", 2, "--recompute-granularity full needs --recompute-method"),
+    (MOCK, "--overlap-param-gather", 2, "--overlap-param-gather needs --use-distributed-optimizer"),
+    (MOCK, "--save-interval 10", 2, "--save-interval needs --save DIR"),
+    (MOCK, "--num-workers -1", 2, "--num-workers must be >= 0"),
+    (MOCK, "--distributed-timeout-minutes 0", 2, "--distributed-timeout-minutes must be > 0"),
+    (MOCK, "--exit-duration-in-mins -5", 2, "--exit-duration-in-mins must be > 0"),
+    (MOCK, "--exit-interval 0", 2, "--exit-interval must be > 0"),
+    (MOCK, "--seed -1", 2, "--seed must be >= 0"),
+    (MOCK, "--max-position-embeddings 8", 2, "--seq-length 16 exceeds --max-position-embeddings 8"),
+    (MOCK, "--pipeline-schedule interleaved_1f1b", 2, "interleaved_1f1b needs vp > 1"),
+    (MOCK, "--position-embedding-type rope --hidden-size 36", 2, "rope needs an even head dim"),
+    (MOCK, "--ckpt-format foo", 2, "argument --ckpt-format: invalid choice: 'foo'"),
+    (MOCK, "--num-layers-per-virtual-pipeline-stage 3", 2, "--num-layers-per-virtual-pipeline-stage 3 must divide"),
+    (MOCK, "--data-path $T/good", 2, "--mock-data and --data-path/--train-data-path are exclusive"),
+    (MOCK, "--load $T/afile", 2, "--load $T/afile is a file"),
+    # -- data files --------------------------------------------------------------------------------
+    (DATA, "--data-path $T/missing", 2, "not found: $T/missing.idx"),
+    (DATA, "--data-path $T/good.bin", 2, "give the prefix without .bin/.idx"),
+    (DATA, "--data-path $T/trunc_bin", 2, "$T/trunc_bin.bin: size"),
+    (DATA, "--data-path $T/trunc_idx", 2, "$T/trunc_idx.idx: size 40 bytes does not match header"),
+    (DATA, "--data-path $T/magic", 2, "$T/magic.idx: not a Megatron MMIDIDX index"),
+    (DATA, "--data-path $T/dtype", 2, "$T/dtype.idx: unknown dtype code 42"),
+    (DATA, "--data-path $T/oov", 1, "holds token id 150, outside the model's vocabulary [0, 101)"),
+    (DATA, "--data-path 0.5 $T/good 0.5 $T/oov", 1, "from $T/oov.bin"),
+    (DATA, "--data-path $T/good --split 0,0,0", 2, "--split '0,0,0'"),
+    (DATA, "--data-path $T/good --split a,b,c", 2, "--split 'a,b,c'"),
+    (DATA, "--data-path -0.5 $T/good 1 $T/good", 2, "--data-path weights must be non-negative"),
+    (DATA, "--data-path 0.5 $T/good $T/good", 2, "--data-path: give either 'weight prefix' pairs or only prefixes"),
+    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer", 2, "GPT2BPETokenizer needs --vocab-file"),
+    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/none.json --merge-file $T/m",
+     2, "--vocab-file $T/none.json: file not found"),
+    (DATA, "--data-path $T/good --tokenizer-type FooTokenizer", 2, "unknown --tokenizer-type 'FooTokenizer'"),
+    (DATA, "--data-path $T/good --data-cache-path $T/badcache", 2, "$T/badcache/"),
+    # -- output paths ------------------------------------------------------------------------------
+    (DATA, "--data-path $T/good --data-cache-path $T/afile", 2, "--data-cache-path $T/afile is a file"),
+    (DATA, "--data-path $T/good --save $T/afile", 2, "--save $T/afile is a file, not a directory"),
+    (DATA, "--data-path $T/good --save $T/afile/ckpt", 2, "--save $T/afile/ckpt cannot be created"),
+    (DATA, "--data-path $T/good --tensorboard-dir $T/afile", 2, "--tensorboard-dir $T/afile is a file"),
+    (DATA, "--data-path $T/good --timeline-out $T", 2, "--timeline-out $T is a directory"),
+    (DATA, "--data-path $T/good --timeline-out $T/afile/t.json", 2, "--timeline-out (its directory) $T/afile"),
+    (DATA, "--data-path $T/good --save /proc/megalite-ckpt", 2, "--save /proc/megalite-ckpt is not writable"),
+]
+
+
+def _write(prefix, docs):
+    b = IndexedDatasetBuilder(prefix, dtype=np.uint16)
+    for d in docs:
+        b.add_item(np.asarray(d))
+        b.end_document()
+    b.finalize()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A good dataset (ids < 100), damaged copies, one with out-of-vocabulary ids, a damaged cache."""
+    t = tmp_path_factory.mktemp("bad_inputs")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 100, size=int(rng.integers(5, 40))) for _ in range(60)]
+    _write(t / "good", docs)
+    _write(t / "oov", [np.append(d, 150) if i % 4 == 1 else d for i, d in enumerate(docs)])
+    for name in ("trunc_bin", "trunc_idx", "magic", "dtype"):
+        for ext in ("bin", "idx"):
+            shutil.copy(t / f"good.{ext}", t / f"{name}.{ext}")
+    with open(t / "trunc_bin.bin", "r+b") as f:
+        f.truncate(os.path.getsize(t / "good.bin") - 10)
+    with open(t / "trunc_idx.idx", "r+b") as f:
+        f.truncate(40)
+    with open(t / "magic.idx", "r+b") as f:
+        f.write(b"XXXXXXXXX")
+    with open(t / "dtype.idx", "r+b") as f:
+        f.seek(17)
+        f.write(bytes([42]))
+    (t / "afile").write_text("x")
+    # A cache built by a good run, then damaged: every .npy cut short.
+    assert pretrain_gpt.main(DATA + ["--data-path", str(t / "good"), "--data-cache-path", str(t / "badcache")]) == 0
+    for npy in (t / "badcache").rglob("*.npy"):
+        npy.write_bytes(npy.read_bytes()[:100])
+    return t
+
+
+def _argv(base, extra, t):
+    return base + extra.replace("$T", str(t)).split()
+
+
+@pytest.mark.parametrize("base,extra,code,text", CASES, ids=[c[1][:60] for c in CASES])
+def test_bad_input_is_one_line(base, extra, code, text, data_dir, capsys):
+    rc = pretrain_gpt.main(_argv(base, extra, data_dir))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == code
+    assert len(err) == 1, err
+    assert err[0].startswith("pretrain_gpt.py: error: ")
+    assert text.replace("$T", str(data_dir)) in err[0]
+
+
+def test_the_table_is_large_and_covers_flags_data_and_outputs():
+    assert len(CASES) >= 50
+    assert sum(base is DATA for base, *_ in CASES) >= 20
+
+
+SUBPROCESS = [(MOCK, "--lr -1e-3", 2), (DATA, "--data-path $T/magic", 2), (DATA, "--data-path $T/oov", 1),
+              (DATA, "--data-path $T/good --save $T/afile/ckpt", 2)]
+
+
+def test_bad_input_as_a_process_has_no_traceback(data_dir):
+    for base, extra, code in SUBPROCESS:
+        proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + _argv(base, extra, data_dir), cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        err = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == code, (extra, proc.stderr)
+        assert len(err) == 1 and err[0].startswith("pretrain_gpt.py: error: "), (extra, proc.stderr)
+        assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def _torchrun(nproc, argv):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), "pretrain_gpt.py", "--num-threads", "1"] + argv,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_flag_under_torchrun_is_said_once():
+    proc = _torchrun(2, MOCK + ["--hidden-dropout", "1.5"])
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py:")]
+    assert ours == ["pretrain_gpt.py: error: --hidden-dropout must be in [0, 1), got 1.5"]
+    assert "[rank" not in proc.stderr  # no per-rank traceback
+
+
+def test_out_of_vocabulary_ids_stop_every_rank_the_same_way_at_tp2(data_dir):
+    """tp=2 pads the vocabulary to 256, so id 150 has a row; unchecked it trained on an infinite loss."""
+    proc = _torchrun(2, _argv(DATA, "--data-path $T/oov --tensor-model-parallel-size 2", data_dir))
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py:")]
+    assert len(ours) == 1 and "holds token id 150, outside the model's vocabulary [0, 101)" in ours[0], proc.stderr
+    assert "[rank" not in proc.stderr and " iteration        3/" not in proc.stdout
