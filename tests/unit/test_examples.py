@@ -104,3 +104,15 @@ def test_cpu_3d_script_trains(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "world 8 = tp 2 x dp 2 x pp 2 (vp 2)" in res.stdout
     assert " iteration        2/       2 |" in res.stdout and "training done: 2 iterations" in res.stdout
+
+
+def test_gpu_bench_python_runs_on_cpu_smoke():
+    """benchmarks/gpu_bench.sh's Python part, tiny shape on CPU (no GPU here: the real run is not tested)."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29700 + os.getpid() % 200)}
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--cpu-smoke", "--iters", "1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith(("megalite", "plain PyTorch"))]
+    assert len(rows) == 3 and "backend gloo" in res.stdout
+    assert float(rows[0].split()[2]) > 0  # tokens/s of the megalite run

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""One-GPU benchmark: a 1.3B GPT (24 x 2048, seq 2048, bf16, SDPA flash) with and without selective
+recompute, and a plain PyTorch model of the same shape, in tokens/s, TFLOP/s and MFU.
+
+Run through benchmarks/gpu_bench.sh (torchrun, one process). The megalite side goes through the
+CUDA paths a cluster run uses: an NCCL process group (world 1; its collectives still run), the
+device of LOCAL_RANK, pinned host memory for batches, the CUDA RNG states of the tracker (checked
+by a save/restore round trip, as a checkpoint does) and the GPU memory report. The plain side is
+bench_overhead.py's single-file GPT with torch.autocast(bf16), fp32 weights and fused AdamW: the
+usual way to write it by hand. ``--cpu-smoke`` runs every step on CPU with a tiny shape (gloo).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench_overhead import PlainTrainer  # noqa: E402
+from megalite.arguments import parse_args  # noqa: E402
+from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
+from megalite.parallel_state import ParallelState  # noqa: E402
+from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report  # noqa: E402
+from megalite.training import MicroBatches, Trainer  # noqa: E402
+
+FULL = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, mbs=4, gbs=16, iters=30, warmup=3)
+SMOKE = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, mbs=2, gbs=4, iters=2, warmup=1)
+
+
+def flags(s: Dict[str, int], recompute: bool, cuda: bool) -> List[str]:
+    argv = ["--mock-data", "--vocab-size", str(s["vocab"]), "--num-layers", str(s["layers"]),
+            "--hidden-size", str(s["hidden"]), "--num-attention-heads", str(s["heads"]),
+            "--seq-length", str(s["seq"]), "--max-position-embeddings", str(s["seq"]),
+            "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["gbs"]),
+            "--train-iters", str(s["iters"] + s["warmup"] + 10), "--eval-iters", "0",
+            "--attention-backend", "auto", "--distributed-backend", "nccl" if cuda else "gloo"]
+    argv += ["--bf16"] if cuda else []  # bf16 on CPU is correct but slow: the smoke run stays fp32
+    return argv + (["--recompute-activations"] if recompute else [])
+
+
+def timed_steps(step: Callable, batches: List, warmup: int, iters: int, cuda: bool) -> List[float]:
+    """Seconds per step after ``warmup`` untimed ones (CUDA synchronised around each)."""
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+    out = []
+    for i in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(batches[i % len(batches)])
+        if cuda:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def check_rng_round_trip(trainer: Trainer) -> None:
+    """A checkpoint's RNG capture (CUDA states included) restores the same random stream."""
+    from megalite.checkpointing import _rng_state, _set_rng_state
+    state = _rng_state(trainer)
+    device = trainer.ps.device
+    with trainer.tracker.fork("tp"):
+        first = torch.rand(4, device=device)
+    _set_rng_state(trainer, state)
+    with trainer.tracker.fork("tp"):
+        again = torch.rand(4, device=device)
+    assert torch.equal(first, again), "RNG state round trip changed the random stream"
+
+
+def run_megalite(s: Dict[str, int], recompute: bool, ps: ParallelState, peak) -> Dict[str, float]:
+    cuda = ps.device.type == "cuda"
+    cfg = parse_args(flags(s, recompute, cuda), world_size=1)
+    trainer = Trainer(cfg, ps)
+    check_rng_round_trip(trainer)
+    ds = MockGPTDataset(s["seq"], s["vocab"], 1, 4 * s["gbs"])
+    data = MicroBatches(ds, 0, s["mbs"], trainer.m, ps)  # pin_memory=True on CUDA
+    batches = [data.next() for _ in range(4)]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = timed_steps(trainer.train_step, batches, s["warmup"], s["iters"], cuda)
+    for line in gather_memory_report(ps, s["warmup"] + s["iters"]):  # NCCL-free: an object gather
+        print("   ", line)
+    tp = Throughput(cfg.model, s["gbs"], trainer.chunks[0].padded_vocab, 1, peak_tflops=peak)
+    result = tp.figures(statistics.median(times))
+    result["ms"] = 1e3 * statistics.median(times)
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
+    del trainer, batches
+    return result
+
+
+def run_plain(s: Dict[str, int], device: torch.device, peak) -> Dict[str, float]:
+    cuda = device.type == "cuda"
+    cfg = parse_args(flags(s, False, cuda), world_size=1)
+    plain = PlainTrainer(cfg)
+    plain.model.to(device)
+    if cuda:  # hand-written mixed precision: fp32 weights, bf16 autocast, fused AdamW
+        plain.optimizer = torch.optim.AdamW(plain.optimizer.param_groups, lr=cfg.optim.lr, fused=True)
+    ds = MockGPTDataset(s["seq"], s["vocab"], 1, 4 * s["gbs"])
+    batches = []
+    for k in range(4):
+        rows = torch.stack([torch.from_numpy(ds[k * s["gbs"] + i]["text"].astype("int64")) for i in range(s["gbs"])])
+        batches.append([{"tokens": mb[:, :-1].to(device), "labels": mb[:, 1:].to(device)}
+                        for mb in rows.split(s["mbs"])])
+
+    def step(b):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            return plain.train_step(b)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = timed_steps(step, batches, s["warmup"], s["iters"], cuda)
+    padded = cfg.model.padded_vocab_size(1)
+    result = Throughput(cfg.model, s["gbs"], padded, 1, peak_tflops=peak).figures(statistics.median(times))
+    result["ms"] = 1e3 * statistics.median(times)
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (gloo): checks the script runs")
+    p.add_argument("--iters", type=int, help="timed iterations (default 30; smoke 2)")
+    p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: bf16 table by GPU name)")
+    a = p.parse_args()
+    cuda = not a.cpu_smoke
+    if cuda and not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device; use --cpu-smoke to check the script on CPU", file=sys.stderr)
+        return 2
+    s = dict(SMOKE if a.cpu_smoke else FULL)
+    s["iters"] = a.iters or s["iters"]
+    # A one-rank process group of the cluster's backend, so the NCCL path (groups, collectives,
+    # the device of LOCAL_RANK) is the one a multi-GPU run takes; from_env() finds it initialised.
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", world_size=1, rank=0)
+    ps = ParallelState.from_env(1, 1, "nccl" if cuda else "gloo")
+    peak = device_peak_tflops(ps.device, a.peak_tflops)
+    name = torch.cuda.get_device_name(ps.device) if cuda else "CPU"
+    print(f"device {name} (peak {peak} TFLOP/s), backend {ps.backend}, torch {torch.__version__}; GPT "
+          f"{s['layers']} x {s['hidden']}, heads {s['heads']}, seq {s['seq']}, micro-batch {s['mbs']}, global "
+          f"batch {s['gbs']}; median of {s['iters']} iterations after {s['warmup']}")
+    rows = {"megalite": run_megalite(s, False, ps, peak),
+            "megalite selective recompute": run_megalite(s, True, ps, peak),
+            "plain PyTorch (autocast bf16)": run_plain(s, ps.device, peak)}
+    base = rows["plain PyTorch (autocast bf16)"]["tokens_per_s"]
+    print(f"{'run':<32} {'ms/iter':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'hw TFLOP/s':>10} {'MFU':>7} "
+          f"{'peak GiB':>9} {'vs plain':>9}")
+    for label, r in rows.items():
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(f"{label:<32} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} {r['hw_tflops']:>10.1f} "
+              f"{mfu:>7} {r['peak_gib']:>9.1f} {r['tokens_per_s'] / base:>9.2f}")
+    ps.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
