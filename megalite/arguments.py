@@ -25,7 +25,7 @@ NOT_IMPLEMENTED: Dict[str, str] = {
     "--async-save": "asynchronous checkpoint saving",
 }
 
-_SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
+_SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 _M, _P, _O, _D, _T, _L, _C = (ModelConfig(), ParallelConfig(), OptimConfig(), DataConfig(), TrainConfig(),
                               LoggingConfig(), CheckpointConfig())  # the single source of every default below
 
@@ -366,11 +366,34 @@ def validate(cfg: Config, world_size: int) -> None:
         validate_schedule(name, par.pp, par.vp, num_mb)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _validate_zero_bubble(cfg, name, dp)
     _validate_precision_and_memory(cfg, dp)
     if cfg.data.mock_data and (cfg.data.data_path or cfg.data.train_data_path):
         raise ConfigError("--mock-data and --data-path/--train-data-path are exclusive; pass one")
     if cfg.data.mock_data and m.vocab_size < 2:
         raise ConfigError("--mock-data needs --vocab-size >= 2")
+
+
+def _validate_zero_bubble(cfg: Config, name: str, dp: int) -> None:
+    """Combinations the split backward (zb_h1, zbv) or the V layout (zbv) cannot run."""
+    par = cfg.parallel
+    if name not in ("zb_h1", "zbv"):
+        return
+    if cfg.model.torch_compile:
+        raise ConfigError(f"--pipeline-schedule {name} splits each backward into input and weight gradients, "
+                          f"which torch.compile'd layers do not support; drop --torch-compile")
+    if name != "zbv":
+        return
+    if par.decoder_first_pipeline_num_layers or par.decoder_last_pipeline_num_layers:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers are not supported with --pipeline-schedule "
+                          "zbv (a V puts the first and last stage on one rank); use --pipeline-stage-layers")
+    if cfg.model.tied_embeddings and cfg.optim.overlap_grad_reduce and dp > 1:
+        raise ConfigError("--pipeline-schedule zbv with tied embeddings uses the embedding twice on rank 0, "
+                          "which --overlap-grad-reduce cannot count; add --untie-embeddings-and-output-weights "
+                          "or drop --overlap-grad-reduce")
+    if cfg.checkpoint.ckpt_format == "torch" and (cfg.checkpoint.save or cfg.checkpoint.load):
+        raise ConfigError("--ckpt-format torch stores Megatron's interleaved chunk layout, not zbv's V; "
+                          "use --ckpt-format sharded with --pipeline-schedule zbv")
 
 
 def _validate_precision_and_memory(cfg: Config, dp: int) -> None:

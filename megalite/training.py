@@ -37,7 +37,7 @@ from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
-from megalite.pipeline.partition import layers_for_stage
+from megalite.pipeline.stage_layout import layout_for
 from megalite.pipeline.schedules import build_schedule, default_schedule_name
 from megalite.tensor_parallel.random import RNGTracker
 
@@ -67,18 +67,22 @@ def resolve_data(cfg: Config) -> Config:
 
 
 def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker) -> List[GPTModel]:
-    """This rank's chunks: chunk c is global virtual stage c*pp + pp_rank."""
+    """This rank's chunks: chunk c runs the global stage the schedule's StageLayout gives it
+    (c*pp + pp_rank interleaved; pp_rank and 2pp-1-pp_rank in a V)."""
     par, chunks = cfg.parallel, []
-    num_stages = ps.pp_size * par.vp
+    layout = layout_for(par.pipeline_schedule, ps.pp_size, par.vp)
     for c in range(par.vp):
-        stage = c * ps.pp_size + ps.pp_rank
-        layers = layers_for_stage(cfg.model.num_layers, ps.pp_size, par.vp, ps.pp_rank, c,
-                                  par.decoder_first_pipeline_num_layers,
-                                  par.decoder_last_pipeline_num_layers)
+        stage = layout.stage(ps.pp_rank, c)
+        layers = layout.layers(cfg.model.num_layers, ps.pp_rank, c, par.decoder_first_pipeline_num_layers,
+                               par.decoder_last_pipeline_num_layers)
         chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
-                               pre_process=stage == 0, post_process=stage == num_stages - 1,
+                               pre_process=stage == 0, post_process=stage == layout.num_stages - 1,
                                sequence_parallel=par.sequence_parallel)
                       .to(ps.device))
+    first = [c for c in chunks if c.pre_process]
+    last = [c for c in chunks if c.post_process and not c.pre_process]
+    if cfg.model.tied_embeddings and first and last:  # first and last stage on this rank (a V)
+        last[0].tie_output_to(first[0])
     return chunks
 
 
@@ -156,7 +160,8 @@ class Trainer:
                                            forward_only=True)[ps.pp_rank]
         s = cfg.model.seq_length // (ps.tp_size if par.sequence_parallel else 1)
         self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
-                                         dtype=cfg.model.torch_dtype)
+                                         dtype=cfg.model.torch_dtype,
+                                         layout=layout_for(self.schedule_name, ps.pp_size, par.vp))
         self.needs_data = any(c.pre_process or c.post_process for c in self.chunks)
         self.iteration, self.consumed_samples = 0, 0
         self.skipped_iters = self.nan_iters = 0
@@ -220,8 +225,17 @@ class Trainer:
                 f"such steps and skips their updates instead")
 
     def _reduce_loss(self, losses: List[torch.Tensor]) -> Optional[float]:
-        """Mean micro-batch loss over DP ranks (last stage only; None elsewhere)."""
-        return mean_over_data_parallel(losses, self.ps)
+        """Mean micro-batch loss over DP ranks (last stage only; None elsewhere).
+
+        A V puts the loss on pipeline rank 0; it is passed to the last pipeline rank,
+        where the log line (and every caller) expects it.
+        """
+        loss = mean_over_data_parallel(losses, self.ps)
+        if self.executor.layout.v_shape and self.ps.pp_size > 1:
+            t = torch.tensor([loss if loss is not None else 0.0], device=self.ps.device)
+            torch.distributed.broadcast(t, self.ps.pp.ranks[0], group=self.ps.pp_group)
+            loss = float(t) if self.ps.is_last_stage or loss is not None else None
+        return loss
 
     @staticmethod
     def _bubble(stats: StepStats) -> float:

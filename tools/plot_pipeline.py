@@ -1,4 +1,4 @@
-"""Draw a pipeline timeline (one row per rank, one box per forward/backward).
+"""Draw a pipeline timeline (one row per rank, one box per forward, backward or weight-gradient step).
 
 From the simulator::
 
@@ -9,7 +9,11 @@ From a real run's TIMELINE JSON (written by the executor)::
     python tools/plot_pipeline.py --timeline run_timeline.json --out timeline.png
 
 ``--print`` prints the text schedule (simulator mode) instead of / as well as
-drawing; ``--save-json`` writes the simulated timeline.
+drawing; ``--save-json`` writes the simulated timeline. Forward boxes are
+light, backward (B: input gradients, or the whole backward) dark and hatched,
+zero-bubble weight-gradient steps (W) mid-tone with dots. The simulator times
+a schedule with the executor's own semantics (``--mode executor``, default)
+or the conservative rendezvous model.
 """
 from __future__ import annotations
 
@@ -21,16 +25,21 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.pipeline.schedules import SCHEDULES, build_schedule, format_schedule  # noqa: E402
-from megalite.pipeline.simulate import simulate, timeline_bubble  # noqa: E402
+from megalite.pipeline.simulate import MODES, simulate, timeline_bubble  # noqa: E402
+from megalite.pipeline.stage_layout import layout_for  # noqa: E402
+
+_HATCH = {"F": None, "B": "//", "W": ".."}
 
 
 def _colour(mb: int, kind: str) -> tuple:
-    """Same hue per micro-batch; forward light, backward dark."""
+    """Same hue per micro-batch; forward light, weight gradient mid, backward dark."""
     import matplotlib
 
     base = matplotlib.colormaps["tab10"](mb % 10)[:3]
     if kind == "F":
         return tuple(0.55 * c + 0.45 for c in base)
+    if kind == "W":
+        return tuple(0.75 * c + 0.15 for c in base)
     return tuple(0.8 * c for c in base)
 
 
@@ -51,7 +60,7 @@ def plot_timeline(timeline: dict, out: str) -> None:
         width = e["end"] - e["start"]
         ax.broken_barh([(e["start"] - t0, width)], (y + 0.08, 0.84),
                        facecolors=_colour(e["mb"], e["kind"]), edgecolors="black", linewidth=0.5,
-                       hatch="//" if e["kind"] == "B" else None)
+                       hatch=_HATCH.get(e["kind"]))
         label = f"{e['mb']}" + (f".{e['chunk']}" if vp > 1 else "")
         ax.text(e["start"] - t0 + width / 2, y + 0.5, label, ha="center", va="center", fontsize=7,
                 color="white" if e["kind"] == "B" else "black", fontweight="bold")
@@ -64,9 +73,13 @@ def plot_timeline(timeline: dict, out: str) -> None:
     mean_bubble = sum(bubble) / len(bubble) if bubble else 0.0
     ax.set_title(f"{timeline['schedule']}  p={pp} v={vp} m={timeline['m']}  "
                  f"bubble={mean_bubble:.3f}  ({timeline.get('source', '?')})", loc="left")
-    ax.legend(handles=[Patch(facecolor="0.85", edgecolor="black", label="forward"),
-                       Patch(facecolor="0.45", edgecolor="black", hatch="//", label="backward")],
-              loc="lower right", ncol=2, fontsize=7, bbox_to_anchor=(1.0, 1.0), frameon=False)
+    handles = [Patch(facecolor="0.85", edgecolor="black", label="forward"),
+               Patch(facecolor="0.45", edgecolor="black", hatch="//", label="backward")]
+    if any(e["kind"] == "W" for e in events):
+        handles[1] = Patch(facecolor="0.45", edgecolor="black", hatch="//", label="backward: input grads (B)")
+        handles.append(Patch(facecolor="0.65", edgecolor="black", hatch="..", label="weight grads (W)"))
+    ax.legend(handles=handles, loc="lower right", ncol=len(handles), fontsize=7, bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -80,6 +93,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-microbatches", "-m", type=int, default=8)
     p.add_argument("--f-cost", type=float, default=1.0, help="forward cost of a whole rank")
     p.add_argument("--b-cost", type=float, default=2.0, help="backward cost of a whole rank")
+    p.add_argument("--w-cost", type=float, default=None,
+                   help="weight-gradient part of --b-cost in zero-bubble schedules (default: half)")
+    p.add_argument("--mode", choices=MODES, default="executor",
+                   help="p2p semantics: the executor's (default) or conservative rendezvous")
     p.add_argument("--timeline", help="TIMELINE JSON of a real (or saved) run")
     p.add_argument("--out", help="image to write (png/svg/pdf)")
     p.add_argument("--save-json", help="also write the simulated TIMELINE JSON here")
@@ -128,7 +145,8 @@ def _simulate(args: argparse.Namespace) -> dict:
     actions = build_schedule(args.schedule, args.pp, args.vp, args.num_microbatches)
     if args.print:
         print(format_schedule(actions))
-    result = simulate(actions, args.pp, args.vp, args.f_cost, args.b_cost, schedule=args.schedule)
+    result = simulate(actions, args.pp, args.vp, args.f_cost, args.b_cost, schedule=args.schedule,
+                      w_cost=args.w_cost, layout=layout_for(args.schedule, args.pp, args.vp), mode=args.mode)
     print(f"makespan {result.makespan:.3f}  bubble {result.bubble_fraction}  "
           f"peak in flight {result.peak_in_flight}")
     return result.to_timeline()

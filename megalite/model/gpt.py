@@ -75,6 +75,9 @@ class GPTModel(nn.Module):
              for i in layer_ids})
 
         self.output_weight = None
+        self.split_wgrad = False  # the output GEMM's weight gradient may wait for W (zero-bubble)
+        self._tied_to: list = []  # [VocabParallelEmbedding of another local chunk] (tie_output_to)
+        self._output_is_local = False  # this chunk's embedding also serves a local last stage
         if post_process:
             self.decoder.final_layernorm = build_norm(cfg, h, ps.device)
             if not cfg.tied_embeddings:
@@ -104,9 +107,23 @@ class GPTModel(nn.Module):
             return None
         if self.output_weight is not None:
             return self.output_weight
-        if self.pre_process and not self.post_process:
+        if self.pre_process and not self.post_process and not self._output_is_local:
             return self.embedding.word_embeddings.weight
         return None
+
+    def tie_output_to(self, first: "GPTModel") -> None:
+        """Use ``first``'s word embedding itself as this last stage's output weight.
+
+        For a stage layout that puts the first and last stage on one rank (the V of
+        ZB-V): one parameter, whose gradient autograd accumulates from both uses, instead
+        of a copy kept equal by an all-reduce over the embedding group.
+        """
+        if not (self.cfg.tied_embeddings and self.post_process and first.pre_process):
+            raise ValueError("tie_output_to needs tied embeddings, a last stage and a first stage")
+        del self.output_weight  # the copy: no longer a parameter of this chunk
+        self.output_weight = None
+        self._tied_to = [first.embedding.word_embeddings]  # a list: not registered as a submodule
+        first._output_is_local = True
 
     def local_from_full(self, full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """This chunk's local tensors from a full (unsharded) state dict of the whole model.
@@ -182,8 +199,14 @@ class GPTModel(nn.Module):
         x = self.decoder.final_layernorm(x)
         if not self.cfg.tied_embeddings:
             return self.output_layer(x)  # [s, b, V/tp]
-        weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
-        return linear_with_tp_weight(x, weight, self.tp, sequence_parallel=self.sequence_parallel)
+        if self.output_weight is not None:
+            weight = self.output_weight
+        else:
+            weight = (self._tied_to[0] if self._tied_to else self.embedding.word_embeddings).weight
+        # The chunk's own embedding also gets a gradient in B: deferring only this half would
+        # accumulate it twice per micro-batch, which the overlapped DP reduction counts on not happening.
+        return linear_with_tp_weight(x, weight, self.tp, sequence_parallel=self.sequence_parallel,
+                                     split_wgrad=self.split_wgrad and not self.pre_process)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over unmasked tokens; logits [s,b,V/tp], labels/mask [b,s]."""

@@ -5,9 +5,15 @@ The executor is the only place that knows how an action becomes work::
     F(mb, c): input = tokens (first stage) or the received activation
               output = chunk c(input); on the last stage: loss = lm_loss / m x loss scale
     B(mb, c): backward from the loss (last stage) or from the received gradient
-              of the output; the input's gradient becomes the next send
+              of the output; the input's gradient becomes the next send. In a
+              schedule with W actions only the input gradient: the linear
+              layers' weight GEMMs wait in a WeightGradStore for W(mb, c)
+    W(mb, c): run the weight GEMMs B(mb, c) left (zero-bubble schedules)
     Comm:     post one batch of sends/receives (p2p.P2PState); a compute waits
               only for the receive it reads, sends are waited at the end
+
+Stages are placed by a StageLayout (interleaved or V); when two consecutive
+stages sit on this rank (a V's turn) the tensor is handed over in memory.
 
 Inputs and outputs of micro-batches in flight are held in dicts keyed by
 (mb, chunk) and dropped as soon as their backward is done. Times of every
@@ -25,6 +31,8 @@ import torch
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.p2p import P2PState
 from megalite.pipeline.schedules import Comm, Compute
+from megalite.pipeline.stage_layout import StageLayout
+from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_split
 
 Batch = Dict[str, torch.Tensor]
 
@@ -49,9 +57,10 @@ class PipelineExecutor:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], ps: ParallelState,
                  activation_shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
-                 sync_timing: bool = False):
+                 sync_timing: bool = False, layout: Optional[StageLayout] = None):
         self.chunks, self.ps = list(chunks), ps
-        self.pp, self.num_stages = ps.pp_size, ps.pp_size * len(chunks)
+        self.layout = layout or StageLayout(ps.pp_size, len(self.chunks))
+        self.pp, self.num_stages = ps.pp_size, self.layout.num_stages
         self.shape, self.dtype = activation_shape, dtype
         self.sync = sync_timing and ps.device.type == "cuda"
 
@@ -70,6 +79,11 @@ class PipelineExecutor:
         self.loss_scale = loss_scale
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._wgrads: Optional[Dict[Tuple[int, int], WeightGradStore]] = None
+        if not forward_only and any(isinstance(a, Compute) and a.kind == "W" for a in actions):
+            self._wgrads = {}
+            for chunk in self.chunks:  # idempotent; results are the same with or without it
+                enable_weight_grad_split(chunk)
         p2p = P2PState()
         t0 = self._now()
         for action in actions:
@@ -85,8 +99,10 @@ class PipelineExecutor:
             if action.kind == "F":
                 self._forward(action, get_batch, num_microbatches, forward_only,
                               inputs, outputs, p2p.payloads, received, st)
-            else:
+            elif action.kind == "B":
                 self._backward(action, inputs, outputs, p2p.payloads, received)
+            else:
+                self._wgrads.pop((action.mb, action.chunk)).run()
             end = self._now()
             if action.kind == "F":
                 st.forward += end - start
@@ -94,22 +110,29 @@ class PipelineExecutor:
                 st.backward += end - start
             st.events.append({"rank": self.ps.pp_rank, "kind": action.kind, "mb": action.mb,
                               "chunk": action.chunk, "start": start - t0, "end": end - t0})
+        if self._wgrads:
+            raise RuntimeError(f"schedule left weight gradients unrun: {sorted(self._wgrads)}")
         start = self._now()
         p2p.finish()
         st.p2p += self._now() - start
         return st
 
     def _stage(self, chunk: int) -> int:
-        return chunk * self.pp + self.ps.pp_rank
+        return self.layout.stage(self.ps.pp_rank, chunk)
 
     def _wait_input(self, a: Compute, p2p: P2PState) -> Optional[torch.Tensor]:
-        """The received tensor this compute reads (activation or gradient), once it has arrived."""
+        """The tensor this compute reads (activation or gradient), once it has arrived.
+
+        From a neighbour stage on this rank (a V's turn) it is the payload that stage left.
+        """
         stage = self._stage(a.chunk)
-        if a.kind == "F" and stage > 0:
-            return p2p.take(("F", a.mb, stage))
-        if a.kind == "B" and stage < self.num_stages - 1:
-            return p2p.take(("B", a.mb, stage))
-        return None
+        other = stage - 1 if a.kind == "F" else stage + 1
+        if a.kind == "W" or not 0 <= other < self.num_stages:
+            return None
+        key = (a.kind, a.mb, stage)
+        if self.layout.rank_of(other) == self.ps.pp_rank:
+            return p2p.payloads.pop(key)
+        return p2p.take(key)
 
     def _forward(self, a: Compute, get_batch, m: int, forward_only: bool, inputs, outputs,
                  payloads, received, st: StepStats) -> None:
@@ -140,9 +163,13 @@ class PipelineExecutor:
         stage = self._stage(a.chunk)
         out = outputs.pop((a.mb, a.chunk))
         x = inputs.pop((a.mb, a.chunk))
-        if stage == self.num_stages - 1:
-            torch.autograd.backward(out)
-        else:
-            torch.autograd.backward(out, grad_tensors=received)
+        grad = None if stage == self.num_stages - 1 else received
+        if self._wgrads is None:
+            torch.autograd.backward(out, grad_tensors=grad)
+        else:  # input gradients now; the weight GEMMs wait for this (mb, chunk)'s W
+            store = WeightGradStore()
+            with store.collecting():
+                torch.autograd.backward(out, grad_tensors=grad)
+            self._wgrads[(a.mb, a.chunk)] = store
         if stage > 0:
             payloads[("B", a.mb, stage - 1)] = x.grad

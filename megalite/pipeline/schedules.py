@@ -32,17 +32,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from megalite.pipeline.partition import num_stages, rank_of_stage, stage_of
+from megalite.pipeline.stage_layout import StageLayout, layout_for
 
-SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SPLIT_BACKWARD = ("zb_h1", "zbv")  # schedules whose B computes input gradients only (W: weights)
 
 
 @dataclass(frozen=True)
 class Compute:
     """Run one micro-batch through one local model chunk.
 
-    ``kind`` is "F" (forward) or "B" (backward); ``chunk`` is the local virtual
-    chunk 0..vp-1, so the global stage is ``chunk * pp + rank``.
+    ``kind`` is "F" (forward), "B" (backward) or "W" (weight gradients). In a
+    schedule that has W actions B computes only the input gradient (what the
+    previous stage waits for) and W, placed later by the schedule, the weight
+    gradients; otherwise B is the whole backward. ``chunk`` is the local
+    chunk 0..vp-1; its global stage comes from the StageLayout.
     """
 
     kind: str
@@ -174,24 +178,32 @@ def _interleaved_m_error(pp: int, m: int) -> str:
     )
 
 
-def _sends(action: Compute, rank: int, pp: int, vp: int) -> list[P2POp]:
+def _neighbour(action: Compute, rank: int, layout: StageLayout, direction: str) -> Optional[tuple[int, int, int]]:
+    """(this stage, neighbour stage, its rank) that ``action`` sends to ("send") or reads from.
+
+    None when there is none (first/last stage, W) or it runs on this rank: a V's turn
+    (stage pp-1 -> pp) is handed over in memory, not sent.
+    """
+    s, last = layout.stage(rank, action.chunk), layout.num_stages - 1
+    if action.kind == "W":
+        return None
+    step = 1 if (action.kind == "F") == (direction == "send") else -1
+    other = s + step
+    if not 0 <= other <= last or layout.rank_of(other) == rank:
+        return None
+    return s, other, layout.rank_of(other)
+
+
+def _sends(action: Compute, rank: int, layout: StageLayout) -> list[P2POp]:
     """The sends ``action`` produces: F output to s+1, B input-gradient to s-1."""
-    s, last = stage_of(pp, vp, rank, action.chunk), num_stages(pp, vp) - 1
-    if action.kind == "F" and s < last:
-        return [P2POp("send", "F", action.mb, s, s + 1, rank_of_stage(pp, s + 1))]
-    if action.kind == "B" and s > 0:
-        return [P2POp("send", "B", action.mb, s, s - 1, rank_of_stage(pp, s - 1))]
-    return []
+    n = _neighbour(action, rank, layout, "send")
+    return [P2POp("send", action.kind, action.mb, n[0], n[1], n[2])] if n else []
 
 
-def _recvs(action: Compute, rank: int, pp: int, vp: int) -> list[P2POp]:
+def _recvs(action: Compute, rank: int, layout: StageLayout) -> list[P2POp]:
     """The recvs ``action`` needs: F input from s-1, B output-gradient from s+1."""
-    s, last = stage_of(pp, vp, rank, action.chunk), num_stages(pp, vp) - 1
-    if action.kind == "F" and s > 0:
-        return [P2POp("recv", "F", action.mb, s - 1, s, rank_of_stage(pp, s - 1))]
-    if action.kind == "B" and s < last:
-        return [P2POp("recv", "B", action.mb, s + 1, s, rank_of_stage(pp, s + 1))]
-    return []
+    n = _neighbour(action, rank, layout, "recv")
+    return [P2POp("recv", action.kind, action.mb, n[1], n[0], n[2])] if n else []
 
 
 def _comm(ops: list[P2POp]) -> list[Comm]:
@@ -226,22 +238,58 @@ def _split(actions: list[Compute], sizes: list[int]) -> list[list[Compute]]:
     return parts
 
 
-def _with_comms(parts: list[list[Compute]], rank: int, pp: int, vp: int) -> list[Action]:
+class _ChannelOrder:
+    """Receives posted in the order their sends are posted on each directed channel.
+
+    Both gloo and NCCL match the k-th send on a channel (src rank -> dst rank) with
+    the k-th receive. When a channel carries two streams whose order differs
+    between the two ends (a V's channel r -> r+1 carries activations of the first
+    arm and gradients of the second), a receive needed now also posts the earlier
+    messages of its channel: they are then waiting, buffered, when their sends come.
+    """
+
+    def __init__(self, compute: list[list[Compute]], layout: StageLayout):
+        self.sent: dict[tuple[int, int], list[P2POp]] = {}
+        for rank, actions in enumerate(compute):
+            for a in actions:
+                for op in _sends(a, rank, layout):
+                    self.sent.setdefault((rank, op.peer), []).append(op)
+        self.index = {(ch, op.message()): i for ch, ops in self.sent.items() for i, op in enumerate(ops)}
+        self.posted: dict[tuple[int, int], int] = {}
+
+    def recvs(self, needed: list[P2POp], rank: int) -> list[P2POp]:
+        """``needed`` plus every earlier message of their channels not yet posted, in channel order."""
+        out = []
+        for op in needed:
+            ch = (op.peer, rank)
+            upto = self.index[(ch, op.message())]
+            start = self.posted.get(ch, 0)
+            out += [P2POp("recv", s.kind, s.mb, s.src_stage, s.dst_stage, op.peer)
+                    for s in self.sent[ch][start:upto + 1]]
+            self.posted[ch] = max(start, upto + 1)
+        return out
+
+
+def _with_comms(parts: list[list[Compute]], rank: int, layout: StageLayout, order: _ChannelOrder) -> list[Action]:
     """One rank's actions with a Comm before the first group and after every group."""
 
-    def ops(part: list[Compute], which) -> list[P2POp]:
-        return [op for a in part for op in which(a, rank, pp, vp)]
+    def sends(part: list[Compute]) -> list[P2POp]:
+        return [op for a in part for op in _sends(a, rank, layout)]
 
-    out: list[Action] = _comm(ops(parts[0], _recvs)) if parts else []
+    def recvs(part: list[Compute]) -> list[P2POp]:
+        return order.recvs([op for a in part for op in _recvs(a, rank, layout)], rank)
+
+    out: list[Action] = _comm(recvs(parts[0])) if parts else []
     for i, part in enumerate(parts):
         out += part
-        nxt = ops(parts[i + 1], _recvs) if i + 1 < len(parts) else []
-        out += _comm(ops(part, _sends) + nxt)
+        nxt = recvs(parts[i + 1]) if i + 1 < len(parts) else []
+        out += _comm(sends(part) + nxt)
     return out
 
 
 def add_communication(
-    compute: list[list[Compute]], pp: int, vp: int, groups: Optional[list[list[int]]] = None
+    compute: list[list[Compute]], pp: int, vp: int, groups: Optional[list[list[int]]] = None,
+    layout: Optional[StageLayout] = None,
 ) -> list[list[Action]]:
     """Insert Comm batches into per-rank compute lists.
 
@@ -251,35 +299,48 @@ def add_communication(
     needed by the next group (Megatron's send_forward_recv_backward pattern;
     F+B pairs give its send_forward_backward_recv_forward_backward). The last
     group's Comm holds only its sends. Empty Comms are dropped. Within a Comm
-    sends come first, then recvs, each in compute order, so two ops on the same
-    directed channel are listed in the same relative order on both sides.
+    sends come first, then recvs; receives follow each channel's send order
+    (``_ChannelOrder``), so both ends list a channel's messages alike.
+    ``layout`` places stages on ranks (default: interleaved).
     """
     if len(compute) != pp:
         raise ValueError(f"expected compute lists for {pp} pipeline ranks, got {len(compute)}")
     if groups is None:
         groups = [[1] * len(actions) for actions in compute]
+    layout = layout or StageLayout(pp, vp)
+    order = _ChannelOrder(compute, layout)
     return [
-        _with_comms(_split(actions, groups[rank]), rank, pp, vp)
+        _with_comms(_split(actions, groups[rank]), rank, layout, order)
         for rank, actions in enumerate(compute)
     ]
 
 
 def validate_schedule(name: str, pp: int, vp: int, m: int) -> None:
-    """Raise ValueError (one line) unless schedule ``name`` supports (pp, vp, m).
+    """Raise ValueError (one line naming the flags) unless schedule ``name`` supports (pp, vp, m).
 
     no_pipelining: pp == vp == 1. gpipe: any pp, vp, m >= 1 (vp > 1 needs
     pp > 1). 1f1b: vp == 1, any m >= 1 (m < pp is legal, with a large bubble).
-    interleaved_1f1b: pp > 1, vp > 1, m % pp == 0.
+    interleaved_1f1b: pp > 1, vp > 1, m % pp == 0. zb_h1: vp == 1, any m.
+    zbv: pp > 1, vp == 2 (the two arms of the V), any m.
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     _check_sizes(pp, vp, m)
+    if name == "zbv":
+        if pp < 2:
+            raise ValueError("--pipeline-schedule zbv needs --pipeline-model-parallel-size >= 2 "
+                             "(on one rank use no_pipelining)")
+        if vp != 2:
+            raise ValueError(f"--pipeline-schedule zbv runs two chunks per rank in a V: it needs "
+                             f"--virtual-pipeline-model-parallel-size 2 (got vp={vp})")
+        return
     if vp > 1 and pp == 1:
         raise ValueError(f"virtual pipeline (vp={vp}) needs --pipeline-model-parallel-size > 1")
     if name == "no_pipelining" and pp != 1:
         raise ValueError(f"schedule no_pipelining needs pp=1 (got pp={pp}); use 1f1b or gpipe")
-    if name == "1f1b" and vp != 1:
-        raise ValueError(f"schedule 1f1b needs vp=1 (got vp={vp}); use interleaved_1f1b")
+    if name in ("1f1b", "zb_h1") and vp != 1:
+        raise ValueError(f"--pipeline-schedule {name} needs one chunk per rank (got "
+                         f"--virtual-pipeline-model-parallel-size {vp}); use interleaved_1f1b or zbv (vp=2)")
     if name == "interleaved_1f1b":
         if vp < 2:
             raise ValueError(f"schedule interleaved_1f1b needs vp > 1 (got vp={vp}); use 1f1b")
@@ -290,6 +351,9 @@ def validate_schedule(name: str, pp: int, vp: int, m: int) -> None:
 def build_compute(name: str, pp: int, vp: int, m: int) -> list[list[Compute]]:
     """Return the compute-only order per rank of schedule ``name`` (validated)."""
     validate_schedule(name, pp, vp, m)
+    if name in SPLIT_BACKWARD:
+        from megalite.pipeline import zero_bubble  # it builds on this module's actions
+        return zero_bubble.build_zb_h1(pp, m) if name == "zb_h1" else zero_bubble.build_zbv(pp, m)
     if name == "no_pipelining":
         return build_no_pipelining(m)
     if name == "gpipe":
@@ -299,9 +363,14 @@ def build_compute(name: str, pp: int, vp: int, m: int) -> list[list[Compute]]:
     return build_interleaved_1f1b(pp, vp, m)
 
 
-def build_forward_only(pp: int, vp: int, m: int) -> list[list[Compute]]:
-    """Forwards only (evaluation): every rank runs all forwards in Megatron's grouped order."""
+def build_forward_only(pp: int, vp: int, m: int, layout: Optional[StageLayout] = None) -> list[list[Compute]]:
+    """Forwards only (evaluation): every rank runs all forwards in Megatron's grouped order.
+
+    In a V every rank runs its first arm for all micro-batches, then its second.
+    """
     _check_sizes(pp, vp, m)
+    if layout is not None and layout.v_shape:
+        return [[Compute("F", mb, c) for c in range(2) for mb in range(m)] for _ in range(pp)]
     if vp > 1 and pp == 1:
         raise ValueError(f"virtual pipeline (vp={vp}) needs --pipeline-model-parallel-size > 1")
     return [_grouped_order(pp, vp, m, "F") for _ in range(pp)]
@@ -313,12 +382,13 @@ def build_schedule(name: str, pp: int, vp: int, m: int, forward_only: bool = Fal
     With ``forward_only`` (evaluation) every schedule degenerates to the same
     forwards-only list, and any m >= 1 is accepted; ``name`` is still checked.
     """
+    layout = layout_for(name, pp, vp)
     if forward_only:
         if name not in SCHEDULES:
             validate_schedule(name, pp, vp, m)
-        return add_communication(build_forward_only(pp, vp, m), pp, vp)
+        return add_communication(build_forward_only(pp, vp, m, layout), pp, vp, layout=layout)
     groups = interleaved_groups(pp, vp, m) if name == "interleaved_1f1b" else None
-    return add_communication(build_compute(name, pp, vp, m), pp, vp, groups)
+    return add_communication(build_compute(name, pp, vp, m), pp, vp, groups, layout)
 
 
 def default_schedule_name(pp: int, vp: int) -> str:

@@ -15,7 +15,12 @@ rB0. Rank 0's second Comm completes once rank 1 has reached its own second
 Comm, which holds both counterparts.
 
 A forward chunk costs f_cost/vp and a backward b_cost/vp, so one micro-batch
-through a whole rank costs f_cost + b_cost whatever vp is; Comms cost 0.
+through a whole rank costs f_cost + b_cost whatever vp is; Comms cost 0. In a
+split-backward (zero-bubble) schedule B costs (b_cost - w_cost)/vp and W
+w_cost/vp (default w_cost = b_cost / 2: the weight GEMMs are half the
+backward's matmuls). A chunk's activations count as alive from its F to its
+W (to its B when the schedule has no W): the inputs the weight GEMMs read are
+held until then.
 """
 from __future__ import annotations
 
@@ -23,8 +28,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional, Sequence
 
-from megalite.pipeline.partition import num_stages, rank_of_stage, stage_of
 from megalite.pipeline.schedules import Action, Comm, Compute, P2POp, build_schedule, format_action
+from megalite.pipeline.stage_layout import StageLayout, layout_for
 
 Pos = tuple[int, int]  # (rank, index into that rank's action list)
 
@@ -68,9 +73,9 @@ class SimResult:
         }
 
 
-def _check_op(rank: int, pos: int, op: P2POp, pp: int, vp: int) -> None:
+def _check_op(rank: int, pos: int, op: P2POp, layout: StageLayout) -> None:
     """Check one op is well formed and belongs to ``rank``."""
-    last = num_stages(pp, vp) - 1
+    last = layout.num_stages - 1
     step = 1 if op.kind == "F" else -1
     ok = (
         op.op in ("send", "recv")
@@ -82,7 +87,7 @@ def _check_op(rank: int, pos: int, op: P2POp, pp: int, vp: int) -> None:
     if not ok:
         raise ScheduleError(f"rank {rank} action {pos}: malformed op {op}")
     local, remote = (op.src_stage, op.dst_stage) if op.op == "send" else (op.dst_stage, op.src_stage)
-    if rank_of_stage(pp, local) != rank or op.peer != rank_of_stage(pp, remote) or op.peer == rank:
+    if layout.rank_of(local) != rank or op.peer != layout.rank_of(remote) or op.peer == rank:
         raise ScheduleError(f"rank {rank} action {pos}: op {op} does not connect rank {rank} "
                             f"to the rank of its stage")
 
@@ -92,20 +97,28 @@ def _fail(rank: int, pos: int, action: Action, problem: str) -> NoReturn:
     raise ScheduleError(f"rank {rank} action {pos} {format_action(action)}: {problem}")
 
 
-def _check_rank(rank: int, actions: list[Action], pp: int, vp: int, m: int, kinds: str) -> None:
-    """Per-rank dataflow checks: one of each of ``kinds`` per (mb, chunk), inputs received first."""
-    last = num_stages(pp, vp) - 1
+def _check_rank(rank: int, actions: list[Action], layout: StageLayout, m: int, kinds: str) -> None:
+    """Per-rank dataflow checks: one of each of ``kinds`` per (mb, chunk), inputs received first.
+
+    An input produced on this rank (a V's turn) must have been computed, not received.
+    """
+    last, vp = layout.num_stages - 1, layout.vp
     received: set[tuple] = set()
     done: set[tuple[str, int, int]] = set()
+
+    def has_input(kind: str, mb: int, s: int, other: int) -> bool:
+        if layout.rank_of(other) == rank:
+            return (kind, mb, layout.chunk_of(other)) in done
+        return (kind, mb, other, s) in received
+
     for pos, action in enumerate(actions):
         if isinstance(action, Comm):
             for op in action.ops:
-                _check_op(rank, pos, op, pp, vp)
+                _check_op(rank, pos, op, layout)
                 if op.op == "recv":
                     received.add(op.message())
                     continue
-                chunk = op.src_stage // pp
-                if (op.kind, op.mb, chunk) not in done:
+                if (op.kind, op.mb, layout.chunk_of(op.src_stage)) not in done:
                     _fail(rank, pos, action, f"sends {op.kind} of mb {op.mb} before computing it")
             continue
         if not (0 <= action.chunk < vp and 0 <= action.mb < m and action.kind in kinds):
@@ -113,25 +126,27 @@ def _check_rank(rank: int, actions: list[Action], pp: int, vp: int, m: int, kind
         key = (action.kind, action.mb, action.chunk)
         if key in done:
             _fail(rank, pos, action, "runs twice")
-        s = stage_of(pp, vp, rank, action.chunk)
-        if action.kind == "F" and s > 0 and ("F", action.mb, s - 1, s) not in received:
+        s = layout.stage(rank, action.chunk)
+        if action.kind == "F" and s > 0 and not has_input("F", action.mb, s, s - 1):
             _fail(rank, pos, action, "forward before its input was received")
         if action.kind == "B":
             if ("F", action.mb, action.chunk) not in done:
                 _fail(rank, pos, action, "backward before its forward")
-            if s < last and ("B", action.mb, s + 1, s) not in received:
+            if s < last and not has_input("B", action.mb, s, s + 1):
                 _fail(rank, pos, action, "backward before its output gradient was received")
+        if action.kind == "W" and ("B", action.mb, action.chunk) not in done:
+            _fail(rank, pos, action, "weight gradient before its input-gradient backward")
         done.add(key)
     missing = [(k, mb, c) for k in kinds for mb in range(m) for c in range(vp) if (k, mb, c) not in done]
     if missing:
         raise ScheduleError(f"rank {rank}: never runs {', '.join(f'{k}{mb}.{c}' for k, mb, c in missing)}")
 
 
-def _match_channels(actions: list[list[Action]]) -> dict[Pos, list[Pos]]:
+def _match_channels(actions: list[list[Action]]) -> tuple[dict[Pos, list[Pos]], dict]:
     """Pair the k-th send with the k-th recv on every directed channel.
 
     Returns, for every Comm position, the positions of the Comms holding its
-    ops' counterparts. Raises ScheduleError on a message mismatch or an
+    ops' counterparts, and for every (Comm position, op) its counterpart's Comm. Raises ScheduleError on a message mismatch or an
     unmatched op.
     """
     sends: dict[tuple[int, int], list] = defaultdict(list)
@@ -145,6 +160,7 @@ def _match_channels(actions: list[list[Action]]) -> dict[Pos, list[Pos]]:
                     else:
                         recvs[(op.peer, rank)].append(((rank, pos), op))
     needs: dict[Pos, list[Pos]] = defaultdict(list)
+    pairs: dict[tuple[Pos, P2POp], Pos] = {}
     for channel in sorted(set(sends) | set(recvs)):
         s_list, r_list = sends[channel], recvs[channel]
         for (s_pos, s_op), (r_pos, r_op) in zip(s_list, r_list):
@@ -156,6 +172,7 @@ def _match_channels(actions: list[list[Action]]) -> dict[Pos, list[Pos]]:
                 )
             needs[s_pos].append(r_pos)
             needs[r_pos].append(s_pos)
+            pairs[(s_pos, s_op)], pairs[(r_pos, r_op)] = r_pos, s_pos
         extra = s_list[len(r_list):] or r_list[len(s_list):]
         if extra:
             (rank, pos), op = extra[0]
@@ -163,7 +180,7 @@ def _match_channels(actions: list[list[Action]]) -> dict[Pos, list[Pos]]:
                 f"rank {rank} action {pos} {format_action(Comm((op,)))}: no matching "
                 f"{'recv' if op.op == 'send' else 'send'} on channel {channel[0]}->{channel[1]}"
             )
-    return needs
+    return needs, pairs
 
 
 def _deadlock_message(actions: list[list[Action]], pc: list[int], needs: dict, posted: dict) -> str:
@@ -186,32 +203,41 @@ def _infer_m(actions: list[list[Action]]) -> int:
     return max(mbs) + 1 if mbs else 0
 
 
-def _run(
-    actions: list[list[Action]], needs: dict[Pos, list[Pos]], cost: Callable[[int, Compute], float]
-) -> tuple[list[float], list[float], list[int], list[dict]]:
-    """Event-driven run; returns per-rank end time, busy time, peak in flight, and events.
+class _Tally:
+    """Per-rank clocks, busy time, activations alive and events, shared by both run modes."""
+
+    def __init__(self, pp: int, cost: Callable[[int, Compute], float], split: bool):
+        self.now, self.busy = [0.0] * pp, [0.0] * pp
+        self.alive, self.peak = [0] * pp, [0] * pp
+        self.events: list[dict] = []
+        self.cost, self.split = cost, split
+
+    def compute(self, rank: int, action: Compute) -> None:
+        end = self.now[rank] + self.cost(rank, action)
+        self.events.append({"rank": rank, "kind": action.kind, "mb": action.mb,
+                            "chunk": action.chunk, "start": self.now[rank], "end": end})
+        self.busy[rank] += end - self.now[rank]
+        self.now[rank] = end
+        freed = "W" if self.split else "B"  # the kind after which a chunk's activations are gone
+        self.alive[rank] += 1 if action.kind == "F" else -1 if action.kind == freed else 0
+        self.peak[rank] = max(self.peak[rank], self.alive[rank])
+
+
+def _run_rendezvous(actions: list[list[Action]], needs: dict[Pos, list[Pos]], tally: _Tally) -> None:
+    """Rendezvous model: a Comm completes when every counterpart op has been posted.
 
     A worklist holds the ranks that may progress: a rank leaves it when blocked
     at a Comm and is woken when a peer posts a Comm it waits on.
     """
-    pp = len(actions)
-    pc, now = [0] * pp, [0.0] * pp
-    busy, in_flight, peak = [0.0] * pp, [0] * pp, [0] * pp
-    posted: dict[Pos, float] = {}
-    events: list[dict] = []
+    pp, now = len(actions), tally.now
+    pc, posted = [0] * pp, {}
     work = list(range(pp))
     while work:
         rank = work.pop()
         while pc[rank] < len(actions[rank]):
             action, pos = actions[rank][pc[rank]], (rank, pc[rank])
             if isinstance(action, Compute):
-                end = now[rank] + cost(rank, action)
-                events.append({"rank": rank, "kind": action.kind, "mb": action.mb,
-                               "chunk": action.chunk, "start": now[rank], "end": end})
-                busy[rank] += end - now[rank]
-                now[rank] = end
-                in_flight[rank] += 1 if action.kind == "F" else -1
-                peak[rank] = max(peak[rank], in_flight[rank])
+                tally.compute(rank, action)
             else:
                 if pos not in posted:
                     posted[pos] = now[rank]
@@ -222,8 +248,66 @@ def _run(
             pc[rank] += 1
     if any(pc[r] < len(actions[r]) for r in range(pp)):
         raise DeadlockError(_deadlock_message(actions, pc, needs, posted))
-    events.sort(key=lambda e: (e["rank"], e["start"]))
-    return now, busy, peak, events
+
+
+def _run_executor(actions: list[list[Action]], needs: dict[Pos, list[Pos]], pairs: dict, tally: _Tally,
+                  layout: StageLayout) -> None:
+    """The executor's semantics: a Comm is posted without blocking; a compute waits only for the
+    receive it reads (complete once the matching send is posted); sends complete at step end.
+
+    ``pairs`` maps (Comm position, op) to the counterpart op's Comm position.
+    """
+    pp, now = len(actions), tally.now
+    reads = {}  # (rank, message) -> position of the Comm holding the receive
+    sends: list[list[tuple[Pos, P2POp]]] = [[] for _ in range(pp)]
+    for rank, rank_actions in enumerate(actions):
+        for i, a in enumerate(rank_actions):
+            for op in a.ops if isinstance(a, Comm) else ():
+                if op.op == "recv":
+                    reads[(rank, op.message())] = ((rank, i), op)
+                else:
+                    sends[rank].append(((rank, i), op))
+    pc, posted, finished = [0] * pp, {}, [False] * pp
+    work = list(range(pp))
+    while work:
+        rank = work.pop()
+        while pc[rank] < len(actions[rank]):
+            action, pos = actions[rank][pc[rank]], (rank, pc[rank])
+            if isinstance(action, Comm):
+                posted[pos] = now[rank]
+                work.extend({peer for peer, _ in needs[pos]} - set(work))
+            else:
+                read = _received_input(rank, action, layout, reads)
+                if read is not None:
+                    other = pairs[read]
+                    if other not in posted:
+                        break  # the matching send's poster wakes us
+                    now[rank] = max(now[rank], posted[read[0]], posted[other])
+                tally.compute(rank, action)
+            pc[rank] += 1
+        if pc[rank] == len(actions[rank]):
+            waits = [pairs[s] for s in sends[rank]]
+            finished[rank] = all(p in posted for p in waits)
+            if finished[rank]:
+                now[rank] = max([now[rank]] + [posted[p] for p in waits])
+    if not all(finished):
+        stuck = [r for r in range(pp) if not finished[r]]
+        where = "; ".join(f"rank {r} at action {pc[r]}" + (f" {format_action(actions[r][pc[r]])}"
+                          if pc[r] < len(actions[r]) else " (step end: a send nobody receives)")
+                          for r in stuck)
+        raise DeadlockError(f"deadlock (executor semantics): {where}")
+
+
+def _received_input(rank: int, a: Compute, layout: StageLayout, reads: dict) -> Optional[tuple]:
+    """(Comm position, op) of the receive compute ``a`` reads, None when its input is local."""
+    s = layout.stage(rank, a.chunk)
+    other = s - 1 if a.kind == "F" else s + 1
+    if a.kind == "W" or not 0 <= other < layout.num_stages or layout.rank_of(other) == rank:
+        return None
+    return reads[(rank, (a.kind, a.mb, other, s))]
+
+
+MODES = ("rendezvous", "executor")
 
 
 def simulate(
@@ -235,38 +319,56 @@ def simulate(
     *,
     schedule: str = "custom",
     forward_only: bool = False,
-    stage_costs: Optional[Sequence[tuple[float, float]]] = None,
+    stage_costs: Optional[Sequence[tuple]] = None,
+    w_cost: Optional[float] = None,
+    layout: Optional[StageLayout] = None,
+    mode: str = "rendezvous",
 ) -> SimResult:
     """Check and time a per-rank action list; return bubble, memory and events.
 
     Raises ScheduleError for a dataflow error or mismatched p2p messages, and
-    DeadlockError when ranks remain but none can progress. A rank at a Comm
-    resumes at the latest of its own time and the times its counterparts were
-    posted. ``schedule`` only names the result; ``forward_only`` accepts
+    DeadlockError when ranks remain but none can progress. ``mode``
+    "rendezvous" (conservative, any backend): a rank at a Comm resumes at the
+    latest of its own time and the times its counterparts were posted.
+    "executor": the executor's own semantics (``_run_executor``), which block
+    strictly less. ``schedule`` only names the result; ``forward_only`` accepts
     (and requires) a schedule without backwards. ``stage_costs`` gives
-    (forward, backward) cost per global virtual stage, for unequal stages
+    (forward, backward[, weight]) cost per global stage, for unequal stages
     (e.g. the last one also running the output layer and loss); by default
-    every chunk costs f_cost/vp and b_cost/vp.
+    every chunk costs f_cost/vp and b_cost/vp. With W actions B costs the
+    backward minus the weight part (``w_cost``, default half the backward).
+    ``layout`` places stages on ranks (default: interleaved).
     """
     if len(actions) != pp:
         raise ScheduleError(f"expected action lists for {pp} pipeline ranks, got {len(actions)}")
+    if mode not in MODES:
+        raise ValueError(f"unknown simulation mode {mode!r}; valid: {', '.join(MODES)}")
+    layout = layout or StageLayout(pp, vp)
     m = _infer_m(actions)
+    split = any(isinstance(a, Compute) and a.kind == "W" for rank in actions for a in rank)
     for rank, rank_actions in enumerate(actions):
-        _check_rank(rank, rank_actions, pp, vp, m, "F" if forward_only else "FB")
-    needs = _match_channels(actions)
+        _check_rank(rank, rank_actions, layout, m, "F" if forward_only else "FBW" if split else "FB")
+    needs, pairs = _match_channels(actions)
     if stage_costs is None:
-        stage_costs = [(f_cost / vp, b_cost / vp)] * (pp * vp)
+        w = b_cost / 2 if w_cost is None else w_cost
+        stage_costs = [(f_cost / vp, b_cost / vp, w / vp)] * (pp * vp)
     if len(stage_costs) != pp * vp:
         raise ScheduleError(f"stage_costs needs {pp * vp} (forward, backward) pairs, got {len(stage_costs)}")
 
     def cost(rank: int, a: Compute) -> float:
-        f, b = stage_costs[a.chunk * pp + rank]
-        return f if a.kind == "F" else b
+        f, b, *rest = stage_costs[layout.stage(rank, a.chunk)]
+        w = rest[0] if rest else b / 2
+        return f if a.kind == "F" else w if a.kind == "W" else b - w if split else b
 
-    now, busy, peak, events = _run(actions, needs, cost)
-    makespan = max(now) if now else 0.0
-    bubble = [(makespan - b) / b if b > 0 else 0.0 for b in busy]
-    return SimResult(schedule, pp, vp, m, makespan, busy, bubble, peak, events)
+    tally = _Tally(pp, cost, split)
+    if mode == "rendezvous":
+        _run_rendezvous(actions, needs, tally)
+    else:
+        _run_executor(actions, needs, pairs, tally, layout)
+    tally.events.sort(key=lambda e: (e["rank"], e["start"]))
+    makespan = max(tally.now) if tally.now else 0.0
+    bubble = [(makespan - b) / b if b > 0 else 0.0 for b in tally.busy]
+    return SimResult(schedule, pp, vp, m, makespan, tally.busy, bubble, tally.peak, tally.events)
 
 
 def timeline_bubble(timeline: dict) -> list[float]:
@@ -287,9 +389,9 @@ def timeline_bubble(timeline: dict) -> list[float]:
 
 
 def simulate_schedule(name: str, pp: int, vp: int, m: int, f_cost: float = 1.0,
-                      b_cost: float = 2.0,
-                      stage_costs: Optional[Sequence[tuple[float, float]]] = None) -> SimResult:
+                      b_cost: float = 2.0, stage_costs: Optional[Sequence[tuple]] = None,
+                      w_cost: Optional[float] = None, mode: str = "rendezvous") -> SimResult:
     """Build schedule ``name`` with communication and simulate it."""
     return simulate(build_schedule(name, pp, vp, m), pp, vp, f_cost, b_cost, schedule=name,
-                    stage_costs=stage_costs)
+                    stage_costs=stage_costs, w_cost=w_cost, layout=layout_for(name, pp, vp), mode=mode)
 

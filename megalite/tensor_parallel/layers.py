@@ -22,7 +22,8 @@ Weights are initialised from the full, layout-independent matrix
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+import contextlib
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -53,32 +54,116 @@ def is_counted_once(param: nn.Parameter, tp_rank: int) -> bool:
     return getattr(param, "tensor_parallel", False) or tp_rank == 0
 
 
-class _LinearWithSequenceGather(torch.autograd.Function):
-    """y = all_gather_seq(x) W^T + b, saving the shard x rather than the gathered input."""
+class WeightGradStore:
+    """Weight-gradient GEMMs that a split backward (action B) leaves for its W action.
+
+    While a store is collecting, the backward of every linear layer built with
+    ``split_wgrad`` returns the input gradient only and keeps (input, output
+    gradient) here; ``run`` later computes ``dW = g^T x`` for each and hands the
+    sums to autograd as the gradients of the (leaf) weights, so they land
+    exactly where a plain backward puts them: in-place into ``param.grad`` (the
+    grad buffer's ``main_grad`` view) or through the post-accumulate hooks
+    (fp32 accumulation of 16-bit grads, overlapped DP reduction), once per
+    weight per micro-batch. Biases, norms and embeddings are cheap and stay in B.
+
+    The active store is class state, not thread-local: on CUDA autograd runs
+    backward functions on its own device threads.
+    """
+
+    _active: Optional["WeightGradStore"] = None
+
+    def __init__(self) -> None:
+        self.pending: List[Tuple[nn.Parameter, torch.Tensor, torch.Tensor, Optional[AxisGroup]]] = []
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator["WeightGradStore"]:
+        """Defer the weight GEMMs of every backward run inside the block into this store."""
+        previous, WeightGradStore._active = WeightGradStore._active, self
+        try:
+            yield self
+        finally:
+            WeightGradStore._active = previous
+
+    def run(self) -> None:
+        """Compute the deferred weight gradients and accumulate them (one autograd call)."""
+        sums: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
+        for weight, x, grad, group in self.pending:
+            with torch.no_grad():  # as inside backward (gloo's all-gather writes into views)
+                gw = _weight_grad(x, grad, group)
+            if id(weight) in sums:
+                sums[id(weight)] = (weight, sums[id(weight)][1] + gw)
+            else:
+                sums[id(weight)] = (weight, gw)
+        self.pending.clear()
+        if sums:
+            params, grads = zip(*sums.values())
+            torch.autograd.backward(list(params), list(grads))
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, group: Optional[AxisGroup]) -> torch.Tensor:
+    """dW = g^T x over all tokens; under SP the saved shard x is all-gathered again first."""
+    total = all_gather_first(x, group) if group is not None else x  # [s, b, in]
+    g2 = grad.reshape(-1, grad.shape[-1])
+    return g2.t().matmul(total.reshape(-1, total.shape[-1]))
+
+
+class _Linear(torch.autograd.Function):
+    """y = gather(x) W^T + b whose weight gradient may be deferred to a WeightGradStore.
+
+    ``group`` (sequence parallelism) all-gathers the sequence shard x inside the
+    matmul and keeps only the shard for backward (gathered again there).
+    ``owner`` = [param] marks a splittable matmul: ``weight`` is then the
+    parameter's detached data, so the weight is not an input of the graph at all
+    (autograd runs a leaf's post-accumulate hooks even for a missing gradient,
+    and the grad buffer counts those calls); its gradient reaches it through
+    autograd.backward on the leaf, in W, or right away when no store collects.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g):
-        ctx.g, ctx.has_bias = g, bias is not None
+    def forward(ctx, x, weight, bias, group, owner):
+        ctx.group, ctx.owner, ctx.has_bias = group, owner, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(all_gather_first(x, g), weight, bias)
+        return F.linear(all_gather_first(x, group) if group is not None else x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        total = all_gather_first(x, ctx.g)  # [s, b, in]
-        grad_x = reduce_scatter_first(grad.matmul(weight), ctx.g)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
-        grad_b = g2.sum(dim=0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        grad_x = grad.matmul(weight)
+        if ctx.group is not None:
+            grad_x = reduce_scatter_first(grad_x, ctx.group)
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(dim=0) if ctx.has_bias else None
+        grad_w = None
+        if ctx.owner is None:
+            if ctx.needs_input_grad[1]:
+                grad_w = _weight_grad(x, grad, ctx.group)
+        elif ctx.owner[0].requires_grad:
+            store = WeightGradStore._active
+            if store is not None:
+                store.pending.append((ctx.owner[0], x, grad, ctx.group))
+            else:  # no split backward running: accumulate now, as a plain backward would
+                torch.autograd.backward([ctx.owner[0]], [_weight_grad(x, grad, ctx.group)])
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            group: Optional[AxisGroup], split_wgrad: bool) -> torch.Tensor:
+    """x W^T + b through ``_Linear`` (splittable when ``split_wgrad``)."""
+    if split_wgrad:
+        return _Linear.apply(x, weight.detach(), bias, group, [weight])
+    return _Linear.apply(x, weight, bias, group, None)
 
 
 def linear_with_input_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             tp: AxisGroup, sequence_parallel: bool) -> torch.Tensor:
-    """Column-parallel matmul: enter the TP region by copy (plain) or sequence all-gather (SP)."""
+                             tp: AxisGroup, sequence_parallel: bool, split_wgrad: bool = False) -> torch.Tensor:
+    """Column-parallel matmul: enter the TP region by copy (plain) or sequence all-gather (SP).
+
+    ``split_wgrad`` routes the matmul through ``_Linear`` so a split backward can defer its
+    weight gradient; otherwise the plain path keeps autograd's own F.linear backward.
+    """
     if sequence_parallel and tp.size > 1:
-        return _LinearWithSequenceGather.apply(x, weight, bias, tp)
-    return F.linear(copy_to_tp_region(x, tp), weight, bias)
+        return _matmul(x, weight, bias, tp, split_wgrad)
+    x = copy_to_tp_region(x, tp)
+    return _matmul(x, weight, bias, None, True) if split_wgrad else F.linear(x, weight, bias)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -116,6 +201,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype)) if bias else None
         if self.bias is not None:
             set_tp_attributes(self.bias, True, 0)
+        self.split_wgrad = False  # set by enable_weight_grad_split (zero-bubble schedules)
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full ``weight``/``bias`` (each fused piece split separately)."""
@@ -123,7 +209,8 @@ class ColumnParallelLinear(nn.Module):
                           for piece in full.split(self.output_sizes, dim=0)], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_with_input_gather(x, self.weight, self.bias, self.tp, self.sequence_parallel)  # [.., out/tp]
+        y = linear_with_input_gather(x, self.weight, self.bias, self.tp, self.sequence_parallel,
+                                     self.split_wgrad)  # [.., out/tp]
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
 
@@ -144,17 +231,23 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype)) if bias else None
         if self.bias is not None:
             set_tp_attributes(self.bias, False)
+        self.split_wgrad = False  # set by enable_weight_grad_split (zero-bubble schedules)
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full ``weight`` (input columns); the bias is replicated."""
         return full.chunk(self.tp.size, dim=1)[self.tp.rank] if name == "weight" else full
 
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.split_wgrad:
+            return _matmul(x, self.weight, bias, None, True)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)  # fused bias add, nothing to reduce
+            return self._linear(x, self.bias)  # fused bias add, nothing to reduce
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
-        y = F.linear(x, self.weight)
+        y = self._linear(x, None)
         y = (reduce_scatter_to_sequence_parallel_region(y, self.tp) if self.sequence_parallel
              else reduce_from_tp_region(y, self.tp))
         return y + self.bias if self.bias is not None else y
@@ -205,6 +298,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def linear_with_tp_weight(x: torch.Tensor, weight: torch.Tensor, tp: AxisGroup,
-                          bias: Optional[torch.Tensor] = None, sequence_parallel: bool = False) -> torch.Tensor:
+                          bias: Optional[torch.Tensor] = None, sequence_parallel: bool = False,
+                          split_wgrad: bool = False) -> torch.Tensor:
     """Column-parallel matmul against a weight owned elsewhere (the tied output layer)."""
-    return linear_with_input_gather(x, weight, bias, tp, sequence_parallel)
+    return linear_with_input_gather(x, weight, bias, tp, sequence_parallel, split_wgrad)
+
+
+def enable_weight_grad_split(module: nn.Module) -> None:
+    """Let every linear layer in ``module`` defer its weight GEMM to a collecting WeightGradStore.
+
+    Without an active store the layers still compute every gradient in one backward,
+    so turning this on never changes results, only where the weight GEMMs can run.
+    """
+    for m in module.modules():
+        if hasattr(m, "split_wgrad"):
+            m.split_wgrad = True

@@ -5,6 +5,7 @@ import pytest
 
 from megalite.pipeline.schedules import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     Comm,
     Compute,
     P2POp,
@@ -19,7 +20,9 @@ from megalite.pipeline.schedules import (
     interleaved_warmup,
     validate_schedule,
 )
+from megalite.pipeline.schedules import build_compute
 from megalite.pipeline.simulate import DeadlockError, simulate
+from megalite.pipeline.stage_layout import StageLayout, layout_for
 
 
 def _ms(name, pp, vp):
@@ -29,8 +32,8 @@ def _ms(name, pp, vp):
     return range(1, 4 * pp + 1)
 
 
-def _legal_configs():
-    for name in SCHEDULES:
+def _legal_configs(names=tuple(n for n in SCHEDULES if n not in SPLIT_BACKWARD)):
+    for name in names:
         for pp in range(1, 9):
             for vp in range(1, 5):
                 for m in _ms(name, pp, vp):
@@ -134,7 +137,11 @@ def test_default_schedule_name():
     ("zero_bubble", 2, 1, 4, "valid: no_pipelining, gpipe, 1f1b, interleaved_1f1b"),
     ("interleaved_1f1b", 4, 2, 6, "a multiple of --pipeline-model-parallel-size (4)"),
     ("interleaved_1f1b", 4, 1, 8, "needs vp > 1"),
-    ("1f1b", 4, 2, 8, "needs vp=1"),
+    ("1f1b", 4, 2, 8, "needs one chunk per rank (got --virtual-pipeline-model-parallel-size 2)"),
+    ("zb_h1", 4, 2, 8, "needs one chunk per rank"),
+    ("zbv", 4, 1, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=1)"),
+    ("zbv", 4, 3, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=3)"),
+    ("zbv", 1, 2, 8, "zbv needs --pipeline-model-parallel-size >= 2"),
     ("no_pipelining", 2, 1, 4, "needs pp=1"),
     ("gpipe", 1, 2, 4, "needs --pipeline-model-parallel-size > 1"),
     ("1f1b", 2, 1, 0, "must be >= 1"),
@@ -176,3 +183,76 @@ def test_interleaved_needs_paired_comms():
     with pytest.raises(DeadlockError):
         simulate(add_communication(build_interleaved_1f1b(2, 2, 4), 2, 2), 2, 2)
     simulate(build_schedule("interleaved_1f1b", 2, 2, 4), 2, 2)
+
+
+# -- zero-bubble schedules (B: input gradients, W: weight gradients) -------------------------------
+
+def test_zero_bubble_schedules_are_deadlock_free_under_executor_semantics():
+    """The proof for zb_h1 (pp 1..8) and zbv (pp 2..8), m in 1..3pp, in the executor's model.
+
+    zb_h1 is also proven under the conservative rendezvous model; zbv is not
+    (its channels carry two streams, see test_zbv_needs_executor_semantics).
+    """
+    seen = Counter()
+    for name, pp, vp, m in _legal_configs(SPLIT_BACKWARD):
+        if m > 3 * pp:
+            continue
+        actions = build_schedule(name, pp, vp, m)
+        layout = layout_for(name, pp, vp)
+        simulate(actions, pp, vp, schedule=name, layout=layout, mode="executor")
+        if name == "zb_h1":
+            simulate(actions, pp, vp, schedule=name, layout=layout)
+        for rank_actions in actions:
+            computes = Counter((a.kind, a.mb, a.chunk) for a in rank_actions if isinstance(a, Compute))
+            assert computes == Counter((k, mb, c) for k in "FBW" for mb in range(m) for c in range(vp))
+        seen[name] += 1
+    assert seen["zb_h1"] == sum(3 * pp for pp in range(1, 9)) and seen["zbv"] == sum(3 * pp for pp in range(2, 9))
+
+
+def test_zb_h1_is_1f1b_order_with_held_back_weight_gradients():
+    pp, m = 4, 8
+    for rank, order in enumerate(build_compute("zb_h1", pp, 1, m)):
+        fb = [a for a in order if a.kind != "W"]
+        assert fb == [Compute("B" if a.kind == "B" else "F", a.mb, 0) for a in build_1f1b(pp, m)[rank]]
+        kinds = "".join(a.kind for a in order)
+        assert kinds.endswith("W" * (rank + 1))  # r held-back W's plus the last B's own
+        assert kinds.count("W") == m and kinds.index("W") > kinds.index("B")
+
+
+def test_zbv_runs_both_arms_of_the_v():
+    order = build_compute("zbv", 2, 2, 4)
+    layout = layout_for("zbv", 2, 2)
+    assert [layout.stage(r, c) for r in range(2) for c in range(2)] == [0, 3, 1, 2]
+    # rank 0 starts with forwards of the first arm; rank 1 turns the V: its chunk 1 reads its own chunk 0
+    assert order[0][0] == Compute("F", 0, 0)
+    assert Compute("F", 0, 1) in order[1]
+    text = format_schedule(build_schedule("zbv", 2, 2, 4))
+    assert "rF0<-0" in text.splitlines()[1] and "sF0->1" in text.splitlines()[0]
+    lines = text.splitlines()  # the turn is handed over in memory, never sent to oneself
+    assert "->1" not in lines[1] and "<-1" not in lines[1] and "->0" not in lines[0]
+
+
+def test_zbv_needs_executor_semantics():
+    # rank 0 -> 1 carries first-arm activations and second-arm gradients; receives follow the
+    # sender's order, so a Comm may wait on a send posted much later: rendezvous deadlocks.
+    actions = build_schedule("zbv", 2, 2, 4)
+    with pytest.raises(DeadlockError):
+        simulate(actions, 2, 2, layout=layout_for("zbv", 2, 2))
+    simulate(actions, 2, 2, layout=layout_for("zbv", 2, 2), mode="executor")
+
+
+def test_stage_layout_v_round_trip_and_layers():
+    for pp in range(1, 9):
+        for v in (False, True):
+            layout = StageLayout(pp, 2, v_shape=v)
+            stages = sorted(layout.stage(r, c) for r in range(pp) for c in range(2))
+            assert stages == list(range(2 * pp))
+            for s in stages:
+                assert layout.stage(layout.rank_of(s), layout.chunk_of(s)) == s
+    v = StageLayout(4, 2, v_shape=True)
+    assert [v.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert list(v.layers(16, 0, 1)) == [14, 15] and list(v.layers(16, 3, 1)) == [8, 9]
+    with pytest.raises(ValueError, match="not supported with the V-shaped"):
+        v.layers(16, 0, 0, first=3)
+    with pytest.raises(ValueError, match="exactly 2 chunks"):
+        StageLayout(4, 3, v_shape=True)

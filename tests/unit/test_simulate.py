@@ -84,9 +84,14 @@ def test_deadlock_both_ranks_wait_to_receive():
 
 
 def test_mismatch_when_one_side_swaps_microbatch_order():
-    swapped = [[Compute(a.kind, 1 - a.mb, a.chunk) for a in build_1f1b(2, 2)[1]]]
-    compute = [build_1f1b(2, 2)[0]] + swapped
-    actions = add_communication(compute, 2, 1)
+    # add_communication posts receives in each channel's send order, so swap rank 1's list by hand
+    def swap(a):
+        if isinstance(a, Compute):
+            return Compute(a.kind, 1 - a.mb, a.chunk)
+        return Comm(tuple(P2POp(o.op, o.kind, 1 - o.mb, o.src_stage, o.dst_stage, o.peer) for o in a.ops))
+
+    good = add_communication(build_1f1b(2, 2), 2, 1)
+    actions = [good[0], [swap(a) for a in good[1]]]
     with pytest.raises(ScheduleError) as err:
         simulate(actions, 2, 1)
     msg = str(err.value)
@@ -180,3 +185,84 @@ def test_stage_costs_model_a_heavier_last_stage():
     assert heavy.bubble_fraction[0] > even.bubble_fraction[0] > heavy.bubble_fraction[1]
     with pytest.raises(Exception, match="stage_costs needs 2"):
         simulate_schedule("1f1b", 2, 1, 8, stage_costs=[(1.0, 2.0)])
+
+
+# -- zero-bubble schedules and the executor's semantics ------------------------------------------
+
+def test_zb_h1_bubble_is_a_third_of_1f1b_at_the_same_memory():
+    """F = B = W = 1 (b_cost 2 split in half): 1F1B idles (pp-1)*3 units, ZB-H1 (pp-1)*1."""
+    for pp in range(2, 9):
+        for m in (pp, 2 * pp, 3 * pp):
+            zb = simulate_schedule("zb_h1", pp, 1, m, mode="executor")
+            one = simulate_schedule("1f1b", pp, 1, m, mode="executor")
+            assert _approx_all(zb.bubble_fraction, (pp - 1) / (3 * m)), (pp, m, zb.bubble_fraction)
+            assert _approx_all(one.bubble_fraction, (pp - 1) / m)
+            assert max(zb.peak_in_flight) == max(one.peak_in_flight) == pp
+
+
+def test_zbv_beats_zb_h1_with_1f1b_memory():
+    for pp in range(2, 9):
+        for m in (2 * pp, 3 * pp):
+            v = simulate_schedule("zbv", pp, 2, m, mode="executor")
+            h1 = simulate_schedule("zb_h1", pp, 1, m, mode="executor")
+            assert max(v.bubble_fraction) < min(h1.bubble_fraction), (pp, m)
+            assert max(v.peak_in_flight) <= 2 * pp  # chunks of half a rank: pp micro-batches, as 1F1B
+            assert _approx_all(v.busy, 3.0 * m)
+
+
+def test_executor_semantics_never_slower_than_rendezvous():
+    for name, vp in (("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 2), ("zb_h1", 1)):
+        for pp in (2, 3, 4):
+            for m in (pp, 2 * pp):
+                strict = simulate_schedule(name, pp, vp, m)
+                loose = simulate_schedule(name, pp, vp, m, mode="executor")
+                assert loose.makespan <= strict.makespan + 1e-9, (name, pp, m)
+
+
+def test_w_cost_and_three_part_stage_costs():
+    r = simulate_schedule("zb_h1", 2, 1, 4, b_cost=2.0, w_cost=0.5, mode="executor")
+    assert {e["end"] - e["start"] for e in r.events if e["kind"] == "W"} == {0.5}
+    assert {e["end"] - e["start"] for e in r.events if e["kind"] == "B"} == {1.5}
+    costs = [(1.0, 2.0, 1.5), (1.0, 3.0, 1.0)]
+    r = simulate_schedule("zb_h1", 2, 1, 2, stage_costs=costs, mode="executor")
+    assert r.busy == [2 * 3.0, 2 * 4.0]
+
+
+def _zb_h1(pp=2, m=2):
+    return [list(rank) for rank in build_schedule("zb_h1", pp, 1, m)]
+
+
+def test_broken_zero_bubble_lists_are_reported():
+    actions = _zb_h1()
+    w = next(i for i, a in enumerate(actions[1]) if isinstance(a, Compute) and a.kind == "W")
+    b = next(i for i, a in enumerate(actions[1]) if isinstance(a, Compute) and a.kind == "B")
+    early = [list(r) for r in actions]
+    early[1].insert(b, early[1].pop(w))  # W before its B
+    with pytest.raises(ScheduleError, match="weight gradient before its input-gradient backward"):
+        simulate(early, 2, 1, mode="executor")
+    missing = [list(r) for r in actions]
+    del missing[0][next(i for i, a in enumerate(missing[0]) if isinstance(a, Compute) and a.kind == "W")]
+    with pytest.raises(ScheduleError, match="never runs W"):
+        simulate(missing, 2, 1, mode="executor")
+
+
+def test_executor_semantics_deadlock_is_reported():
+    # each rank reads a gradient before it posts the activation its peer needs to produce it
+    f0, b0 = Compute("F", 0, 0), Compute("B", 0, 0)
+    recv_b = Comm((P2POp("recv", "B", 0, 1, 0, 1),))
+    send_f = Comm((P2POp("send", "F", 0, 0, 1, 1),))
+    rank0 = [f0, recv_b, b0, send_f]  # B0 waits for rank 1's gradient, which needs sF0, posted after B0
+    rank1 = [Comm((P2POp("recv", "F", 0, 0, 1, 0),)), f0, b0, Comm((P2POp("send", "B", 0, 1, 0, 0),))]
+    with pytest.raises(DeadlockError, match="executor semantics"):
+        simulate([rank0, rank1], 2, 1, mode="executor")
+
+
+def test_plot_tool_draws_weight_gradients(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    tool = _load_tool()
+    out = tmp_path / "zbv.png"
+    assert tool.main(["--schedule", "zbv", "--pp", "2", "--vp", "2", "-m", "4", "--out", str(out),
+                      "--save-json", str(tmp_path / "t.json")]) == 0
+    events = json.load(open(tmp_path / "t.json"))["events"]
+    assert {e["kind"] for e in events} == {"F", "B", "W"} and out.stat().st_size > 0
+    assert tool._HATCH["W"] != tool._HATCH["B"] and tool._colour(0, "W") != tool._colour(0, "B")

@@ -1,0 +1,135 @@
+"""Zero-bubble schedules (Qi et al. 2023): the backward split into B (input grads) and W (weights).
+
+The previous stage waits only for B, so B runs as early as 1F1B would run the
+whole backward and W, which nobody waits for, fills the time a rank would
+otherwise sit idle. With unit costs F = B = W::
+
+    1F1B   rank 0: F0 F1 F2 F3 .. .. .. BW0 .. BW1 ..   (BW: both halves at once)
+    ZB-H1  rank 3:             F0 B0 F1 B1 .. W0 W1 W2   (rank r holds back r W's)
+
+ZB-H1 keeps 1F1B's order of F and B, and rank r holds back its first r W's
+until the end, where 1F1B would leave rank r idle for r backward steps: the
+bubble shrinks from (pp-1)(F+B+W) to (pp-1)(F+B-W), a third of 1F1B's with
+equal costs, while at most pp micro-batches have activations alive (forward
+done, W not yet), exactly 1F1B's peak on rank 0.
+
+ZB-V runs two chunks per rank in a V (stage_layout.py) and is built by a
+greedy list scheduler: every rank, as soon as it is free, runs the first
+ready action by priority B > F > W, with F only while fewer than 2pp chunk
+activations (1F1B's memory: pp micro-batches of a whole rank) are alive, and
+W as filler. Because the V puts the first and last stage on rank 0, a micro-batch
+comes back to the rank it started on and the warmup bubble of one arm is
+filled with the other arm's work; with equal costs and m >= 2pp the bubble is
+close to zero. The scheduler is deterministic, so every rank builds the same
+lists.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Optional
+
+from megalite.pipeline.schedules import Compute, _check_sizes
+from megalite.pipeline.stage_layout import StageLayout
+
+
+def build_zb_h1(pp: int, m: int) -> list[list[Compute]]:
+    """ZB-H1: 1F1B's F/B order; rank r runs W after each B except its first r, which go last."""
+    _check_sizes(pp, 1, m)
+    schedule = []
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, m)
+        held = min(rank, m)
+        order = [Compute("F", mb, 0) for mb in range(warmup)]
+        next_f, next_w = warmup, 0
+        for b in range(m):
+            if next_f < m:
+                order.append(Compute("F", next_f, 0))
+                next_f += 1
+            order.append(Compute("B", b, 0))
+            if b >= held:  # past the held-back ones: W right behind its B, as 1F1B would
+                order.append(Compute("W", next_w, 0))
+                next_w += 1
+        order += [Compute("W", mb, 0) for mb in range(next_w, m)]
+        schedule.append(order)
+    return schedule
+
+
+def build_zbv(pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
+              max_alive: Optional[int] = None) -> list[list[Compute]]:
+    """ZB-V: two chunks per rank in a V, ordered by the greedy scheduler (module docstring).
+
+    ``costs`` are (F, B, W) per chunk; ``max_alive`` caps the chunk activations alive per
+    rank (default 2pp, the activation memory of 1F1B).
+    """
+    _check_sizes(pp, 2, m)
+    return greedy_schedule(StageLayout(pp, 2, v_shape=True), m, costs, max_alive or 2 * pp)
+
+
+def greedy_schedule(layout: StageLayout, m: int, costs: tuple[float, float, float],
+                    max_alive: int) -> list[list[Compute]]:
+    """List-schedule F, B, W of every (micro-batch, stage) with unit-free ``costs``; see the module doc.
+
+    Stages take micro-batches in order (F and B of stage s: 0, 1, ..., m-1). Transfers cost 0
+    here; the simulator times the result with its own costs and placement.
+    """
+    pp, S = layout.pp, layout.num_stages
+    f_end: dict[tuple[int, int], float] = {}  # (mb, stage) -> time its F ends
+    b_end: dict[tuple[int, int], float] = {}
+    next_f, next_b = [0] * S, [0] * S
+    pending_w: list[deque] = [deque() for _ in range(pp)]  # (mb, chunk) whose B is done
+    alive, free = [0] * pp, [0.0] * pp
+    orders: list[list[Compute]] = [[] for _ in range(pp)]
+    todo = 3 * m * S
+    while todo:
+        best = None
+        for rank in range(pp):
+            pick = _next_action(rank, layout, m, f_end, b_end, next_f, next_b, pending_w[rank],
+                                alive[rank] < max_alive, free[rank])
+            if pick is not None and (best is None or pick[0] < best[0]):
+                best = (pick[0], rank, pick[1])
+        if best is None:
+            raise RuntimeError("greedy schedule stalled (max_alive too small?)")
+        start, rank, action = best
+        end = start + costs["FBW".index(action.kind)]
+        free[rank] = end
+        stage = layout.stage(rank, action.chunk)
+        if action.kind == "F":
+            f_end[(action.mb, stage)], next_f[stage], alive[rank] = end, next_f[stage] + 1, alive[rank] + 1
+        elif action.kind == "B":
+            b_end[(action.mb, stage)], next_b[stage] = end, next_b[stage] + 1
+            pending_w[rank].append((action.mb, action.chunk))
+        else:
+            pending_w[rank].popleft()
+            alive[rank] -= 1
+        orders[rank].append(action)
+        todo -= 1
+    return orders
+
+
+def _next_action(rank: int, layout: StageLayout, m: int, f_end: dict, b_end: dict, next_f: list,
+                 next_b: list, pending_w: deque, may_forward: bool, free: float):
+    """(start time, action) of what ``rank`` runs next, or None when it has nothing left.
+
+    Candidates are the next F and B of each local stage and the oldest pending W, each
+    with the time its inputs are ready; the rank starts at the earliest such time and,
+    among the candidates ready by then, takes B before F before W (later stages first).
+    """
+    last = layout.num_stages - 1
+    ready: list[tuple[float, int, int, Compute]] = []  # (ready time, priority, -stage, action)
+    for chunk in range(layout.vp):
+        s = layout.stage(rank, chunk)
+        mb = next_b[s]
+        if mb < m and (mb, s) in f_end and (s == last or (mb, s + 1) in b_end):
+            t = max(f_end[(mb, s)], b_end.get((mb, s + 1), 0.0))
+            ready.append((t, 0, -s, Compute("B", mb, chunk)))
+        mb = next_f[s]
+        if may_forward and mb < m and (s == 0 or (mb, s - 1) in f_end):
+            ready.append((f_end.get((mb, s - 1), 0.0), 1, -s, Compute("F", mb, chunk)))
+    if pending_w:
+        mb, chunk = pending_w[0]
+        ready.append((0.0, 2, 0, Compute("W", mb, chunk)))
+    if not ready:
+        return None
+    start = max(free, min(r[0] for r in ready))
+    return start, heapq.nsmallest(1, [r for r in ready if r[0] <= start], key=lambda r: r[1:3])[0][3]
