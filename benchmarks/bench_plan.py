@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
 from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
+from benchmarks.bench_memory import SavedBytes  # noqa: E402  (the same saved-tensor meter)
 from megalite.parallel_state import ParallelState  # noqa: E402
 from megalite.pipeline.schedules import build_compute  # noqa: E402
 from megalite.planner import RECOMPUTE, Layout, estimate_memory  # noqa: E402
@@ -65,32 +66,6 @@ def make_config(model: Dict, layout: Layout, gbs: int) -> Config:
                   data=DataConfig(mock_data=True),
                   train=TrainConfig(micro_batch_size=layout.mbs, global_batch_size=gbs, train_iters=10, seed=1,
                                     eval_iters=0))
-
-
-class SavedBytes:
-    """Bytes of every distinct storage autograd saves inside the context, weights excluded."""
-
-    def __init__(self, params=()):
-        self.storages: Dict[int, int] = {}
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in self.skip:
-            self.storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[str, float]:
