@@ -273,8 +273,7 @@ def choose_split(num_layers: int, pp: int, vp: int, m: int, schedule: str, costs
             if c not in sim.cache and len(sim.cache) >= max_simulations:
                 break
             p = sim(c)
-            if p.step_time < (step or best).step_time * (1 - _MIN_GAIN) and \
-                    p.step_time < best.step_time * (1 - _MIN_GAIN):
+            if p.step_time < (step or best).step_time * (1 - _MIN_GAIN):  # steepest descent
                 step = p
         if step is None:
             break
