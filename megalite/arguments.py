@@ -99,6 +99,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
     g.add_argument("--pipeline-schedule", choices=_SCHEDULES, default=_P.pipeline_schedule,
                    help="default: 1f1b, or interleaved_1f1b with virtual stages")
+    g.add_argument("--overlap-p2p-communication", dest="overlap_p2p_comm", action="store_true",
+                   default=_P.overlap_p2p_comm,
+                   help="send each activation/gradient as soon as its compute ends and post receives one "
+                        "compute ahead, overlapping transfers with compute")
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
+                   help="place pipeline transfers as Megatron's non-overlapped schedules do (the default)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true",
@@ -249,6 +255,7 @@ def _to_config(a: argparse.Namespace) -> Config:
     parallel = ParallelConfig(
         tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, vp=_virtual_size(a),
         distributed_backend=a.distributed_backend, pipeline_schedule=a.pipeline_schedule,
+        overlap_p2p_comm=a.overlap_p2p_comm,
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
         sequence_parallel=a.sequence_parallel)

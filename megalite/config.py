@@ -88,6 +88,7 @@ class ParallelConfig:
     vp: int = 1  # virtual pipeline chunks per pipeline rank
     distributed_backend: Optional[str] = None  # None: nccl if CUDA else gloo
     pipeline_schedule: Optional[str] = None  # None: 1f1b, or interleaved when vp > 1
+    overlap_p2p_comm: bool = False  # sends right after their compute, receives posted one compute ahead
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     sequence_parallel: bool = False

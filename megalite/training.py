@@ -155,9 +155,10 @@ class Trainer:
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)
         self.m = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self.schedule_name = par.pipeline_schedule or default_schedule_name(ps.pp_size, par.vp)
-        self.actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m)[ps.pp_rank]
-        self.eval_actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m,
-                                           forward_only=True)[ps.pp_rank]
+        self.actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m,
+                                      overlap_p2p=par.overlap_p2p_comm)[ps.pp_rank]
+        self.eval_actions = build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m, forward_only=True,
+                                           overlap_p2p=par.overlap_p2p_comm)[ps.pp_rank]
         s = cfg.model.seq_length // (ps.tp_size if par.sequence_parallel else 1)
         self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
                                          dtype=cfg.model.torch_dtype,

@@ -270,8 +270,12 @@ class _ChannelOrder:
         return out
 
 
-def _with_comms(parts: list[list[Compute]], rank: int, layout: StageLayout, order: _ChannelOrder) -> list[Action]:
-    """One rank's actions with a Comm before the first group and after every group."""
+def _with_comms(parts: list[list[Compute]], rank: int, layout: StageLayout, order: _ChannelOrder,
+                lookahead: int = 0) -> list[Action]:
+    """One rank's actions with a Comm before the first group and after every group.
+
+    The Comm after group i holds i's sends and the receives of group i+1+lookahead.
+    """
 
     def sends(part: list[Compute]) -> list[P2POp]:
         return [op for a in part for op in _sends(a, rank, layout)]
@@ -279,17 +283,17 @@ def _with_comms(parts: list[list[Compute]], rank: int, layout: StageLayout, orde
     def recvs(part: list[Compute]) -> list[P2POp]:
         return order.recvs([op for a in part for op in _recvs(a, rank, layout)], rank)
 
-    out: list[Action] = _comm(recvs(parts[0])) if parts else []
+    out: list[Action] = _comm([op for part in parts[:1 + lookahead] for op in recvs(part)])
     for i, part in enumerate(parts):
         out += part
-        nxt = recvs(parts[i + 1]) if i + 1 < len(parts) else []
-        out += _comm(sends(part) + nxt)
+        ahead = i + 1 + lookahead
+        out += _comm(sends(part) + (recvs(parts[ahead]) if ahead < len(parts) else []))
     return out
 
 
 def add_communication(
     compute: list[list[Compute]], pp: int, vp: int, groups: Optional[list[list[int]]] = None,
-    layout: Optional[StageLayout] = None,
+    layout: Optional[StageLayout] = None, lookahead: int = 0,
 ) -> list[list[Action]]:
     """Insert Comm batches into per-rank compute lists.
 
@@ -301,7 +305,9 @@ def add_communication(
     group's Comm holds only its sends. Empty Comms are dropped. Within a Comm
     sends come first, then recvs; receives follow each channel's send order
     (``_ChannelOrder``), so both ends list a channel's messages alike.
-    ``layout`` places stages on ranks (default: interleaved).
+    ``layout`` places stages on ranks (default: interleaved). ``lookahead`` k
+    posts each group's receives k groups earlier (overlapped p2p: the transfer
+    runs while the groups in between compute).
     """
     if len(compute) != pp:
         raise ValueError(f"expected compute lists for {pp} pipeline ranks, got {len(compute)}")
@@ -310,7 +316,7 @@ def add_communication(
     layout = layout or StageLayout(pp, vp)
     order = _ChannelOrder(compute, layout)
     return [
-        _with_comms(_split(actions, groups[rank]), rank, layout, order)
+        _with_comms(_split(actions, groups[rank]), rank, layout, order, lookahead)
         for rank, actions in enumerate(compute)
     ]
 
@@ -376,19 +382,29 @@ def build_forward_only(pp: int, vp: int, m: int, layout: Optional[StageLayout] =
     return [_grouped_order(pp, vp, m, "F") for _ in range(pp)]
 
 
-def build_schedule(name: str, pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[Action]]:
+def build_schedule(name: str, pp: int, vp: int, m: int, forward_only: bool = False,
+                   overlap_p2p: bool = False) -> list[list[Action]]:
     """Return the full action list per rank (compute plus Comm) of schedule ``name``.
 
     With ``forward_only`` (evaluation) every schedule degenerates to the same
     forwards-only list, and any m >= 1 is accepted; ``name`` is still checked.
+
+    ``overlap_p2p`` (Megatron's --overlap-p2p-communication) places each
+    compute's sends right after it, alone (interleaved 1F1B no longer holds a
+    forward's output back until the paired backward is done), and posts every
+    receive one compute ahead of the compute that reads it, so the transfer
+    overlaps the compute in between. That placement relies on the executor's
+    semantics (a posted Comm never blocks the rank; only a compute waits, for
+    the receive it reads) and is proven deadlock-free in that simulator mode.
     """
     layout = layout_for(name, pp, vp)
     if forward_only:
         if name not in SCHEDULES:
             validate_schedule(name, pp, vp, m)
-        return add_communication(build_forward_only(pp, vp, m, layout), pp, vp, layout=layout)
-    groups = interleaved_groups(pp, vp, m) if name == "interleaved_1f1b" else None
-    return add_communication(build_compute(name, pp, vp, m), pp, vp, groups, layout)
+        return add_communication(build_forward_only(pp, vp, m, layout), pp, vp, layout=layout,
+                                 lookahead=int(overlap_p2p))
+    groups = interleaved_groups(pp, vp, m) if name == "interleaved_1f1b" and not overlap_p2p else None
+    return add_communication(build_compute(name, pp, vp, m), pp, vp, groups, layout, lookahead=int(overlap_p2p))
 
 
 def default_schedule_name(pp: int, vp: int) -> str:
