@@ -8,7 +8,8 @@ of each layer kind, virtual stage s of a split ``counts`` costs::
     f_s = counts[s] * layer.f + (s == 0) * embedding.f + (s == S-1) * head.f    (b alike)
 
 and the schedule's own action lists, run by ``simulate.simulate`` with those
-per-stage costs, give the step time (makespan) and the bubble. The search:
+per-stage costs (its executor-semantics mode, the schedule's stage placement),
+give the step time (makespan) and the bubble. The search:
 
     candidates   even split; water-filling per stage and per pipeline rank (the
                  min-max loads); the best Megatron first/last split
@@ -27,23 +28,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megalite.pipeline.partition import stage_layer_counts
 from megalite.pipeline.schedules import build_schedule
-from megalite.pipeline import simulate as _simulate
 from megalite.pipeline.simulate import simulate
-
-try:  # stage placements other than interleaved (the V of zero-bubble schedules) come with stage_layout.py
-    from megalite.pipeline.stage_layout import layout_for
-except ImportError:  # pragma: no cover - an older tree: every schedule is interleaved
-    layout_for = None
+from megalite.pipeline.stage_layout import layout_for
 
 
 def _simulator_options(schedule: str, pp: int, vp: int) -> dict:
-    """How to simulate ``schedule`` as the executor runs it: its stage placement, and the simulator
-    mode with the executor's own blocking rules where the simulator has one (some schedules, a V,
-    are deadlock-free only under those rules; the conservative rendezvous mode is the fallback)."""
-    options = {"layout": layout_for(schedule, pp, vp)} if layout_for is not None else {}
-    if "executor" in getattr(_simulate, "MODES", ()):
-        options["mode"] = "executor"
-    return options
+    """Simulate ``schedule`` as the executor runs it: its own stage placement (interleaved, or a V)
+    and the executor's blocking rules (some schedules are deadlock-free only under those)."""
+    return {"layout": layout_for(schedule, pp, vp), "mode": "executor"}
+
 
 Split = Tuple[int, ...]
 _MIN_GAIN = 1e-6  # a move must shorten the step by this fraction: float noise never moves a layer
@@ -176,9 +169,9 @@ def _rank_stages(actions: Sequence[Sequence[object]], stages: int) -> List[List[
 class _Simulator:
     """Simulates one schedule's action lists under many per-stage costs (memoised by split)."""
 
-    def __init__(self, schedule: str, pp: int, vp: int, m: int, costs: LayerCosts):
+    def __init__(self, schedule: str, pp: int, vp: int, m: int, costs: LayerCosts, overlap_p2p: bool):
         self.schedule, self.pp, self.vp, self.costs = schedule, pp, vp, costs
-        self.actions = build_schedule(schedule, pp, vp, m)
+        self.actions = build_schedule(schedule, pp, vp, m, overlap_p2p=overlap_p2p)
         self.placement = _simulator_options(schedule, pp, vp)
         self.rank_stages = _rank_stages(self.actions, pp * vp)
         self.cache: Dict[Split, Prediction] = {}
@@ -249,17 +242,18 @@ class BalancePlan:
 
 
 def choose_split(num_layers: int, pp: int, vp: int, m: int, schedule: str, costs: LayerCosts,
-                 max_simulations: int = 300) -> BalancePlan:
+                 max_simulations: int = 300, overlap_p2p: bool = False) -> BalancePlan:
     """The split of ``num_layers`` over pp*vp virtual stages with the lowest simulated step time.
 
     Deterministic given its arguments, and never slower in the simulator than
     the even split. ``max_simulations`` bounds the local search (a count, not a
-    clock, so every rank stops at the same place).
+    clock, so every rank stops at the same place); ``overlap_p2p`` simulates the
+    action lists of --overlap-p2p-communication.
     """
     S = pp * vp
     if num_layers < S:
         raise ValueError(f"--num-layers={num_layers} cannot give each of the pp x vp = {S} virtual stages a layer")
-    sim = _Simulator(schedule, pp, vp, m, costs)
+    sim = _Simulator(schedule, pp, vp, m, costs, overlap_p2p)
     starts = [sim(c) for c in candidate_splits(num_layers, pp, vp, costs, sim.rank_stages)]
     baseline = starts[0]
     best = baseline

@@ -118,7 +118,7 @@ def plan_for(cfg: Config, pp: int, dp: int, costs: LayerCosts) -> BalancePlan:
     par, t = cfg.parallel, cfg.train
     m = t.global_batch_size // (t.micro_batch_size * dp)
     schedule = par.pipeline_schedule or default_schedule_name(pp, par.vp)
-    return choose_split(cfg.model.num_layers, pp, par.vp, m, schedule, costs)
+    return choose_split(cfg.model.num_layers, pp, par.vp, m, schedule, costs, overlap_p2p=par.overlap_p2p_comm)
 
 
 def balance_stages(cfg: Config, ps: ParallelState) -> Config:

@@ -57,10 +57,10 @@ def _random_costs(rng):
                       (rng.uniform(0, 6) * f, rng.uniform(0, 12) * f))
 
 
-def _simulated(schedule, pp, vp, m, counts, costs):
+def _simulated(schedule, pp, vp, m, counts, costs, overlap=False):
     """A fresh simulation of the split, under the placement and mode the search uses."""
-    return simulate(build_schedule(schedule, pp, vp, m), pp, vp, stage_costs=stage_costs(counts, costs),
-                    **_simulator_options(schedule, pp, vp)).makespan
+    return simulate(build_schedule(schedule, pp, vp, m, overlap_p2p=overlap), pp, vp,
+                    stage_costs=stage_costs(counts, costs), **_simulator_options(schedule, pp, vp)).makespan
 
 
 def test_balanced_split_is_never_slower_than_even_and_deterministic():
@@ -71,19 +71,21 @@ def test_balanced_split_is_never_slower_than_even_and_deterministic():
             layers = 2 * pp * vp
             for schedule in _schedules(vp):
                 for m in ((pp, 2 * pp) if pp <= 4 else (pp + vp * pp,)):  # m = 2pp or 3pp when pp > 4
-                    costs = _random_costs(rng)
-                    plan = choose_split(layers, pp, vp, m, schedule, costs)
+                    costs, overlap = _random_costs(rng), pp % 2 == 1  # odd pp: --overlap-p2p-communication
+                    plan = choose_split(layers, pp, vp, m, schedule, costs, overlap_p2p=overlap)
                     counts = plan.chosen.counts
                     assert sum(counts) == layers and min(counts) >= 1 and len(counts) == pp * vp
                     assert plan.baseline.counts == (2,) * (pp * vp)
                     # checked by a simulation of its own, not the plan's numbers
-                    even = _simulated(schedule, pp, vp, m, plan.baseline.counts, costs)
-                    chosen = _simulated(schedule, pp, vp, m, counts, costs)
+                    even = _simulated(schedule, pp, vp, m, plan.baseline.counts, costs, overlap)
+                    chosen = _simulated(schedule, pp, vp, m, counts, costs, overlap)
                     assert chosen <= even, (schedule, pp, vp, m, costs, counts)
                     assert abs(chosen - plan.chosen.step_time) <= 1e-9 * chosen
                     improved, cases = improved + (chosen < 0.99 * even), cases + 1
                     if pp in (2, 5, 8):  # same costs, same answer (a fresh search, nothing shared)
-                        assert choose_split(layers, pp, vp, m, schedule, LayerCosts.from_list(costs.as_list())) == plan
+                        again = choose_split(layers, pp, vp, m, schedule, LayerCosts.from_list(costs.as_list()),
+                                             overlap_p2p=overlap)
+                        assert again == plan
     assert cases >= 50 and improved >= 0.75 * cases, (improved, cases)  # random end costs: most gain over 1%
 
 
