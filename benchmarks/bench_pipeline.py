@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Pipeline schedules: megalite's executor vs torch.distributed.pipelining, pp=2 on 2 gloo processes.
+"""Pipeline schedules: megalite's executor vs torch.distributed.pipelining on pp gloo processes.
 
-For every schedule (gpipe, 1f1b, interleaved_1f1b with vp=2) and micro-batch
-count m, both implementations train the same model chunks (megalite's
+For every schedule (gpipe, 1f1b, interleaved_1f1b with vp=2, zb_h1, zbv with
+vp=2; a "+ov" suffix runs megalite with --overlap-p2p-communication against
+the same torch schedule), pp (--pp, default 2) and micro-batch count m, both
+implementations train the same model chunks (megalite's
 GPTModel chunks, built twice with the same seed) on the same micro-batches,
 in the same two processes, doing the same step: pipeline forward/backward
 (loss / m), tied-embedding gradient sum over the first and last stage,
@@ -10,23 +12,30 @@ global-norm clipping, AdamW and the LR schedule.
 
 * megalite: ``Trainer.train_step`` (as tests/distributed/common.py drives it).
 * torch: ``PipelineStage`` per chunk + ``ScheduleGPipe`` / ``Schedule1F1B`` /
-  ``ScheduleInterleaved1F1B``, loss_fn = the chunk's own ``loss`` (same math).
+  ``ScheduleInterleaved1F1B``; for zb_h1 ``ScheduleInterleavedZeroBubble``
+  with one stage per rank (torch's closest to ZB-H1), for zbv
+  ``ScheduleZBVZeroBubble`` on the same V placement; loss_fn = the chunk's own
+  ``loss`` (same math).
 
 Steps alternate megalite / torch one by one (order flipped each step) so
 load from other processes hits both alike. A step's time is the slower
 rank's, after a barrier; the table gives tokens/s from the median step time,
 megalite's measured bubble (mean over ranks, Trainer.train_step's "bubble"),
-the simulator's bubble with b/f = 2 and with each rank's measured costs, and
+the simulator's bubble (executor semantics) with b/f = 2 and with each rank's
+measured costs, and
 where megalite's time goes per rank (forward+backward compute, p2p wait; ms
 per step) plus grad sync + clip + optimizer.
 
-  python benchmarks/bench_pipeline.py            # m in 2 4 8 16, a few minutes
+  python benchmarks/bench_pipeline.py            # pp 2, m in 2 4 8 16, a few minutes
   python benchmarks/bench_pipeline.py --quick    # 4 layers, m in 2 4, 2 steps (smoke run)
+  python benchmarks/bench_pipeline.py --pp 2 4 --micro-batches 4 8 16 \
+      --schedules 1f1b interleaved_1f1b zb_h1 zbv   # issue 12's table (pp=4 needs 4 cores)
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -47,20 +56,27 @@ from megalite.optim.lr_scheduler import LRScheduler  # noqa: E402
 from megalite.optim.optimizer import build_optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState  # noqa: E402
 from megalite.pipeline.simulate import simulate_schedule  # noqa: E402
+from megalite.pipeline.stage_layout import layout_for  # noqa: E402
 from megalite.tensor_parallel.random import RNGTracker  # noqa: E402
 from megalite.training import MicroBatches, Trainer, build_model_chunks  # noqa: E402
 from tests.distributed.harness import run_distributed  # noqa: E402
 
-PP = 2
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))
+OVERLAP = "+ov"  # suffix: megalite with --overlap-p2p-communication
 Batch = Dict[str, torch.Tensor]
 
 
-def make_config(a: argparse.Namespace, schedule: str, vp: int, m: int) -> Config:
+def _split_name(schedule: str) -> Tuple[str, bool]:
+    return schedule.replace(OVERLAP, ""), schedule.endswith(OVERLAP)
+
+
+def make_config(a: argparse.Namespace, schedule: str, vp: int, m: int, pp: int) -> Config:
     """The benchmark model: GPT-2 style, dropout 0.1, mock data with a 4096 vocabulary."""
     model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=4,
                         seq_length=a.seq_length, vocab_size=4096)
-    return Config(model=model, parallel=ParallelConfig(pp=PP, vp=vp, pipeline_schedule=schedule),
+    name, overlap = _split_name(schedule)
+    return Config(model=model, parallel=ParallelConfig(pp=pp, vp=vp, pipeline_schedule=name,
+                                                       overlap_p2p_comm=overlap),
                   optim=OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, clip_grad=1.0),
                   data=DataConfig(mock_data=True),
                   train=TrainConfig(micro_batch_size=a.micro_batch_size,
@@ -73,22 +89,30 @@ class TorchPipeline:
 
     def __init__(self, cfg: Config, ps: ParallelState, schedule: str, m: int):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                  ScheduleZBVZeroBubble)
         self.cfg, self.ps = cfg, ps
+        schedule = _split_name(schedule)[0]
+        pp = ps.pp_size
+        layout = layout_for(schedule, pp, cfg.parallel.vp)
         tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
         self.chunks = build_model_chunks(cfg, ps, tracker)
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.train_iters)
-        n = PP * cfg.parallel.vp
-        stages = [PipelineStage(c, stage_index=i * PP + ps.pp_rank, num_stages=n, device=ps.device,
-                                group=ps.pp_group) for i, c in enumerate(self.chunks)]
-        last = self.chunks[-1]
+        stages = [PipelineStage(c, stage_index=layout.stage(ps.pp_rank, i), num_stages=layout.num_stages,
+                                device=ps.device, group=ps.pp_group) for i, c in enumerate(self.chunks)]
+        last = next(c for c in self.chunks if c.post_process) if any(c.post_process for c in self.chunks) \
+            else self.chunks[-1]
         mbs, s = cfg.train.micro_batch_size, cfg.model.seq_length
         mask = torch.ones(mbs, s)
         loss_fn = lambda logits, labels: last.loss(logits, labels, mask)  # noqa: E731
         if schedule == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        elif schedule == "zb_h1":
+            self.schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
+        elif schedule == "zbv":
+            self.schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
         else:
             cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
             self.schedule = cls(stages[0], m, loss_fn=loss_fn)
@@ -126,7 +150,7 @@ def timed_step(ps: ParallelState, step: Callable[[], object]) -> Tuple[float, ob
 
 def run_row(ps: ParallelState, a: argparse.Namespace, schedule: str, vp: int, m: int) -> Dict:
     """Train both implementations on one (schedule, m); return this rank's per-step numbers."""
-    cfg = make_config(a, schedule, vp, m)
+    cfg = make_config(a, schedule, vp, m, ps.pp_size)
     trainer = Trainer(cfg, ps)
     torch_pp = TorchPipeline(cfg, ps, schedule, m)
     ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
@@ -160,9 +184,11 @@ def run_rows(ps: ParallelState, a: argparse.Namespace, rows: List[Tuple[str, int
     return results
 
 
-def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[Dict]) -> Dict:
+def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[Dict], pp: int) -> Dict:
     """Per-step times are the slower rank's; stats are megalite's, averaged over ranks and steps."""
     schedule, vp, m = row
+    name = _split_name(schedule)[0]
+    layout = layout_for(name, pp, vp)
     tokens = m * a.micro_batch_size * a.seq_length
     step = {k: [max(ts) for ts in zip(*(r[k] for r in per_rank))] for k in ("megalite", "torch")}
     stats = [s for r in per_rank for s in r["stats"]]
@@ -172,41 +198,43 @@ def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[D
     compute = [1e3 * statistics.mean(s["forward"] + s["backward"] for s in r["stats"]) for r in per_rank]
     p2p = [1e3 * statistics.mean(s["p2p"] for s in r["stats"]) for r in per_rank]
     ratio_bf = mean["backward"] / mean["forward"]
-    sim2 = statistics.mean(simulate_schedule(schedule, PP, vp, m, 1.0, 2.0).bubble_fraction)
+    sim2 = statistics.mean(simulate_schedule(name, pp, vp, m, 1.0, 2.0, mode="executor").bubble_fraction)
     # The simulator fed with each rank's measured forward/backward time per chunk: it then sees
     # the last stage's extra output layer and loss, not just an average b/f ratio.
+    # (B and W are timed together as "backward"; split them half and half as the simulator does.)
     fb = [tuple(statistics.mean(s[k] for s in r["stats"]) / (m * vp) for k in ("forward", "backward"))
           for r in per_rank]
-    sim_meas = statistics.mean(simulate_schedule(schedule, PP, vp, m, stage_costs=[
-        fb[stage % PP] for stage in range(PP * vp)]).bubble_fraction)
+    sim_meas = statistics.mean(simulate_schedule(name, pp, vp, m, mode="executor", stage_costs=[
+        fb[layout.rank_of(stage)] for stage in range(pp * vp)]).bubble_fraction)
     pair = statistics.median(x / y for x, y in zip(step["torch"], step["megalite"]))
     losses = [x for r in per_rank for x in r["first_loss"] if x is not None]
     loss_diff = abs(losses[0] - losses[1]) / abs(losses[1]) if len(losses) == 2 else float("nan")
     ml_s, tt_s = statistics.median(step["megalite"]), statistics.median(step["torch"])
-    return {"schedule": schedule, "m": m, "loss_diff": loss_diff, "ml": tokens / ml_s, "tt": tokens / tt_s,
+    return {"schedule": schedule, "pp": pp, "m": m, "loss_diff": loss_diff, "ml": tokens / ml_s, "tt": tokens / tt_s,
             "pair": pair, "bf": ratio_bf, "sim2": sim2, "sim_meas": sim_meas, "compute": compute,
             "p2p_rank": p2p, **mean}
 
 
 def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
-    """One line per (schedule, m), plus a sanity line on the first-step losses."""
-    print(f"pp={PP} on 2 gloo processes (1 thread each), GPT-2 style {a.num_layers} layers, hidden "
-          f"{a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, vocab 4096, dropout 0.1; "
-          f"{a.steps} timed steps per row after {a.warmup} warmup, alternating megalite/torch")
+    """One line per (pp, schedule, m), plus a sanity line on the first-step losses."""
+    print(f"pp in {a.pp} gloo processes (1 thread each) on {os.cpu_count()} cores, GPT-2 style {a.num_layers} "
+          f"layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, vocab 4096, "
+          f"dropout 0.1; {a.steps} timed steps per row after {a.warmup} warmup, alternating megalite/torch")
     print("tok/s from the median step time (slower rank); ratio = megalite/torch tok/s (median of "
-          "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated with b/f=2 and "
-          "with each rank's measured forward/backward costs;\nmegalite ms per step: forward+backward compute and p2p wait on rank 0 / rank 1, "
-          "grad sync + clip + optimizer (mean of ranks)")
-    head = (f"{'schedule':<17}|{'m':>3} |{'megalite tok/s':>15} |{'torch tok/s':>12} |{'ratio':>6} |"
+          "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated (executor semantics) "
+          "with b/f=2 and with each rank's measured forward/backward costs;\nmegalite ms per step: compute and "
+          "p2p wait, min/max over ranks; grad sync + clip + optimizer (mean of ranks)")
+    head = (f"{'pp':>2} |{'schedule':<19}|{'m':>3} |{'megalite tok/s':>15} |{'torch tok/s':>12} |{'ratio':>6} |"
             f"{'meas bubble':>12} |{'sim b/f=2':>10} |{'sim measured':>13} |{'b/f':>5} |"
-            f"{'compute r0/r1':>13}|{'p2p r0/r1':>11}|{'opt ms':>7}")
+            f"{'compute min/max':>15}|{'p2p min/max':>12}|{'opt ms':>7}")
     print(head)
     print("-" * len(head))
     for s in summaries:
-        print(f"{s['schedule']:<17}|{s['m']:>3} |{s['ml']:>15.0f} |{s['tt']:>12.0f} |{s['pair']:>6.2f} |"
-              f"{100 * s['bubble']:>11.1f}% |{100 * s['sim2']:>9.1f}% |{100 * s['sim_meas']:>12.1f}% |"
-              f"{s['bf']:>5.2f} |{s['compute'][0]:>6.0f}/{s['compute'][1]:<6.0f}|"
-              f"{s['p2p_rank'][0]:>5.0f}/{s['p2p_rank'][1]:<5.0f}|"
+        print(f"{s['pp']:>2} |{s['schedule']:<19}|{s['m']:>3} |{s['ml']:>15.0f} |{s['tt']:>12.0f} |"
+              f"{s['pair']:>6.2f} |{100 * s['bubble']:>11.1f}% |{100 * s['sim2']:>9.1f}% |"
+              f"{100 * s['sim_meas']:>12.1f}% |{s['bf']:>5.2f} |"
+              f"{min(s['compute']):>7.0f}/{max(s['compute']):<7.0f}|"
+              f"{min(s['p2p_rank']):>5.0f}/{max(s['p2p_rank']):<6.0f}|"
               f"{1e3 * (s['grads_sync'] + s['optimizer']):>7.0f}")
     worst = max(s["loss_diff"] for s in summaries)
     print(f"sanity: first-step loss, megalite vs torch (same weights and batch, different dropout "
@@ -215,9 +243,10 @@ def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
 
 def main(argv: Sequence[str] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    names = [s for s, _ in SCHEDULES]
+    p.add_argument("--pp", type=int, nargs="+", default=[2], help="pipeline sizes (one process each)")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
-    p.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULES],
-                   choices=[s for s, _ in SCHEDULES])
+    p.add_argument("--schedules", nargs="+", default=names, choices=names + [n + OVERLAP for n in names])
     p.add_argument("--steps", type=int, default=4, help="timed steps per row and implementation")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--num-layers", type=int, default=8)
@@ -229,10 +258,13 @@ def main(argv: Sequence[str] = None) -> int:
     if a.quick:
         a.micro_batches, a.steps, a.warmup, a.num_layers = [2, 4], 2, 1, 4
     vps = dict(SCHEDULES)
-    rows = [(s, vps[s], m) for s in a.schedules for m in a.micro_batches
-            if not (vps[s] > 1 and m % PP)]  # interleaved needs m % pp == 0
-    per_rank = run_distributed(run_rows, PP, a, rows, pp=PP, timeout=3600)
-    summaries = [summarize(a, row, [per_rank[r][i] for r in range(PP)]) for i, row in enumerate(rows)]
+    summaries = []
+    for pp in a.pp:
+        rows = [(s, vps[_split_name(s)[0]], m) for s in a.schedules for m in a.micro_batches
+                if not (_split_name(s)[0] == "interleaved_1f1b" and m % pp)  # needs m % pp == 0
+                and a.num_layers % (pp * vps[_split_name(s)[0]]) == 0]
+        per_rank = run_distributed(run_rows, pp, a, rows, pp=pp, timeout=3600)
+        summaries += [summarize(a, row, [per_rank[r][i] for r in range(pp)], pp) for i, row in enumerate(rows)]
     print_table(a, summaries)
     return 0
 
