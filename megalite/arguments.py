@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
+import textwrap
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
@@ -30,47 +32,73 @@ _M, _P, _O, _D, _T, _L, _C = (ModelConfig(), ParallelConfig(), OptimConfig(), Da
                               LoggingConfig(), CheckpointConfig())  # the single source of every default below
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=_M.num_layers)
-    g.add_argument("--hidden-size", type=int, default=_M.hidden_size)
+def _add_network_size_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=_M.num_layers, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=_M.hidden_size, help="transformer hidden size")
     g.add_argument("--ffn-hidden-size", type=int, default=_M.ffn_hidden_size,
-                   help="default 4 x hidden (8/3 x hidden rounded to 64 with --swiglu)")
-    g.add_argument("--num-attention-heads", type=int, default=_M.num_attention_heads)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=_M.num_query_groups)
-    g.add_argument("--seq-length", type=int, default=_M.seq_length)
+                   help="MLP hidden size; default 4 x hidden (8/3 x hidden rounded up to 64 with --swiglu)")
+    g.add_argument("--num-attention-heads", type=int, default=_M.num_attention_heads, help="attention heads")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention: heads share --num-query-groups key/value groups")
+    g.add_argument("--num-query-groups", type=int, default=_M.num_query_groups,
+                   help="key/value groups with --group-query-attention (default: one per head)")
+    g.add_argument("--seq-length", type=int, default=_M.seq_length, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=int, default=_M.max_position_embeddings,
-                   help="default --seq-length")
+                   help="learned position table size (default: --seq-length)")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary for --mock-data and NullTokenizer (default 4096 for mock data)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=_M.make_vocab_size_divisible_by)
-    g.add_argument("--init-method-std", type=float, default=_M.init_method_std)
-    g.add_argument("--hidden-dropout", type=float, default=_M.hidden_dropout)
-    g.add_argument("--attention-dropout", type=float, default=_M.attention_dropout)
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=_M.normalization)
-    g.add_argument("--norm-epsilon", type=float, default=_M.layernorm_epsilon)
-    g.add_argument("--swiglu", action="store_true")
+                   help="vocabulary for --mock-data and NullTokenizer (default 4096 for mock data; otherwise "
+                        "the tokenizer's)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=_M.make_vocab_size_divisible_by,
+                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=_M.normalization,
+                   help="normalization layer")
+    g.add_argument("--norm-epsilon", type=float, default=_M.layernorm_epsilon, help="epsilon of the norms")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated, SiLU) instead of GeLU")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
-                   default=_M.position_embedding_type)
-    g.add_argument("--rotary-base", type=int, default=_M.rotary_base)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
+                   default=_M.position_embedding_type, help="position embedding")
+    g.add_argument("--rotary-base", type=int, default=_M.rotary_base, help="RoPE base period")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer weights (default: the output layer reuses the embedding)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
     g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
                    default=_M.attention_backend,
                    help="auto/flash/fused: torch scaled_dot_product_attention (flash kernels where the "
                         "device has them); unfused/local: explicit QK^T, softmax, dropout, x V")
 
 
-def _add_precision_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mixed precision and memory")
+def _add_regularization_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("regularization")
+    g.add_argument("--hidden-dropout", type=float, default=_M.hidden_dropout,
+                   help="dropout after attention and MLP, in [0, 1) (0 for layout-identical losses)")
+    g.add_argument("--attention-dropout", type=float, default=_M.attention_dropout,
+                   help="dropout on attention probabilities, in [0, 1)")
+    g.add_argument("--weight-decay", type=float, default=_O.weight_decay, help="AdamW weight decay")
+    g.add_argument("--clip-grad", type=float, default=_O.clip_grad, help="gradient norm clipping (0: off)")
+    g.add_argument("--adam-beta1", type=float, default=_O.adam_beta1, help="Adam beta1, in [0, 1)")
+    g.add_argument("--adam-beta2", type=float, default=_O.adam_beta2, help="Adam beta2, in [0, 1)")
+    g.add_argument("--adam-eps", type=float, default=_O.adam_eps, help="Adam epsilon")
+
+
+def _add_initialization_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("initialization")
+    g.add_argument("--seed", type=int, default=_T.seed,
+                   help="random seed of weights, data order and dropout (the same for every layout)")
+    g.add_argument("--init-method-std", type=float, default=_M.init_method_std,
+                   help="standard deviation of the normal weight initialization")
+
+
+def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 main weights")
     g.add_argument("--fp16", action="store_true",
                    help="fp16 parameters and activations, fp32 main weights, dynamic loss scaling")
     g.add_argument("--loss-scale", type=float, default=_O.loss_scale,
                    help="constant fp16 loss scale (default: dynamic scaling)")
-    g.add_argument("--initial-loss-scale", type=float, default=_O.initial_loss_scale)
-    g.add_argument("--min-loss-scale", type=float, default=_O.min_loss_scale)
+    g.add_argument("--initial-loss-scale", type=float, default=_O.initial_loss_scale,
+                   help="first dynamic fp16 loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=_O.min_loss_scale,
+                   help="the dynamic fp16 loss scale never goes below this")
     g.add_argument("--loss-scale-window", type=int, default=_O.loss_scale_window,
                    help="iterations without overflow before the scale doubles")
     g.add_argument("--hysteresis", type=int, default=_O.hysteresis,
@@ -78,6 +106,10 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                         "(then every further overflow halves it)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="fp32 gradient accumulation and reduction (always on with --bf16)")
+
+
+def _add_memory_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("activation recomputation")
     g.add_argument("--recompute-activations", action="store_true",
                    help="alias of --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=("full", "selective"),
@@ -86,27 +118,41 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=_M.recompute_method,
                    help="uniform: checkpoint every group of --recompute-num-layers layers; block: "
                         "recompute the first --recompute-num-layers layers of each pipeline chunk")
-    g.add_argument("--recompute-num-layers", type=int, default=_M.recompute_num_layers)
+    g.add_argument("--recompute-num-layers", type=int, default=_M.recompute_num_layers,
+                   help="layers per recomputed group (uniform) or recomputed layers per chunk (block)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (needs a C++ compiler on CPU)")
 
 
-def _add_parallel_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=_P.tp)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=_P.pp)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=_P.tp,
+                   help="ranks sharing each layer (tensor parallelism)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=_P.pp,
+                   help="pipeline stages (the data-parallel size is the rest of the world)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per virtual stage for the interleaved schedule (or give "
+                        "--virtual-pipeline-model-parallel-size)")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline rank for the interleaved schedule")
     g.add_argument("--pipeline-schedule", choices=_SCHEDULES, default=_P.pipeline_schedule,
-                   help="default: 1f1b, or interleaved_1f1b with virtual stages")
+                   help="pipeline schedule; default: 1f1b, or interleaved_1f1b with virtual stages")
     g.add_argument("--overlap-p2p-communication", dest="overlap_p2p_comm", action="store_true",
                    default=_P.overlap_p2p_comm,
                    help="send each activation/gradient as soon as its compute ends and post receives one "
                         "compute ahead, overlapping transfers with compute")
     g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
                    help="place pipeline transfers as Megatron's non-overlapped schedules do (the default)")
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first pipeline stage (uneven split; the rest are spread evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last pipeline stage (uneven split; the rest are spread evenly)")
+    g.add_argument("--pipeline-stage-layers", type=_layer_list, default=None,
+                   help="layers of every virtual pipeline stage, comma-separated in stage order "
+                        "(pp x vp entries, each >= 1, summing to --num-layers), e.g. 5,3")
+    g.add_argument("--pipeline-balance", choices=("even", "measured"), default=_P.pipeline_balance,
+                   help="measured: time the embedding, a transformer layer and the output layer + loss at "
+                        "startup and train with the split of layers the simulator finds fastest")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and residuals along the sequence over the TP group")
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -120,27 +166,25 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="gradient bucket size in elements (default max(40M, 1M x data-parallel size))")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=_P.distributed_backend,
                    help="default: nccl when CUDA is available, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=_P.distributed_timeout_minutes,
+                   help="a collective or transfer that waits longer fails and ends the job (a hung or "
+                        "stopped rank)")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=_T.micro_batch_size)
-    g.add_argument("--global-batch-size", type=int, default=_T.global_batch_size)
-    g.add_argument("--train-iters", type=int, default=_T.train_iters)
-    g.add_argument("--lr", type=float, default=_O.lr)
-    g.add_argument("--min-lr", type=float, default=_O.min_lr)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default=_O.lr_decay_style)
-    g.add_argument("--lr-warmup-iters", type=int, default=_O.lr_warmup_iters)
-    g.add_argument("--lr-decay-iters", type=int, default=_O.lr_decay_iters, help="default --train-iters")
-    g.add_argument("--weight-decay", type=float, default=_O.weight_decay)
-    g.add_argument("--adam-beta1", type=float, default=_O.adam_beta1)
-    g.add_argument("--adam-beta2", type=float, default=_O.adam_beta2)
-    g.add_argument("--adam-eps", type=float, default=_O.adam_eps)
-    g.add_argument("--clip-grad", type=float, default=_O.clip_grad)
-    g.add_argument("--seed", type=int, default=_T.seed)
-    g.add_argument("--eval-interval", type=int, default=_T.eval_interval)
-    g.add_argument("--eval-iters", type=int, default=_T.eval_iters)
-    g.add_argument("--exit-interval", type=int, default=_T.exit_interval)
+    g.add_argument("--micro-batch-size", type=int, default=_T.micro_batch_size,
+                   help="samples per micro-batch on one data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=_T.global_batch_size,
+                   help="samples per iteration over all data-parallel ranks and micro-batches")
+    g.add_argument("--train-iters", type=int, default=_T.train_iters, help="iterations to train (0: none)")
+    g.add_argument("--exit-interval", type=int, default=_T.exit_interval,
+                   help="stop (after saving, with --save) when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=_T.exit_duration_in_mins,
+                   help="stop (after saving, with --save) once training has run this many minutes")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGINT, finish the iteration, save a checkpoint and exit 0 "
+                        "(without it: exit at once without saving)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="count non-finite losses/grad norms and skip those updates instead of "
                                               "stopping the run at the first one")
@@ -148,21 +192,50 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: left to OMP_NUM_THREADS / torch)")
 
 
+def _add_learning_rate_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=_O.lr, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=_O.min_lr, help="learning rate at the end of the decay")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default=_O.lr_decay_style,
+                   help="decay from --lr to --min-lr after warmup")
+    g.add_argument("--lr-warmup-iters", type=int, default=_O.lr_warmup_iters,
+                   help="iterations of linear warmup from 0 to --lr")
+    g.add_argument("--lr-decay-iters", type=int, default=_O.lr_decay_iters,
+                   help="iterations over which the rate decays (default: --train-iters)")
+
+
+def _add_validation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-interval", type=int, default=_T.eval_interval,
+                   help="iterations between evaluations on the validation split (and once at the end)")
+    g.add_argument("--eval-iters", type=int, default=_T.eval_iters,
+                   help="global batches per evaluation (0: no evaluation)")
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--train-data-path", nargs="*", default=None)
-    g.add_argument("--valid-data-path", nargs="*", default=None)
-    g.add_argument("--test-data-path", nargs="*", default=None)
-    g.add_argument("--split", default=_D.split)
-    g.add_argument("--data-cache-path", default=_D.data_cache_path)
+    g = p.add_argument_group("data and dataloader")
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic deterministic samples (needs no files; --vocab-size sets the vocabulary)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="dataset prefixes (without .bin/.idx), optionally weighted: w1 p1 w2 p2 ...; "
+                        "default: the embedded default corpus")
+    g.add_argument("--train-data-path", nargs="*", default=None, help="the train split's own (weighted) prefixes")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="the validation split's own (weighted) prefixes")
+    g.add_argument("--test-data-path", nargs="*", default=None, help="the test split's own (weighted) prefixes")
+    g.add_argument("--split", default=_D.split, help="train,valid,test document proportions of --data-path")
+    g.add_argument("--data-cache-path", default=_D.data_cache_path,
+                   help="where index caches go (default: a cache/ directory next to each dataset)")
     g.add_argument("--num-workers", type=int, default=_D.num_workers,
                    help="DataLoader worker processes per rank (0: load in the training process)")
-    g.add_argument("--tokenizer-type", default=_D.tokenizer_type)
-    g.add_argument("--vocab-file", default=_D.vocab_file)
-    g.add_argument("--merge-file", default=_D.merge_file)
-    g.add_argument("--tokenizer-model", default=_D.tokenizer_model)
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default=_D.tokenizer_type,
+                   help="GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, Llama2Tokenizer or "
+                        "NullTokenizer")
+    g.add_argument("--vocab-file", default=_D.vocab_file, help="vocab.json of a GPT2BPETokenizer")
+    g.add_argument("--merge-file", default=_D.merge_file, help="merges.txt of a GPT2BPETokenizer")
+    g.add_argument("--tokenizer-model", default=_D.tokenizer_model,
+                   help="SentencePiece .model file, or a Hugging Face tokenizer directory")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -186,14 +259,26 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=_L.log_interval)
-    g.add_argument("--tensorboard-dir", default=_L.tensorboard_dir)
+    g.add_argument("--log-interval", type=int, default=_L.log_interval, help="iterations between log lines")
+    g.add_argument("--tensorboard-dir", default=_L.tensorboard_dir,
+                   help="write the log line's scalars as TensorBoard events here")
     g.add_argument("--timeline-out", default=_L.timeline_out,
                    help="write the measured pipeline timeline (JSON) of the last iteration here")
+    g.add_argument("--peak-tflops", type=float, default=_L.peak_tflops,
+                   help="peak TFLOP/s of one device for the MFU in the log line (default: the bf16 dense peak "
+                        "of an A100/H100/H200/B200 by its name; no MFU on CPU unless given)")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Every option that takes a value shows its default (the config dataclasses' value)."""
+    """Every option that takes a value shows its default (the config dataclasses' value); lines
+    never break inside a flag name (argparse would split --context-parallel-size at a hyphen)."""
+
+    def _split_lines(self, text: str, width: int) -> List[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -208,15 +293,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, exit_on_error=False,
                                 description="Pretrain a GPT with tensor, pipeline and data parallelism.",
                                 formatter_class=_HelpFormatter)
-    for add in (_add_model_args, _add_precision_args, _add_parallel_args, _add_training_args,
-                _add_data_args, _add_checkpoint_args, _add_logging_args):
+    for add in (_add_network_size_args, _add_regularization_args, _add_training_args, _add_initialization_args,
+                _add_learning_rate_args, _add_checkpoint_args, _add_mixed_precision_args, _add_memory_args,
+                _add_distributed_args, _add_validation_args, _add_data_args, _add_logging_args):
         add(p)
-    for action in p._actions:
-        if action.help is None and action.nargs != 0:
-            action.help = "(default: %(default)s)"
-    for flag in NOT_IMPLEMENTED:
+    for flag in NOT_IMPLEMENTED:  # recognised to fail with a clear line; listed in the epilog, not as options
         p.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    p.epilog = ("Recognised but not implemented yet (they stop with an error): "
+                + ", ".join(f"{f} ({what})" for f, what in NOT_IMPLEMENTED.items()) + ".")
     return p
+
+
+def _layer_list(text: str) -> tuple:
+    """``5,3`` -> (5, 3) for --pipeline-stage-layers."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts such as 5,3, got {text!r}") from None
 
 
 def _virtual_size(a: argparse.Namespace) -> int:
@@ -258,7 +351,8 @@ def _to_config(a: argparse.Namespace) -> Config:
         overlap_p2p_comm=a.overlap_p2p_comm,
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
-        sequence_parallel=a.sequence_parallel)
+        pipeline_stage_layers=a.pipeline_stage_layers, pipeline_balance=a.pipeline_balance,
+        sequence_parallel=a.sequence_parallel, distributed_timeout_minutes=a.distributed_timeout_minutes)
     optim = OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_decay_style=a.lr_decay_style,
                         lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters,
                         weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
@@ -278,9 +372,10 @@ def _to_config(a: argparse.Namespace) -> Config:
     train = TrainConfig(micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
                         train_iters=a.train_iters, seed=a.seed, eval_interval=a.eval_interval,
                         eval_iters=a.eval_iters, num_threads=a.num_threads, exit_interval=a.exit_interval,
-                        check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad)
+                        check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
+                        exit_signal_handler=a.exit_signal_handler, exit_duration_in_mins=a.exit_duration_in_mins)
     logging_cfg = LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
-                                timeline_out=a.timeline_out)
+                                timeline_out=a.timeline_out, peak_tflops=a.peak_tflops)
     ckpt = CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, ckpt_format=a.ckpt_format,
                             finetune=a.finetune, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng,
                             ckpt_step=a.ckpt_step, ckpt_keep_last=a.ckpt_keep_last)
@@ -310,7 +405,8 @@ def _validate_ranges(cfg: Config) -> None:
               rotary_base=m.rotary_base, init_method_std=m.init_method_std, norm_epsilon=m.layernorm_epsilon,
               max_position_embeddings=m.max_position_embeddings, log_interval=lg.log_interval,
               num_threads=t.num_threads, exit_interval=t.exit_interval, lr_decay_iters=o.lr_decay_iters,
-              adam_eps=o.adam_eps)
+              adam_eps=o.adam_eps, exit_duration_in_mins=t.exit_duration_in_mins,
+              distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes, peak_tflops=lg.peak_tflops)
     _in_range("--hidden-dropout", m.hidden_dropout, 0.0, 1.0)
     _in_range("--attention-dropout", m.attention_dropout, 0.0, 1.0)
     _in_range("--adam-beta1", o.adam_beta1, 0.0, 1.0)
@@ -357,9 +453,11 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                           f"{m.max_positions}")
     from megalite.pipeline.partition import validate_partition
+    _validate_balance(cfg)
     try:
-        validate_partition(m.num_layers, par.pp, par.vp, par.decoder_first_pipeline_num_layers,
-                           par.decoder_last_pipeline_num_layers)
+        if par.pipeline_balance != "measured":  # measured: the split is chosen at startup
+            validate_partition(m.num_layers, par.pp, par.vp, par.decoder_first_pipeline_num_layers,
+                               par.decoder_last_pipeline_num_layers, par.pipeline_stage_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if t.global_batch_size % (t.micro_batch_size * dp):
@@ -379,6 +477,24 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("--mock-data and --data-path/--train-data-path are exclusive; pass one")
     if cfg.data.mock_data and m.vocab_size < 2:
         raise ConfigError("--mock-data needs --vocab-size >= 2")
+
+
+def _validate_balance(cfg: Config) -> None:
+    """--pipeline-balance measured chooses the split itself: it needs stages to split and no split given."""
+    par, layers = cfg.parallel, cfg.model.num_layers
+    if par.pipeline_balance != "measured":
+        return
+    given = [f for f, v in (("--pipeline-stage-layers", par.pipeline_stage_layers),
+                            ("--decoder-first-pipeline-num-layers", par.decoder_first_pipeline_num_layers),
+                            ("--decoder-last-pipeline-num-layers", par.decoder_last_pipeline_num_layers)) if v]
+    if given:
+        raise ConfigError(f"--pipeline-balance measured chooses the split of layers itself; drop {given[0]}")
+    if par.pp == 1:
+        raise ConfigError("--pipeline-balance measured needs --pipeline-model-parallel-size > 1 (one stage has "
+                          "nothing to balance)")
+    if layers < par.pp * par.vp:
+        raise ConfigError(f"--pipeline-balance measured needs --num-layers >= pp x vp = {par.pp * par.vp} (one "
+                          f"layer per virtual stage), got {layers}")
 
 
 def _validate_zero_bubble(cfg: Config, name: str, dp: int) -> None:
@@ -432,7 +548,10 @@ def _join_negative_values(argv: Sequence[str]) -> List[str]:
     """``--lr -1e-3`` -> ``--lr=-1e-3``: argparse would take a negative exponent literal for a flag."""
     out: List[str] = []
     for tok in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and tok.startswith("-") and _is_number(tok):
+        # argparse itself takes -1 and -0.5 as values (and a weighted --data-path needs them as
+        # separate tokens); only forms it would read as flags, like -1e-3, are joined.
+        if out and out[-1].startswith("--") and "=" not in out[-1] and tok.startswith("-") and _is_number(tok) \
+                and not re.fullmatch(r"-\d+|-\d*\.\d+", tok):
             out[-1] = f"{out[-1]}={tok}"
         else:
             out.append(tok)

@@ -91,7 +91,10 @@ class ParallelConfig:
     overlap_p2p_comm: bool = False  # sends right after their compute, receives posted one compute ahead
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
+    pipeline_stage_layers: Optional[Tuple[int, ...]] = None  # layers per virtual stage, in stage order
+    pipeline_balance: str = "even"  # even | measured (time layer kinds at startup, choose the split)
     sequence_parallel: bool = False
+    distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails (a hung or stopped rank)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class TrainConfig:
     num_threads: Optional[int] = None  # None: leave torch's default (OMP_NUM_THREADS)
     exit_interval: Optional[int] = None
     check_for_nan_in_loss_and_grad: bool = True  # stop at the first non-finite loss or grad norm (Megatron)
+    exit_signal_handler: bool = False  # SIGTERM/SIGINT: save a checkpoint at the end of the iteration, exit
+    exit_duration_in_mins: Optional[float] = None  # stop (and save) once the run has trained this long
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,7 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     timeline_out: Optional[str] = None
     log_timers: bool = True
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; None: the bf16 table for the GPU (none on CPU)
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,29 @@ import torch.distributed as dist
 
 from megalite.config import ModelConfig
 from megalite.parallel_state import ParallelState
+from megalite.throughput import flops_per_iteration  # noqa: F401  (re-exported: FLOPs and MFU live there)
 
 _FORMAT = "%(message)s"
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is at the time of the record, not the stream of setup time
+    (a caller that redirects or closes stdout between runs, e.g. a test runner, would break it)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def setup_logging(is_logging_rank: bool, rank: int) -> logging.Logger:
     """Configure the ``megalite`` logger for this rank (INFO on the logging rank, else WARNING)."""
     logger = logging.getLogger("megalite")
     logger.handlers.clear()
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _StdoutHandler()
     fmt = _FORMAT if is_logging_rank else f"[rank {rank}] %(levelname)s %(message)s"
     handler.setFormatter(logging.Formatter(fmt))
     logger.addHandler(handler)
@@ -47,10 +61,27 @@ def mean_over_data_parallel(losses: Sequence[torch.Tensor], ps: ParallelState) -
 
 def flag_on_any_rank(flag: bool, ps: ParallelState) -> bool:
     """True on every rank when ``flag`` is true on at least one."""
-    t = torch.tensor([1.0 if flag else 0.0], device=ps.device)
+    return flags_on_any_rank([flag], ps)[0]
+
+
+def flags_on_any_rank(flags: Sequence[bool], ps: ParallelState) -> List[bool]:
+    """Element-wise OR of ``flags`` over every rank, in one all-reduce."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=ps.device)
     if ps.world_size > 1 and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return [bool(v > 0) for v in t.tolist()]
+
+
+def lowest_rank_with(flag: bool, ps: ParallelState) -> Optional[int]:
+    """The lowest global rank where ``flag`` is true, known on every rank (None: on none).
+
+    Lets exactly one of the ranks that found the same problem report it.
+    """
+    t = torch.tensor([ps.rank if flag else ps.world_size], device=ps.device, dtype=torch.float64)
+    if ps.world_size > 1 and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    lowest = int(t.item())
+    return None if lowest >= ps.world_size else lowest
 
 
 def mean_over_pipeline(value: float, ps: ParallelState) -> float:
@@ -75,21 +106,6 @@ def write_timeline(path: str, events: List[dict], ps: ParallelState, **meta) -> 
         logging.getLogger("megalite").info(f"wrote pipeline timeline of iteration {iteration} to {path}")
 
 
-def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, padded_vocab: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward), as Megatron counts them.
-
-    Per layer and token, the matmuls cost 2*(QKV + proj + MLP) multiply-adds plus
-    attention scores/values (2 * s * h); backward doubles forward (x3 in all);
-    the output layer adds 2*h*V per token.
-    """
-    h, s, L = cfg.hidden_size, cfg.seq_length, cfg.num_layers
-    q_ratio = (cfg.head_dim * cfg.num_attention_heads) / h
-    kv_ratio = cfg.query_groups / cfg.num_attention_heads
-    gated = 1.5 if cfg.swiglu else 1.0
-    per_layer_factor = ((1 + kv_ratio + s / h) * q_ratio + (cfg.ffn_size / h) * gated)
-    return 12.0 * global_batch_size * s * L * h * h * (per_layer_factor + padded_vocab / (2.0 * L * h))
-
-
 def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float, tflops_per_gpu: float,
                     lr: float, gbs: int, loss: Optional[float], grad_norm: Optional[float], skipped: int,
                     nans: int, tokens_per_s: float, loss_scale: float = 1.0) -> str:
@@ -109,6 +125,12 @@ def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float
               f" number of nan iterations: {nans:3d}",
               f" tokens per second: {tokens_per_s:.1f}"]
     return "".join(part + " |" for part in parts)
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (days as hours), for elapsed time and the ETA."""
+    seconds = int(round(max(0.0, seconds)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def format_timers(times_ms: Dict[str, float]) -> str:

@@ -30,8 +30,10 @@ import torch
 from megalite.config import Config, ConfigError
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.samplers import PretrainingSampler
-from megalite.logging import (TensorBoard, flag_on_any_rank, flops_per_iteration, format_log_line, format_timers,
-                              mean_over_data_parallel, mean_over_pipeline, write_timeline)
+from megalite.faults import ExitConditions
+from megalite.logging import (TensorBoard, flag_on_any_rank, flags_on_any_rank, format_duration, format_log_line,
+                              format_timers, lowest_rank_with, mean_over_data_parallel, mean_over_pipeline,
+                              write_timeline)
 from megalite.model.gpt import GPTModel
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
@@ -40,12 +42,20 @@ from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.stage_layout import layout_for
 from megalite.pipeline.schedules import build_schedule, default_schedule_name
 from megalite.tensor_parallel.random import RNGTracker
+from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report, memory_scalars, memory_stats
 
 logger = logging.getLogger("megalite")
 
 
 class TrainingStopped(RuntimeError):
-    """The run cannot go on (a non-finite loss or gradient); the message says why and what to do."""
+    """The run cannot go on (a non-finite loss or gradient, a bad sample); the message says why and what to do.
+
+    ``report`` is true on the one rank that should print it (every rank raises it).
+    """
+
+    def __init__(self, message: str, report: bool):
+        super().__init__(message)
+        self.report = report
 
 
 def resolve_data(cfg: Config) -> Config:
@@ -74,7 +84,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker) -> L
     for c in range(par.vp):
         stage = layout.stage(ps.pp_rank, c)
         layers = layout.layers(cfg.model.num_layers, ps.pp_rank, c, par.decoder_first_pipeline_num_layers,
-                               par.decoder_last_pipeline_num_layers)
+                               par.decoder_last_pipeline_num_layers, par.pipeline_stage_layers)
         chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
                                pre_process=stage == 0, post_process=stage == layout.num_stages - 1,
                                sequence_parallel=par.sequence_parallel)
@@ -86,22 +96,79 @@ def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker) -> L
     return chunks
 
 
+def validation_plan(t) -> tuple:
+    """(train, valid, test) sample counts, as Megatron asks for them.
+
+    Every evaluation reads the next ``eval_iters`` global batches of the validation split
+    (not the same ones again), once per ``eval_interval`` and once at the end, so the
+    split is sized (train_iters // eval_interval + 1) x eval_iters x global batch.
+    """
+    from megalite.data.builder import megatron_num_samples
+    if t.eval_iters <= 0 or t.eval_interval <= 0:
+        return t.train_iters * t.global_batch_size, 0, 0
+    return megatron_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+
+
+def valid_samples_before(iteration: int, t) -> int:
+    """Validation samples read by the evaluations before the one logged at ``iteration``.
+
+    An evaluation on the interval, or the one at the end of a run whose last iteration is
+    off the interval, which comes after every interval one: both give this formula.
+    """
+    return max(0, (iteration - 1) // t.eval_interval) * t.eval_iters * t.global_batch_size
+
+
+class DatasetError(ValueError):
+    """The datasets could not be built; ``report`` is true on the one rank that should print why."""
+
+    def __init__(self, message: str, report: bool = True):
+        super().__init__(message)
+        self.report = report
+
+
 def build_datasets(cfg: Config, ps: ParallelState):
-    """Train and validation datasets (samples of seq_length + 1 ids), built once per node."""
+    """Train and validation datasets (samples of seq_length + 1 ids), built once per node.
+
+    Rank 0 builds the index caches while the others wait; a failure there is agreed on
+    (the builder's barrier is an all-reduce of a failure flag) so that every rank stops
+    at once and only one prints, instead of the others waiting out the timeout.
+    """
     t = cfg.train
-    n_train = t.train_iters * t.global_batch_size
-    n_valid = t.eval_iters * t.global_batch_size if t.eval_iters > 0 and t.eval_interval > 0 else 0
+    n_train, n_valid = validation_plan(t)[:2]
     if cfg.data.mock_data:
         make = lambda n, salt: MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size,  # noqa: E731
                                               cfg.train.seed + salt, n) if n else None
         return make(n_train, 0), make(n_valid, 1)
     from megalite.data.builder import build_train_valid_test_datasets
-    train, valid, _ = build_train_valid_test_datasets(cfg.data, (n_train, n_valid, 0),
-                                                      seq_length=cfg.model.seq_length, seed=cfg.train.seed,
-                                                      is_primary=ps.rank == 0, barrier=ps.barrier)
-    if train is None and n_train > 0:
-        raise ConfigError(f"--split {cfg.data.split!r} leaves no training documents; give the train "
-                          f"part a weight or pass --train-data-path")
+    agreed = []
+
+    def barrier() -> None:  # phase 1: has the primary rank failed?
+        agreed.append(True)
+        if flag_on_any_rank(False, ps):
+            raise DatasetError("the dataset build failed on rank 0", report=False)
+
+    error: Optional[str] = None
+    try:
+        train, valid, _ = build_train_valid_test_datasets(cfg.data, (n_train, n_valid, 0),
+                                                          seq_length=cfg.model.seq_length, seed=cfg.train.seed,
+                                                          is_primary=ps.rank == 0, barrier=barrier)
+        if train is None and n_train > 0:
+            raise ConfigError(f"--split {cfg.data.split!r} leaves no training documents; give the train "
+                              f"part a weight or pass --train-data-path")
+    except DatasetError:
+        raise
+    except (ValueError, OSError) as e:  # bad files, split or cache (ConfigError is a ValueError)
+        if not agreed:  # the primary failed before its barrier: tell the waiting ranks
+            flag_on_any_rank(True, ps)
+            raise DatasetError(str(e), report=True) from None
+        error = str(e)
+    if error is None and valid is not None and len(valid) < n_valid and len(valid) < t.eval_iters * t.global_batch_size:
+        error = (f"the validation split has {len(valid)} samples, fewer than one evaluation reads (--eval-iters "
+                 f"{t.eval_iters} x --global-batch-size {t.global_batch_size}); lower --eval-iters or give more "
+                 f"validation data (--split / --valid-data-path)")
+    reporter = lowest_rank_with(error is not None, ps)  # phase 2: did any rank fail loading?
+    if reporter is not None:
+        raise DatasetError(error or "the dataset build failed on another rank", report=reporter == ps.rank)
     return train, valid
 
 
@@ -114,10 +181,12 @@ class MicroBatches:
 
     Samples are read by a DataLoader over the pretraining sampler; ``num_workers``
     > 0 reads them in worker processes ahead of the training loop (``--num-workers``).
+    The sampler is walked a second time alongside, so a bad sample can be named.
     """
 
-    def __init__(self, dataset, consumed: int, mbs: int, m: int, ps: ParallelState, num_workers: int = 0):
-        self.m, self.device = m, ps.device
+    def __init__(self, dataset, consumed: int, mbs: int, m: int, ps: ParallelState, num_workers: int = 0,
+                 name: str = "train"):
+        self.m, self.device, self.dataset, self.name = m, ps.device, dataset, name
         sampler = PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                              collate_fn=_collate, pin_memory=ps.device.type == "cuda",
@@ -125,14 +194,41 @@ class MicroBatches:
                                              # the global RNG, or a resumed run's dropout would differ
                                              generator=torch.Generator())
         self.it = iter(loader)
+        self.indices = iter(PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size))
+        self.last_indices: List[List[int]] = []
 
     def next(self) -> List[Dict[str, torch.Tensor]]:
-        out = []
+        out, self.last_indices = [], []
         for _ in range(self.m):
             text = next(self.it).to(self.device, non_blocking=True)
+            self.last_indices.append(list(next(self.indices)))
             out.append({"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
                         "loss_mask": torch.ones(text.shape[0], text.shape[1] - 1, device=self.device)})
         return out
+
+    def bad_token(self, batches: List[Dict[str, torch.Tensor]], vocab: int) -> Optional[str]:
+        """A one-line description of the first token id outside [0, vocab) in ``batches`` (None: all fine)."""
+        for mb, b in enumerate(batches):
+            text = torch.cat([b["tokens"], b["labels"][:, -1:]], dim=1)
+            if int(text.min()) >= 0 and int(text.max()) < vocab:
+                continue
+            row = int(((text < 0) | (text >= vocab)).any(dim=1).nonzero()[0])
+            ids = text[row]
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            sample = self.last_indices[mb][row]
+            return (f"{self.name} sample {sample} ({describe_sample(self.dataset, sample)}) holds token id {bad}, "
+                    f"outside the model's vocabulary [0, {vocab}): the data was tokenized with another "
+                    f"tokenizer than the one given (--tokenizer-type / --vocab-file / --vocab-size)")
+        return None
+
+
+def describe_sample(dataset, idx: int) -> str:
+    """Where sample ``idx`` of a (blended) dataset comes from, for error messages."""
+    if hasattr(dataset, "dataset_index"):  # a blend: find the part and its own sample number
+        part, inner = int(dataset.dataset_index[idx]), int(dataset.dataset_sample_index[idx])
+        return f"blend part {part}, its sample {inner}, " + describe_sample(dataset.datasets[part], inner)
+    indexed = getattr(dataset, "indexed", None)
+    return f"from {indexed.prefix}.bin" if indexed is not None else f"from a {type(dataset).__name__}"
 
 
 class Trainer:
@@ -143,6 +239,10 @@ class Trainer:
         t, par = cfg.train, cfg.parallel
         if t.num_threads:
             torch.set_num_threads(t.num_threads)
+        if par.pipeline_balance == "measured" and par.pipeline_stage_layers is None:
+            from megalite.pipeline.measure import balance_stages  # times layer kinds: a collective
+            self.cfg = cfg = balance_stages(cfg, ps)  # the split goes into checkpoints' config
+            par = cfg.parallel
         self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
         self.chunks = build_model_chunks(cfg, ps, self.tracker)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
@@ -212,18 +312,30 @@ class Trainer:
                 "p2p": stats.p2p, "grads_sync": t1 - t0, "optimizer": t2 - t1,
                 "bubble": self._bubble(stats), "loss_scale": self.optimizer.loss_scale, "updated": updated}
 
-    def _stop_if_not_finite(self, out: Dict[str, float]) -> None:
+    def _non_finite_error(self, out: Dict[str, float]) -> TrainingStopped:
         """Megatron's --check-for-nan-in-loss-and-grad: every rank stops at the first non-finite value.
 
         An fp16 overflow is not one: the loss scaler skips that step (its norm is None).
         """
-        bad = any(v is not None and not math.isfinite(v) for v in (out["loss"], out["grad_norm"]))
-        if flag_on_any_rank(bad, self.ps):
-            raise TrainingStopped(
-                f"iteration {self.iteration}: the loss or gradient norm is not finite (lm loss {out['loss']}, grad "
-                f"norm {out['grad_norm']} on this rank); stopping, with the weights of iteration "
-                f"{self.iteration - 1}. Lower --lr or check the data; --no-check-for-nan-in-loss-and-grad counts "
-                f"such steps and skips their updates instead")
+        return TrainingStopped(
+            f"iteration {self.iteration}: the loss or gradient norm is not finite (lm loss {out['loss']}, grad "
+            f"norm {out['grad_norm']} on this rank); stopping, with the weights of iteration "
+            f"{self.iteration - 1}. Lower --lr or check the data; --no-check-for-nan-in-loss-and-grad counts "
+            f"such steps and skips their updates instead", report=self.ps.is_logging_rank)
+
+    def _check_tokens(self, data: Optional[MicroBatches], batches) -> None:
+        """Stop every rank before the step when a sample holds an id outside the tokenizer's vocabulary.
+
+        Checked against the unpadded size, so every tp size (each pads differently) stops the same
+        way: unchecked, an id past the padding crashes the lookup at tp=1, and an id inside it trains
+        on an infinite loss (padding logits are masked) at tp>1. One all-reduce.
+        """
+        problem = data.bad_token(batches, self.cfg.model.vocab_size) if data is not None else None
+        reporter = lowest_rank_with(problem is not None, self.ps)
+        if reporter is not None:
+            where = f"iteration {self.iteration + 1}" if data is None or data.name == "train" else \
+                f"evaluation at iteration {self.iteration}"
+            raise TrainingStopped(f"{where}: {problem}", report=reporter == self.ps.rank)
 
     def _reduce_loss(self, losses: List[torch.Tensor]) -> Optional[float]:
         """Mean micro-batch loss over DP ranks (last stage only; None elsewhere).
@@ -252,31 +364,48 @@ class Trainer:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             batches = valid.next() if valid is not None else [None] * self.m
+            self._check_tokens(valid, batches)
             stats = self.executor.run(self.eval_actions, lambda mb: batches[mb], self.m, forward_only=True)
             losses += stats.losses
         return self._reduce_loss(losses)
 
     # -- the loop -------------------------------------------------------------------------------
-    def train(self, train_ds, valid_ds) -> List[Dict[str, float]]:
-        """Run ``train_iters`` iterations with logging and evaluation; return per-iteration scalars."""
+    def train(self, train_ds, valid_ds, exits: Optional[ExitConditions] = None) -> List[Dict[str, float]]:
+        """Run ``train_iters`` iterations with logging and evaluation; return per-iteration scalars.
+
+        Stops early, after saving, at --exit-interval or when ``exits`` asks (a signal under
+        --exit-signal-handler, --exit-duration-in-mins); evaluates once more at the end of a
+        completed run when the last iteration was not an evaluation one (as Megatron).
+        """
         cfg, t = self.cfg, self.cfg.train
         data = MicroBatches(train_ds, self.consumed_samples, t.micro_batch_size, self.m, self.ps,
                             cfg.data.num_workers) if self.needs_data and self.iteration < t.train_iters else None
-        if valid_ds is None and t.eval_iters > 0 and t.eval_interval > 0 and self.ps.is_logging_rank:
+        evaluating = t.eval_iters > 0 and t.eval_interval > 0
+        if valid_ds is None and evaluating and self.ps.is_logging_rank:
             logger.warning("no validation samples (see --split / --valid-data-path): evaluation is skipped")
         tb = TensorBoard(cfg.logging.tensorboard_dir if self.ps.is_logging_rank else None)
-        flops = flops_per_iteration(cfg.model, t.global_batch_size, self.chunks[0].padded_vocab)
+        flops = Throughput(cfg.model, t.global_batch_size, self.chunks[0].padded_vocab, self.ps.world_size,
+                           num_chunks=self.ps.pp_size * cfg.parallel.vp,
+                           peak_tflops=device_peak_tflops(self.ps.device, cfg.logging.peak_tflops))
+        self.memory_reported = False  # Megatron reports GPU memory once, after the first logged iterations
         history: List[Dict[str, float]] = []
         window: List[Dict[str, float]] = []
+        self.run_start, self.first_iteration, self.stop_reason = time.perf_counter(), self.iteration, None
+        self.last_valid_loss, evaluated_at = None, None
         t_last = time.perf_counter()
         while self.iteration < t.train_iters:
             lr = self.scheduler.get_lr()
             batches = data.next() if data is not None else [None] * self.m
+            self._check_tokens(data, batches)
             out = self.train_step(batches)
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
-            if t.check_for_nan_in_loss_and_grad:
-                self._stop_if_not_finite(out)
+            bad = t.check_for_nan_in_loss_and_grad and any(
+                v is not None and not math.isfinite(v) for v in (out["loss"], out["grad_norm"]))
+            reason = exits.local_reason() if exits is not None and exits.active else None
+            stop_bad, stop_asked = flags_on_any_rank([bad, reason is not None], self.ps)
+            if stop_bad:
+                raise self._non_finite_error(out)
             out["lr"] = lr
             history.append(out)
             window.append(out)
@@ -284,37 +413,81 @@ class Trainer:
                 elapsed = (time.perf_counter() - t_last) / len(window)
                 self._log(window, elapsed, flops, tb)
                 window, t_last = [], time.perf_counter()
-            if t.eval_iters > 0 and t.eval_interval > 0 and self.iteration % t.eval_interval == 0:
+            if evaluating and self.iteration % t.eval_interval == 0:
                 self._log_eval(valid_ds, tb)
-                t_last = time.perf_counter()
+                evaluated_at, t_last = self.iteration, time.perf_counter()
             ck = cfg.checkpoint
-            exiting = bool(t.exit_interval and self.iteration % t.exit_interval == 0)
-            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0 and not exiting:
+            if t.exit_interval and self.iteration % t.exit_interval == 0:
+                self.stop_reason = f"--exit-interval {t.exit_interval} reached"
+            elif stop_asked:
+                self.stop_reason = reason or "another rank asked to stop"
+            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0 and not self.stop_reason:
                 self.save()
                 t_last = time.perf_counter()  # saving is not iteration time
-            if exiting:
+            if self.stop_reason:
                 break
         if cfg.checkpoint.save and self.saved_at != self.iteration:
             self.save()
         self.optimizer.finish_param_gather()
+        if evaluating and self.stop_reason is None and evaluated_at != self.iteration \
+                and self.iteration > self.first_iteration:
+            self._log_eval(valid_ds, tb, at_end=True)
         if cfg.logging.timeline_out and self.last_stats is not None:
             self.write_timeline(cfg.logging.timeline_out)
         tb.close()
+        self._log_summary(history)
         return history
 
-    def _log(self, window: List[Dict[str, float]], sec_per_iter: float, flops: float, tb: TensorBoard) -> None:
+    def _log_summary(self, history: List[Dict[str, float]]) -> None:
+        """The last lines of a run: what was done and where its outputs went."""
+        if not self.ps.is_logging_rank:
+            return
+        cfg, t = self.cfg, self.cfg.train
+        iters = self.iteration - self.first_iteration
+        losses = [h["loss"] for h in history if h["loss"] is not None]
+        tokens = iters * t.global_batch_size * cfg.model.seq_length
+        lines = [f"training {'stopped (' + self.stop_reason + ')' if self.stop_reason else 'done'}: "
+                 f"{iters} iterations ({self.iteration} in all), {tokens:,} tokens in "
+                 f"{format_duration(time.perf_counter() - self.run_start)}"
+                 + (f"; final lm loss {losses[-1]:.4f}" if losses else "")
+                 + (f", validation lm loss {self.last_valid_loss:.4f}" if self.last_valid_loss is not None else "")]
+        if cfg.checkpoint.save and self.saved_at is not None:
+            lines.append(f"  checkpoint: {cfg.checkpoint.save} (iteration {self.saved_at})")
+        if cfg.logging.tensorboard_dir:
+            lines.append(f"  tensorboard: {cfg.logging.tensorboard_dir}")
+        if cfg.logging.timeline_out and self.last_stats is not None:
+            lines.append(f"  pipeline timeline: {cfg.logging.timeline_out}")
+        if not cfg.data.mock_data:
+            from megalite.data.builder import default_cache_dir
+            paths = cfg.data.data_path or cfg.data.train_data_path
+            prefix = next((p for p in paths if not p.replace(".", "", 1).isdigit()), None)
+            if cfg.data.data_cache_path or prefix:
+                cache = cfg.data.data_cache_path or os.path.dirname(default_cache_dir(prefix, "x"))
+                lines.append(f"  data index cache: {cache}")
+        logger.info("\n".join(lines))
+
+    def _log(self, window: List[Dict[str, float]], sec_per_iter: float, flops: Throughput, tb: TensorBoard) -> None:
         t = self.cfg.train
         losses = [w["loss"] for w in window if w["loss"] is not None]
         loss = sum(losses) / len(losses) if losses else None
         bubble = mean_over_pipeline(sum(w["bubble"] for w in window) / len(window), self.ps)
+        memory_lines = [] if self.memory_reported else gather_memory_report(self.ps, self.iteration)  # collective
+        self.memory_reported = True
         if not self.ps.is_logging_rank:
             return
-        tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / sec_per_iter
-        tflops = flops / sec_per_iter / 1e12 / self.ps.world_size
+        figures = flops.figures(sec_per_iter)
+        tokens_per_s, tflops = figures["tokens_per_s"], figures["tflops"]
         last = window[-1]
+        run_time = time.perf_counter() - self.run_start
+        done = self.iteration - self.first_iteration
+        eta = run_time / done * (t.train_iters - self.iteration)
         logger.info(format_log_line(self.iteration, t.train_iters, self.consumed_samples, sec_per_iter * 1e3,
                                     tflops, last["lr"], t.global_batch_size, loss, last["grad_norm"],
-                                    self.skipped_iters, self.nan_iters, tokens_per_s, last["loss_scale"]))
+                                    self.skipped_iters, self.nan_iters, tokens_per_s, last["loss_scale"])
+                    + flops.log_fields(figures)
+                    + f" elapsed: {format_duration(run_time)} | ETA: {format_duration(eta)} |")
+        for line in memory_lines:
+            logger.info(line)
         if self.cfg.logging.log_timers:
             keys = ("forward", "backward", "p2p", "grads_sync", "optimizer")
             names = ("forward-compute", "backward-compute", "p2p-wait", "grads-all-reduce", "optimizer")
@@ -323,18 +496,26 @@ class Trainer:
         scalars = {"loss-scale": last["loss_scale"]} if self.optimizer.scaler is not None else {}
         tb.scalars({**scalars, "lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
                     "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
-                    "throughput": tflops, "tokens-per-second": tokens_per_s}, self.iteration)
+                    **flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device))}, self.iteration)
 
-    def _log_eval(self, valid_ds, tb: TensorBoard) -> None:
+    def _log_eval(self, valid_ds, tb: TensorBoard, at_end: bool = False) -> None:
+        """Evaluate on the next validation batches and log Megatron's validation lines."""
         if valid_ds is None:  # the same on every rank: no validation split, nothing to run
             return
-        valid = MicroBatches(valid_ds, 0, self.cfg.train.micro_batch_size, self.m, self.ps,
-                             self.cfg.data.num_workers) if self.needs_data else None
+        t = self.cfg.train
+        # Each evaluation goes on where the last stopped (Megatron's order); resumed runs skip
+        # the batches the evaluations before the checkpoint read.
+        start, need = valid_samples_before(self.iteration, t), t.eval_iters * t.global_batch_size
+        if start + need > len(valid_ds):  # a capped blend smaller than Megatron's plan: start over
+            start = 0
+        valid = MicroBatches(valid_ds, start, t.micro_batch_size, self.m, self.ps, self.cfg.data.num_workers,
+                             name="validation") if self.needs_data else None
         loss = self.evaluate(valid)
         if self.ps.is_logging_rank and loss is not None:
+            self.last_valid_loss = loss
             ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-            line = f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | " \
-                   f"lm loss PPL: {ppl:.6E} |"
+            where = "the end of training for val data" if at_end else f"iteration {self.iteration}"
+            line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
             logger.info("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
             tb.scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.iteration)
 

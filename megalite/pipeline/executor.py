@@ -84,7 +84,7 @@ class PipelineExecutor:
             self._wgrads = {}
             for chunk in self.chunks:  # idempotent; results are the same with or without it
                 enable_weight_grad_split(chunk)
-        p2p = P2PState()
+        p2p = P2PState(self.ps.timeout if self.ps.backend == "gloo" else None)
         t0 = self._now()
         for action in actions:
             start = self._now()

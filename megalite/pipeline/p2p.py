@@ -12,7 +12,8 @@ the forward whose input already arrived before the gradient it will need next.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,10 @@ Key = Tuple[str, int, int]  # (kind, mb, dst_stage): how both sides name a trans
 class P2PState:
     """Transfers of one step in flight: receive buffers with their handles, send handles."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+        # gloo receives ignore the process group's timeout unless given one: without it a hung
+        # neighbour would hold this rank forever. (NCCL waits are stream syncs: left as they are.)
+        self.timeout = timeout
         self.payloads: Dict[Key, torch.Tensor] = {}  # produced, to be sent by a later Comm
         self._recvs: Dict[Key, Tuple[torch.Tensor, List]] = {}
         self._sends: List[Tuple[torch.Tensor, List]] = []
@@ -60,14 +64,20 @@ class P2PState:
         """Wait for the receive named ``key`` and hand over its buffer."""
         t, works = self._recvs.pop(key)
         for w in works:
-            w.wait()
+            self._wait(w)
         return t
+
+    def _wait(self, work) -> None:
+        if self.timeout is None:
+            work.wait()
+        elif not work.wait(self.timeout):
+            raise dist.DistBackendError(f"a pipeline transfer did not complete within {self.timeout}")
 
     def finish(self) -> None:
         """Wait for every send; fail loudly if the schedule left anything unmatched."""
         for _, works in self._sends:
             for w in works:
-                w.wait()
+                self._wait(w)
         self._sends.clear()
         if self.payloads or self._recvs:
             raise RuntimeError(f"schedule left transfers unmatched: unsent {sorted(self.payloads)}, "

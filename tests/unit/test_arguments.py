@@ -65,6 +65,25 @@ def test_help_shows_every_new_flag_with_its_default():
     assert "(default: 4294967296.0)" in text and "(default: 1000)" in text
 
 
+def test_every_flag_has_help_in_megatrons_groups_and_unimplemented_ones_are_listed():
+    import argparse
+    from megalite.arguments import NOT_IMPLEMENTED, build_parser
+    p = build_parser()
+    for action in p._actions:
+        if action.option_strings and action.help is not argparse.SUPPRESS and "-h" not in action.option_strings:
+            # a sentence of its own, not only the default
+            assert action.help and not action.help.startswith("(default"), action.option_strings
+    titles = [g.title for g in p._action_groups]
+    for megatron_group in ("network size", "regularization", "training", "initialization", "learning rate",
+                           "checkpointing", "mixed precision", "distributed", "validation", "data and dataloader",
+                           "logging"):
+        assert megatron_group in titles
+    text = " ".join(p.format_help().split())
+    assert "(default: 10.0)" in text  # --distributed-timeout-minutes shows its default
+    for flag in NOT_IMPLEMENTED:
+        assert flag in text.split("not implemented yet")[-1]
+
+
 def test_query_groups_need_the_gqa_flag():
     with pytest.raises(ConfigError, match="--num-query-groups needs --group-query-attention"):
         parse_args(["--num-query-groups", "2", "--mock-data"], world_size=1)
