@@ -444,12 +444,13 @@ class Trainer:
             return
         cfg, t = self.cfg, self.cfg.train
         iters = self.iteration - self.first_iteration
-        losses = [h["loss"] for h in history if h["loss"] is not None]
+        # the last log interval's mean, the number the last log line printed
+        losses = [h["loss"] for h in history[-cfg.logging.log_interval:] if h["loss"] is not None]
         tokens = iters * t.global_batch_size * cfg.model.seq_length
         lines = [f"training {'stopped (' + self.stop_reason + ')' if self.stop_reason else 'done'}: "
                  f"{iters} iterations ({self.iteration} in all), {tokens:,} tokens in "
                  f"{format_duration(time.perf_counter() - self.run_start)}"
-                 + (f"; final lm loss {losses[-1]:.4f}" if losses else "")
+                 + (f"; final lm loss {sum(losses) / len(losses):.4f}" if losses else "")
                  + (f", validation lm loss {self.last_valid_loss:.4f}" if self.last_valid_loss is not None else "")]
         if cfg.checkpoint.save and self.saved_at is not None:
             lines.append(f"  checkpoint: {cfg.checkpoint.save} (iteration {self.saved_at})")

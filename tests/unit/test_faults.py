@@ -161,3 +161,5 @@ def test_end_of_training_evaluates_and_summarises(tmp_path, capsys):
     assert re.match(r"training done: 5 iterations \(5 in all\), 640 tokens in \d+:\d\d:\d\d; final lm loss "
                     r"\d+\.\d{4}, validation lm loss \d+\.\d{4}", summary)
     assert f"checkpoint: {tmp_path / 'ckpt'} (iteration 5)" in summary and f"tensorboard: {tb}" in summary
+    last_logged = float(re.findall(r"\| lm loss: ([0-9.E+-]+) \|", out)[-1])
+    assert f"final lm loss {last_logged:.4f}," in summary  # the last log interval's mean (interval 1 here)
