@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -42,6 +43,7 @@ def _is_comm_failure(e: RuntimeError) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    start = time.time()  # --exit-duration-in-mins counts from here, as Megatron (startup included)
     rank = os.environ.get("RANK", "0")
     try:
         cfg = resolve_data(parse_args(argv))
@@ -58,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signals = ExitSignals(save_on_signal=cfg.train.exit_signal_handler).install()
     watch_launcher()
     try:
-        return _run(cfg, signals)
+        return _run(cfg, signals, start)
     except RuntimeError as e:
         if not _is_comm_failure(e):
             raise
@@ -72,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signals.uninstall()
 
 
-def _run(cfg, signals: ExitSignals) -> int:
+def _run(cfg, signals: ExitSignals, start: float) -> int:
     par = cfg.parallel
     ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
                                 timeout_s=60.0 * par.distributed_timeout_minutes)
@@ -102,7 +104,7 @@ def _run(cfg, signals: ExitSignals) -> int:
         ps.destroy()
         return 2
     try:
-        trainer.train(train_ds, valid_ds, ExitConditions(signals, cfg.train.exit_duration_in_mins))
+        trainer.train(train_ds, valid_ds, ExitConditions(signals, cfg.train.exit_duration_in_mins, start))
     except TrainingStopped as e:
         if e.report:  # the rank that knows the problem says it once
             _error(str(e))

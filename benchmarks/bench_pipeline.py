@@ -170,8 +170,24 @@ def run_row(ps: ParallelState, a: argparse.Namespace, schedule: str, vp: int, m:
             sec, out = timed_step(ps, lambda: impls[name](batches[i % 4]))
             res[name].append(sec)
             if name == "megalite":
-                res["stats"].append(out)
+                res["stats"].append({**out, "costs": chunk_costs(trainer.last_stats.events, m)})
     return res
+
+
+def chunk_costs(events: List[dict], m: int) -> Dict[int, Tuple[float, float, float]]:
+    """Per local chunk: (forward, backward incl. W, W) seconds per micro-batch from the executor's events.
+
+    Timed per action, so the simulator sees what each stage really costs: W is not half the
+    backward (the output layer's weight GEMM makes it most of the last stage's), and the two
+    chunks of a V rank differ (one holds the embedding, the other the output layer and loss).
+    """
+    total: Dict[Tuple[int, str], float] = {}
+    for e in events:
+        key = (e["chunk"], e["kind"])
+        total[key] = total.get(key, 0.0) + e["end"] - e["start"]
+    chunks = sorted({c for c, _ in total})
+    return {c: (total[(c, "F")] / m, (total[(c, "B")] + total.get((c, "W"), 0.0)) / m,
+                total.get((c, "W"), 0.0) / m) for c in chunks}
 
 
 def run_rows(ps: ParallelState, a: argparse.Namespace, rows: List[Tuple[str, int, int]]) -> List[Dict]:
@@ -199,13 +215,12 @@ def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[D
     p2p = [1e3 * statistics.mean(s["p2p"] for s in r["stats"]) for r in per_rank]
     ratio_bf = mean["backward"] / mean["forward"]
     sim2 = statistics.mean(simulate_schedule(name, pp, vp, m, 1.0, 2.0, mode="executor").bubble_fraction)
-    # The simulator fed with each rank's measured forward/backward time per chunk: it then sees
-    # the last stage's extra output layer and loss, not just an average b/f ratio.
-    # (B and W are timed together as "backward"; split them half and half as the simulator does.)
-    fb = [tuple(statistics.mean(s[k] for s in r["stats"]) / (m * vp) for k in ("forward", "backward"))
-          for r in per_rank]
+    # The simulator fed with every stage's measured forward, backward and W time per micro-batch:
+    # it then sees the last stage's extra output layer and loss and the real B/W split.
+    costs = [tuple(statistics.mean(s["costs"][layout.chunk_of(stage)][i] for s in per_rank[layout.rank_of(stage)]
+                                   ["stats"]) for i in range(3)) for stage in range(pp * vp)]
     sim_meas = statistics.mean(simulate_schedule(name, pp, vp, m, mode="executor", stage_costs=[
-        fb[layout.rank_of(stage)] for stage in range(pp * vp)]).bubble_fraction)
+        c if c[2] > 0 else c[:2] for c in costs]).bubble_fraction)
     pair = statistics.median(x / y for x, y in zip(step["torch"], step["megalite"]))
     losses = [x for r in per_rank for x in r["first_loss"] if x is not None]
     loss_diff = abs(losses[0] - losses[1]) / abs(losses[1]) if len(losses) == 2 else float("nan")

@@ -22,12 +22,17 @@ import time
 from typing import Optional
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SAME_REQUEST_S = 2.0  # a second signal within this is the first one delivered twice
 
 
 def _say(line: str) -> None:
-    """One line on stderr from rank 0 only (every rank receives the same signal)."""
+    """One line on stderr from rank 0 only (every rank receives the same signal).
+
+    os.write, not print: a signal handler that writes to a buffered stream the interrupted code
+    was writing to raises a reentrancy error instead of exiting.
+    """
     if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
+        os.write(2, (line + "\n").encode())
 
 
 class ExitSignals:
@@ -36,6 +41,7 @@ class ExitSignals:
     def __init__(self, save_on_signal: bool):
         self.save_on_signal = save_on_signal
         self.received: Optional[int] = None
+        self._first_at = 0.0
         self._previous = {}
 
     def install(self) -> "ExitSignals":
@@ -52,15 +58,21 @@ class ExitSignals:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self.save_on_signal and self.received is None:
-            self.received = signum
-            _say(f"pretrain_gpt.py: received {name}: saving a checkpoint at the end of this iteration, "
-                 f"then exiting (send it again to exit at once)")
+        now = time.monotonic()
+        if self.save_on_signal and (self.received is None or now - self._first_at < _SAME_REQUEST_S):
+            # Ctrl-C reaches a rank from the terminal and again from torchrun (SLURM likewise):
+            # a repeat within a moment is the same request, not an order to exit at once.
+            if self.received is None:
+                self.received, self._first_at = signum, now
+                _say(f"pretrain_gpt.py: received {name}: saving a checkpoint at the end of this iteration, "
+                     f"then exiting (send it again to exit at once; torchrun kills ranks 30 s after it "
+                     f"forwards a signal)")
             return
-        _say(f"pretrain_gpt.py: received {name}: exiting without saving"
-             + ("" if self.save_on_signal else " (--exit-signal-handler saves a checkpoint first)"))
-        sys.stdout.flush()
-        os._exit(128 + signum)
+        try:
+            _say(f"pretrain_gpt.py: received {name}: exiting without saving"
+                 + ("" if self.save_on_signal else " (--exit-signal-handler saves a checkpoint first)"))
+        finally:
+            os._exit(128 + signum)
 
 
 def watch_launcher(poll_s: float = 0.5) -> Optional[threading.Thread]:

@@ -59,6 +59,14 @@ def mean_over_data_parallel(losses: Sequence[torch.Tensor], ps: ParallelState) -
     return float(loss)
 
 
+def loss_from_first_stage(loss: Optional[float], ps: ParallelState) -> Optional[float]:
+    """A V-shaped schedule computes the loss on pipeline rank 0: pass it to the last pipeline rank,
+    where the log line expects it (None stays None on the ranks in between)."""
+    t = torch.tensor([loss if loss is not None else 0.0], device=ps.device)
+    dist.broadcast(t, ps.pp.ranks[0], group=ps.pp_group)
+    return float(t) if ps.is_last_stage or loss is not None else None
+
+
 def flag_on_any_rank(flag: bool, ps: ParallelState) -> bool:
     """True on every rank when ``flag`` is true on at least one."""
     return flags_on_any_rank([flag], ps)[0]

@@ -22,7 +22,7 @@ import math
 import os
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -32,8 +32,8 @@ from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.samplers import PretrainingSampler
 from megalite.faults import ExitConditions
 from megalite.logging import (TensorBoard, flag_on_any_rank, flags_on_any_rank, format_duration, format_log_line,
-                              format_timers, lowest_rank_with, mean_over_data_parallel, mean_over_pipeline,
-                              write_timeline)
+                              format_timers, loss_from_first_stage, lowest_rank_with, mean_over_data_parallel,
+                              mean_over_pipeline, write_timeline)
 from megalite.model.gpt import GPTModel
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
@@ -196,20 +196,23 @@ class MicroBatches:
         self.it = iter(loader)
         self.indices = iter(PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size))
         self.last_indices: List[List[int]] = []
+        self.last_host: List[torch.Tensor] = []
 
     def next(self) -> List[Dict[str, torch.Tensor]]:
-        out, self.last_indices = [], []
+        out, self.last_indices, self.last_host = [], [], []
         for _ in range(self.m):
-            text = next(self.it).to(self.device, non_blocking=True)
+            host = next(self.it)
+            self.last_host.append(host)  # checked on the host: no device sync per micro-batch
+            text = host.to(self.device, non_blocking=True)
             self.last_indices.append(list(next(self.indices)))
             out.append({"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
                         "loss_mask": torch.ones(text.shape[0], text.shape[1] - 1, device=self.device)})
         return out
 
     def bad_token(self, batches: List[Dict[str, torch.Tensor]], vocab: int) -> Optional[str]:
-        """A one-line description of the first token id outside [0, vocab) in ``batches`` (None: all fine)."""
-        for mb, b in enumerate(batches):
-            text = torch.cat([b["tokens"], b["labels"][:, -1:]], dim=1)
+        """A one-line description of the first token id outside [0, vocab) in ``batches``, the last ones
+        ``next()`` returned (None: all fine)."""
+        for mb, text in enumerate(self.last_host[:len(batches)]):
             if int(text.min()) >= 0 and int(text.max()) < vocab:
                 continue
             row = int(((text < 0) | (text >= vocab)).any(dim=1).nonzero()[0])
@@ -240,8 +243,18 @@ class Trainer:
         if t.num_threads:
             torch.set_num_threads(t.num_threads)
         if par.pipeline_balance == "measured" and par.pipeline_stage_layers is None:
+            from megalite.checkpointing import saved_stage_layers
             from megalite.pipeline.measure import balance_stages  # times layer kinds: a collective
-            self.cfg = cfg = balance_stages(cfg, ps)  # the split goes into checkpoints' config
+            ck = cfg.checkpoint
+            saved = saved_stage_layers(ck.load, ck.ckpt_step, ps.pp_size, par.vp) \
+                if ck.load and not ck.finetune else None
+            if saved is not None:  # resuming: keep the split the run was balanced with (same file, every rank)
+                self.cfg = cfg = cfg.with_(parallel=replace(par, pipeline_stage_layers=saved))
+                if ps.is_logging_rank:
+                    logger.info(f"--pipeline-balance measured: resuming with the checkpoint's split "
+                                f"{','.join(map(str, saved))}")
+            else:
+                self.cfg = cfg = balance_stages(cfg, ps)  # the split goes into checkpoints' config
             par = cfg.parallel
         self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
         self.chunks = build_model_chunks(cfg, ps, self.tracker)
@@ -345,9 +358,7 @@ class Trainer:
         """
         loss = mean_over_data_parallel(losses, self.ps)
         if self.executor.layout.v_shape and self.ps.pp_size > 1:
-            t = torch.tensor([loss if loss is not None else 0.0], device=self.ps.device)
-            torch.distributed.broadcast(t, self.ps.pp.ranks[0], group=self.ps.pp_group)
-            loss = float(t) if self.ps.is_last_stage or loss is not None else None
+            loss = loss_from_first_stage(loss, self.ps)
         return loss
 
     @staticmethod
@@ -392,6 +403,7 @@ class Trainer:
         window: List[Dict[str, float]] = []
         self.run_start, self.first_iteration, self.stop_reason = time.perf_counter(), self.iteration, None
         self.last_valid_loss, evaluated_at = None, None
+        self.last_logged: Tuple[int, Optional[float]] = (self.iteration, None)  # (iteration, lm loss)
         t_last = time.perf_counter()
         while self.iteration < t.train_iters:
             lr = self.scheduler.get_lr()
@@ -444,8 +456,10 @@ class Trainer:
             return
         cfg, t = self.cfg, self.cfg.train
         iters = self.iteration - self.first_iteration
-        # the last log interval's mean, the number the last log line printed
-        losses = [h["loss"] for h in history[-cfg.logging.log_interval:] if h["loss"] is not None]
+        # the number the last log line printed; iterations after it (an early stop) are averaged instead
+        logged_at, logged = self.last_logged
+        unlogged = history[len(history) - (self.iteration - logged_at):] if logged_at < self.iteration else []
+        losses = [h["loss"] for h in unlogged if h["loss"] is not None] or ([logged] if logged is not None else [])
         tokens = iters * t.global_batch_size * cfg.model.seq_length
         lines = [f"training {'stopped (' + self.stop_reason + ')' if self.stop_reason else 'done'}: "
                  f"{iters} iterations ({self.iteration} in all), {tokens:,} tokens in "
@@ -476,6 +490,7 @@ class Trainer:
         self.memory_reported = True
         if not self.ps.is_logging_rank:
             return
+        self.last_logged = (self.iteration, loss)
         figures = flops.figures(sec_per_iter)
         tokens_per_s, tflops = figures["tokens_per_s"], figures["tflops"]
         last = window[-1]

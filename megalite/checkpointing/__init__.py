@@ -260,6 +260,22 @@ def _save_torch(trainer, tmp: str, full_opt: dict) -> None:
 
 
 # -- loading -------------------------------------------------------------------------------------
+def saved_stage_layers(root: str, step: Optional[int], pp: int, vp: int) -> Optional[Tuple[int, ...]]:
+    """The per-stage layer split the checkpoint to load was trained with, when its pp and vp match.
+
+    ``--pipeline-balance measured`` resumes with it instead of measuring again: timing noise could
+    choose another split, which a torch-format checkpoint refuses and which changes the RNG layout.
+    """
+    it = step if step is not None else read_latest(root)
+    path = os.path.join(iteration_dir(root, it), "meta.json") if it is not None else None
+    if path is None or not os.path.exists(path):
+        return None
+    layout = _read_json(path).get("layout", {})
+    if layout.get("pp") == pp and layout.get("vp") == vp and layout.get("stage_layers"):
+        return tuple(int(n) for n in layout["stage_layers"])
+    return None
+
+
 def load_checkpoint(trainer, root: str, *, step: Optional[int] = None, finetune: bool = False,
                     load_optim: bool = True, load_rng: bool = True) -> Optional[int]:
     """Load ``root`` (latest, or iteration ``step``) into the trainer; returns the iteration loaded.
@@ -310,15 +326,22 @@ def _optimizer_state(tensors: Dict[str, Dict[str, torch.Tensor]], meta: dict) ->
     return {n: {**t, "step": step.clone()} if "exp_avg" in t else dict(t) for n, t in tensors.items()}
 
 
-def _split_text(layout: dict) -> str:
-    """Layers per stage of a saved or running layout: ``3,1`` or ``first 0 last 0`` (older files lack the list)."""
-    return ",".join(map(str, layout.get("stage_layers") or ())) or f"first {layout['first']} last {layout['last']}"
+def _stage_counts(layout: dict, num_layers: int) -> str:
+    """Layers of every virtual stage, resolved (``2,2``), so an even split given as a list and the
+    same split given by default compare equal; older files lack the list."""
+    from megalite.pipeline.partition import stage_layer_counts
+    try:
+        counts = stage_layer_counts(num_layers, layout["pp"], layout["vp"], layout["first"] or None,
+                                    layout["last"] or None, layout.get("stage_layers") or None)
+    except ValueError:  # a layout this model cannot have: show it as saved
+        return f"first {layout['first']} last {layout['last']} list {layout.get('stage_layers')}"
+    return ",".join(map(str, counts))
 
 
 def _load_torch(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
     ps, here = trainer.ps, _layout(trainer)
     saved = meta["layout"]
-    split = _split_text
+    split = lambda layout: _stage_counts(layout, trainer.cfg.model.num_layers)  # noqa: E731
     if any(saved[k] != here[k] for k in ("tp", "pp", "vp")) or split(saved) != split(here):
         raise CheckpointError(
             f"{d} is a torch-format checkpoint saved with tp={saved['tp']} pp={saved['pp']} vp={saved['vp']} "

@@ -62,13 +62,13 @@ class MegaliteSource(ModelSource):
         self.info = SourceInfo(iteration=int(self.meta.get("iteration", 0)), kind="megalite",
                                tokenizer={k: data.get(k) for k in TOKENIZER_FIELDS})
         self.format = self.meta.get("format", "sharded")
+        lay = self.meta["layout"]  # the layout it was trained in: the converter's default target
+        self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None, lay.get("last") or None,
+                             tuple(lay.get("stage_layers") or ()) or None)
         if self.format == "sharded":
             SafeFileSystemReader(self.dir).read_metadata()  # the allow-listed index, before DCP reads anything
             self.index = _read_index(self.dir)
         else:
-            lay = self.meta["layout"]
-            self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None, lay.get("last") or None,
-                                 tuple(lay.get("stage_layers") or ()) or None)
             self.where = self.layout.stage_of_layer(self.cfg.num_layers)
             for t in range(self.layout.tp):  # every file present before anything is converted
                 for r in range(self.layout.pp):

@@ -203,3 +203,21 @@ def test_pretrain_gpt_measured_balance_on_two_pipeline_ranks_prints_the_split_an
     assert int(chosen[1]) + int(chosen[2]) == 4 and float(chosen[3]) <= float(even[1])
     assert f"training with --pipeline-stage-layers {chosen[1]},{chosen[2]}" in out
     assert len(re.findall(r"\| lm loss: [0-9.E+-]+ \|", out)) == 3
+
+
+def test_resume_keeps_the_checkpoints_split_and_torch_format_compares_resolved_splits(tmp_path):
+    """--pipeline-balance measured must not measure again on resume (noise could pick another split)."""
+    import json
+    from megalite.checkpointing import _stage_counts, saved_stage_layers
+    d = tmp_path / "iter_0000007"
+    d.mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    layout = {"pp": 2, "vp": 1, "first": 0, "last": 0, "stage_layers": [6, 2]}
+    (d / "meta.json").write_text(json.dumps({"layout": layout}))
+    assert saved_stage_layers(str(tmp_path), None, 2, 1) == (6, 2)
+    assert saved_stage_layers(str(tmp_path), None, 4, 1) is None  # another pipeline: measure
+    assert saved_stage_layers(str(tmp_path / "none"), None, 2, 1) is None
+    even_by_default = {"pp": 2, "vp": 1, "first": 0, "last": 0, "stage_layers": []}
+    even_as_list = {**even_by_default, "stage_layers": [4, 4]}
+    assert _stage_counts(even_by_default, 8) == _stage_counts(even_as_list, 8) == "4,4"
+    assert _stage_counts(layout, 8) == "6,2"

@@ -163,3 +163,10 @@ def test_end_of_training_evaluates_and_summarises(tmp_path, capsys):
     assert f"checkpoint: {tmp_path / 'ckpt'} (iteration 5)" in summary and f"tensorboard: {tb}" in summary
     last_logged = float(re.findall(r"\| lm loss: ([0-9.E+-]+) \|", out)[-1])
     assert f"final lm loss {last_logged:.4f}," in summary  # the last log interval's mean (interval 1 here)
+
+
+def test_summary_loss_is_the_last_logged_one_when_the_window_is_short(capsys):
+    assert pretrain_gpt.main(RUN + ["--train-iters", "3", "--log-interval", "2"]) == 0
+    out = capsys.readouterr().out
+    last_logged = float(re.findall(r"\| lm loss: ([0-9.E+-]+) \|", out)[-1])  # iteration 3: a window of one
+    assert f"final lm loss {last_logged:.4f}" in out

@@ -97,7 +97,10 @@ def target_layout(a: argparse.Namespace, src: ModelSource) -> Layout:
     for flag, v in (("tensor", tp), ("pipeline", pp), ("virtual pipeline", vp)):
         if v < 1:
             raise CheckpointError(f"the target {flag}-parallel size must be >= 1 (got {v})")
-    return Layout(tp, pp, vp, first, last)
+    # an explicit tp/pp/split asks for a new layout; otherwise the source's own split is kept
+    stage_layers = None if explicit or a.target_virtual_pipeline_model_parallel_size or \
+        a.target_num_layers_per_virtual_pipeline_stage else base.stage_layers
+    return Layout(tp, pp, vp, first, last, stage_layers)
 
 
 def tokenizer_for_target(a: argparse.Namespace, src: ModelSource, final: str, tmp: str) -> Dict[str, Optional[str]]:
