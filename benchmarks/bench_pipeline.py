@@ -14,16 +14,17 @@ global-norm clipping, AdamW and the LR schedule.
 * torch: ``PipelineStage`` per chunk + ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B``; for zb_h1 ``ScheduleInterleavedZeroBubble``
   with one stage per rank (torch's closest to ZB-H1), for zbv
-  ``ScheduleZBVZeroBubble`` on the same V placement; loss_fn = the chunk's own
-  ``loss`` (same math).
+  ``ScheduleZBVZeroBubble`` on the same V placement (the last stage's module
+  also lists the tied embedding it reads, or torch's split backward skips its
+  gradient); loss_fn = the chunk's own ``loss`` (same math).
 
 Steps alternate megalite / torch one by one (order flipped each step) so
 load from other processes hits both alike. A step's time is the slower
 rank's, after a barrier; the table gives tokens/s from the median step time,
 megalite's measured bubble (mean over ranks, Trainer.train_step's "bubble"),
-the simulator's bubble (executor semantics) with b/f = 2 and with each rank's
-measured costs, and
-where megalite's time goes per rank (forward+backward compute, p2p wait; ms
+the simulator's bubble (executor semantics) with b/f = 2 and with every
+stage's measured forward, backward and W time (from the executor's per-action
+events), and where megalite's time goes per rank (forward+backward compute, p2p wait; ms
 per step) plus grad sync + clip + optimizer.
 
   python benchmarks/bench_pipeline.py            # pp 2, m in 2 4 8 16, a few minutes
@@ -100,8 +101,9 @@ class TorchPipeline:
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.train_iters)
-        stages = [PipelineStage(c, stage_index=layout.stage(ps.pp_rank, i), num_stages=layout.num_stages,
-                                device=ps.device, group=ps.pp_group) for i, c in enumerate(self.chunks)]
+        stages = [PipelineStage(_torch_stage_module(c, self.chunks), stage_index=layout.stage(ps.pp_rank, i),
+                                num_stages=layout.num_stages, device=ps.device, group=ps.pp_group)
+                  for i, c in enumerate(self.chunks)]
         last = next(c for c in self.chunks if c.post_process) if any(c.post_process for c in self.chunks) \
             else self.chunks[-1]
         mbs, s = cfg.train.micro_batch_size, cfg.model.seq_length
@@ -138,6 +140,31 @@ class TorchPipeline:
             self.optimizer.step()
         self.scheduler.step()
         return {"loss": float(torch.stack(losses).detach().mean()) if losses else None}
+
+
+class _TiedOutputStage(torch.nn.Module):
+    """A V's last chunk as torch sees it: the output layer's weight, the first chunk's embedding, is one of its
+    parameters.
+
+    torch's split backward (stage_backward_input / stage_backward_weight) differentiates only the stage
+    module's own parameters; without this it silently drops the output layer's weight gradient (the
+    largest weight GEMM of the rank) and trains a wrong tied embedding, faster than a correct run.
+    """
+
+    def __init__(self, chunk: torch.nn.Module, tied_weight: torch.nn.Parameter):
+        super().__init__()
+        self.chunk, self.tied_weight = chunk, tied_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk(x)
+
+
+def _torch_stage_module(chunk, chunks) -> torch.nn.Module:
+    """``chunk``, or for a last stage tied to a first stage on this rank, chunk plus the tied weight."""
+    first = [c for c in chunks if c.pre_process and c is not chunk]
+    if chunk.post_process and chunk.output_weight is None and first and chunk.cfg.tied_embeddings:
+        return _TiedOutputStage(chunk, first[0].embedding.word_embeddings.weight)
+    return chunk
 
 
 def timed_step(ps: ParallelState, step: Callable[[], object]) -> Tuple[float, object]:
@@ -237,7 +264,7 @@ def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
           f"dropout 0.1; {a.steps} timed steps per row after {a.warmup} warmup, alternating megalite/torch")
     print("tok/s from the median step time (slower rank); ratio = megalite/torch tok/s (median of "
           "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated (executor semantics) "
-          "with b/f=2 and with each rank's measured forward/backward costs;\nmegalite ms per step: compute and "
+          "with b/f=2 and with every stage's measured F, B, W costs;\nmegalite ms per step: compute and "
           "p2p wait, min/max over ranks; grad sync + clip + optimizer (mean of ranks)")
     head = (f"{'pp':>2} |{'schedule':<19}|{'m':>3} |{'megalite tok/s':>15} |{'torch tok/s':>12} |{'ratio':>6} |"
             f"{'meas bubble':>12} |{'sim b/f=2':>10} |{'sim measured':>13} |{'b/f':>5} |"
