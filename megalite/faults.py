@@ -69,6 +69,10 @@ class ExitSignals:
                      f"forwards a signal)")
             return
         try:
+            try:  # keep the log lines already printed; a flush interrupting a write may refuse
+                sys.stdout.flush()
+            except (RuntimeError, ValueError, OSError):
+                pass
             _say(f"pretrain_gpt.py: received {name}: exiting without saving"
                  + ("" if self.save_on_signal else " (--exit-signal-handler saves a checkpoint first)"))
         finally:
