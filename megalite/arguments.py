@@ -550,20 +550,12 @@ def _join_negative_values(argv: Sequence[str]) -> List[str]:
     for tok in argv:
         # argparse itself takes -1 and -0.5 as values (and a weighted --data-path needs them as
         # separate tokens); only forms it would read as flags, like -1e-3, are joined.
-        if out and out[-1].startswith("--") and "=" not in out[-1] and tok.startswith("-") and _is_number(tok) \
-                and not re.fullmatch(r"-\d+|-\d*\.\d+", tok):
+        if out and out[-1].startswith("--") and "=" not in out[-1] \
+                and re.fullmatch(r"-(\d+\.?\d*|\.\d+)e[-+]?\d+|-inf|-nan", tok, re.IGNORECASE):
             out[-1] = f"{out[-1]}={tok}"
         else:
             out.append(tok)
     return out
-
-
-def _is_number(tok: str) -> bool:
-    try:
-        float(tok)
-        return True
-    except ValueError:
-        return False
 
 
 def _unknown_flag_error(parser: argparse.ArgumentParser, unknown: List[str]) -> ConfigError:

@@ -25,14 +25,17 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SAME_REQUEST_S = 2.0  # a second signal within this is the first one delivered twice
 
 
-def _say(line: str) -> None:
-    """One line on stderr from rank 0 only (every rank receives the same signal).
+def _stderr(line: str) -> None:
+    """One line straight to stderr, for a process about to exit (not the logger, and not print:
+    a signal handler writing to a buffered stream the interrupted code was writing to raises a
+    reentrancy error instead of exiting; the user's error goes to stderr, the log to stdout)."""
+    os.write(2, (line + "\n").encode())
 
-    os.write, not print: a signal handler that writes to a buffered stream the interrupted code
-    was writing to raises a reentrancy error instead of exiting.
-    """
+
+def _say(line: str) -> None:
+    """One line on stderr from rank 0 only (every rank receives the same signal)."""
     if os.environ.get("RANK", "0") == "0":
-        os.write(2, (line + "\n").encode())
+        _stderr(line)
 
 
 class ExitSignals:
@@ -90,8 +93,8 @@ def watch_launcher(poll_s: float = 0.5) -> Optional[threading.Thread]:
             time.sleep(poll_s)
             if os.getppid() != parent:
                 if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank of the node sees it: say it once
-                    print(f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) is gone; "
-                      f"exiting (and so do the node's other ranks)", file=sys.stderr, flush=True)
+                    _stderr(f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) is "
+                            f"gone; exiting (and so do the node's other ranks)")
                 os._exit(1)
 
     thread = threading.Thread(target=watch, name="megalite-launcher-watch", daemon=True)

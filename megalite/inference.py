@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megalite.checkpointing import CheckpointError, iteration_dir, read_latest
+from megalite.checkpointing import CheckpointError, _legacy_dir, iteration_dir, read_latest
 from megalite.checkpointing.layout import param_blocks
 from megalite.checkpointing.safe_load import SafeFileSystemReader, safe_torch_load
 from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
@@ -131,9 +131,7 @@ def _read_torch_model(d: str, cfg: Config, layout: dict) -> Dict[str, torch.Tens
     full: Dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            # Megatron's file naming: mp_rank_<tp:02d>, plus _<pp:03d> with pipeline parallelism
-            sub = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
-            path = os.path.join(d, sub, "model_optim_rng.pt")
+            path = os.path.join(d, _legacy_dir(tp_rank, pp_rank, pp), "model_optim_rng.pt")
             if not os.path.exists(path):
                 raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
             state = safe_torch_load(path)

@@ -118,6 +118,14 @@ def valid_samples_before(iteration: int, t) -> int:
     return max(0, (iteration - 1) // t.eval_interval) * t.eval_iters * t.global_batch_size
 
 
+def validation_start(iteration: int, t, available: int) -> int:
+    """Where the evaluation logged at ``iteration`` starts reading a split of ``available`` samples:
+    after the earlier evaluations' samples, or over from 0 when a capped split (a blend smaller
+    than Megatron's plan) cannot hold this evaluation there."""
+    start = valid_samples_before(iteration, t)
+    return start if start + t.eval_iters * t.global_batch_size <= available else 0
+
+
 class DatasetError(ValueError):
     """The datasets could not be built; ``report`` is true on the one rank that should print why."""
 
@@ -521,9 +529,7 @@ class Trainer:
         t = self.cfg.train
         # Each evaluation goes on where the last stopped (Megatron's order); resumed runs skip
         # the batches the evaluations before the checkpoint read.
-        start, need = valid_samples_before(self.iteration, t), t.eval_iters * t.global_batch_size
-        if start + need > len(valid_ds):  # a capped blend smaller than Megatron's plan: start over
-            start = 0
+        start = validation_start(self.iteration, t, len(valid_ds))
         valid = MicroBatches(valid_ds, start, t.micro_batch_size, self.m, self.ps, self.cfg.data.num_workers,
                              name="validation") if self.needs_data else None
         loss = self.evaluate(valid)

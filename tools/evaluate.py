@@ -80,7 +80,7 @@ def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Op
     For the validation split the batches are those the training run's evaluation at ``iteration``
     read (each evaluation goes on where the last stopped); other splits start at their beginning.
     """
-    from megalite.training import MicroBatches, Trainer, valid_samples_before  # the run's evaluation
+    from megalite.training import MicroBatches, Trainer, validation_start  # the run's evaluation
     if dtype:
         cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
     dataset = split_dataset(cfg, split)
@@ -88,9 +88,7 @@ def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Op
     trainer = Trainer(cfg, ps)
     load_full_weights(trainer.chunks[0], full)
     t = cfg.train
-    start = valid_samples_before(iteration, t) if split == "valid" and t.eval_interval > 0 else 0
-    if start + t.eval_iters * t.global_batch_size > len(dataset):
-        start = 0
+    start = validation_start(iteration, t, len(dataset)) if split == "valid" and t.eval_interval > 0 else 0
     batches = MicroBatches(dataset, start, t.micro_batch_size, trainer.m, ps, cfg.data.num_workers, name=split)
     try:
         return trainer.evaluate(batches)

@@ -31,6 +31,7 @@ import torch
 from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors,
                                                 layer_names, merge_tp, post_names, pre_names, split_tp,
                                                 stream_to_ranks)
+from megalite.checkpointing import _legacy_dir  # Megatron's mp_rank_TT[_PPP] naming, which ours is
 from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
 from megalite.config import ModelConfig
 
@@ -225,10 +226,6 @@ LATEST = "latest_checkpointed_iteration.txt"
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
-def _rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
-
-
 def find_megatron_iteration(root: str) -> Tuple[str, int]:
     """(directory, iteration) that ``latest_checkpointed_iteration.txt`` names (``release`` is iteration 0)."""
     if not os.path.isdir(root):
@@ -271,7 +268,7 @@ class MegatronSource(ModelSource):
         self.where = self.layout.stage_of_layer(self.cfg.num_layers)
         for t in range(self.layout.tp):  # every file present before anything is converted
             for r in range(self.layout.pp):
-                path = os.path.join(self.dir, _rank_dir(t, r, self.layout.pp), "model_optim_rng.pt")
+                path = os.path.join(self.dir, _legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
                 if not os.path.exists(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete (its args say "
                                           f"tp={self.layout.tp} pp={self.layout.pp})")
@@ -285,7 +282,7 @@ class MegatronSource(ModelSource):
             self._files = []  # release the previous rank's maps first
             for t in range(self.layout.tp):
                 self._files.append(load_megatron_file(
-                    os.path.join(self.dir, _rank_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")))
+                    os.path.join(self.dir, _legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")))
             self._open_rank = pp_rank
         key = "model" if self.layout.vp == 1 else f"model{chunk}"
         if key not in self._files[0]:
@@ -355,7 +352,7 @@ def save_megatron(source: ModelSource, out: str, layout: Layout, tokenizer: Dict
     def write(pp_rank: int, files: List[Dict[int, Dict[str, torch.Tensor]]]) -> None:
         for t, chunks in enumerate(files):
             models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in sorted(chunks.items())}
-            path = os.path.join(d, _rank_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
+            path = os.path.join(d, _legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"args": ns, "checkpoint_version": 3.0, "iteration": it, **models,
                         "num_floating_point_operations_so_far": 0}, path)
