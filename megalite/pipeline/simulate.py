@@ -336,7 +336,9 @@ def simulate(
     (forward, backward[, weight]) cost per global stage, for unequal stages
     (e.g. the last one also running the output layer and loss); by default
     every chunk costs f_cost/vp and b_cost/vp. With W actions B costs the
-    backward minus the weight part (``w_cost``, default half the backward).
+    backward minus the weight part (``w_cost``, default half the backward);
+    in "executor" mode, with one stage per rank, the first stage's B costs 0
+    and its W the whole backward, as the executor runs it.
     ``layout`` places stages on ranks (default: interleaved).
     """
     if len(actions) != pp:
@@ -356,8 +358,11 @@ def simulate(
         raise ScheduleError(f"stage_costs needs {pp * vp} (forward, backward) pairs, got {len(stage_costs)}")
 
     def cost(rank: int, a: Compute) -> float:
-        f, b, *rest = stage_costs[layout.stage(rank, a.chunk)]
+        stage = layout.stage(rank, a.chunk)
+        f, b, *rest = stage_costs[stage]
         w = rest[0] if rest else b / 2
+        if split and stage == 0 and layout.vp == 1 and mode == "executor":
+            w = b  # the executor runs this first stage's backward whole in its W (nothing waits for B)
         return f if a.kind == "F" else w if a.kind == "W" else b - w if split else b
 
     tally = _Tally(pp, cost, split)

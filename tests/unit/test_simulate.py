@@ -220,9 +220,16 @@ def test_executor_semantics_never_slower_than_rendezvous():
 
 
 def test_w_cost_and_three_part_stage_costs():
-    r = simulate_schedule("zb_h1", 2, 1, 4, b_cost=2.0, w_cost=0.5, mode="executor")
+    r = simulate_schedule("zb_h1", 2, 1, 4, b_cost=2.0, w_cost=0.5)
     assert {e["end"] - e["start"] for e in r.events if e["kind"] == "W"} == {0.5}
     assert {e["end"] - e["start"] for e in r.events if e["kind"] == "B"} == {1.5}
+    # The executor runs a lone first stage's backward whole in W (nothing waits for its B);
+    # the other stages keep the split, and so does a V's first stage.
+    r = simulate_schedule("zb_h1", 2, 1, 4, b_cost=2.0, w_cost=0.5, mode="executor")
+    durations = {(e["rank"], e["kind"], e["end"] - e["start"]) for e in r.events if e["kind"] != "F"}
+    assert durations == {(0, "B", 0.0), (0, "W", 2.0), (1, "B", 1.5), (1, "W", 0.5)}
+    r = simulate_schedule("zbv", 2, 2, 4, b_cost=2.0, w_cost=0.5, mode="executor")
+    assert {e["end"] - e["start"] for e in r.events if e["kind"] == "W"} == {0.25}
     costs = [(1.0, 2.0, 1.5), (1.0, 3.0, 1.0)]
     r = simulate_schedule("zb_h1", 2, 1, 2, stage_costs=costs, mode="executor")
     assert r.busy == [2 * 3.0, 2 * 4.0]
