@@ -2,7 +2,7 @@
 """Pipeline schedules: megalite's executor vs torch.distributed.pipelining on pp gloo processes.
 
 For every schedule (gpipe, 1f1b, interleaved_1f1b with vp=2, zb_h1, zbv with
-vp=2; a "+ov" suffix runs megalite with --overlap-p2p-communication against
+vp=2, dualpipev with vp=2; a "+ov" suffix runs megalite with --overlap-p2p-communication against
 the same torch schedule), pp (--pp, default 2) and micro-batch count m, both
 implementations train the same model chunks (megalite's
 GPTModel chunks, built twice with the same seed) on the same micro-batches,
@@ -14,12 +14,19 @@ global-norm clipping, AdamW and the LR schedule.
 * torch: ``PipelineStage`` per chunk + ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B``; for zb_h1 ``ScheduleInterleavedZeroBubble``
   with one stage per rank (torch's closest to ZB-H1), for zbv
-  ``ScheduleZBVZeroBubble`` on the same V placement (the last stage's module
+  ``ScheduleZBVZeroBubble`` on the same V placement, for dualpipev ``ScheduleDualPipeV`` (the last stage's module
   also lists the tied embedding it reads, or torch's split backward skips its
   gradient); loss_fn = the chunk's own ``loss`` (same math).
 
-Steps alternate megalite / torch one by one (order flipped each step) so
-load from other processes hits both alike. A step's time is the slower
+With ``--balanced`` a third implementation runs in the same loop: megalite
+with the split ``--pipeline-balance measured`` chooses on these processes
+(``measure.measure_layer_costs`` then ``measure.plan_for``, what the Trainer
+does at startup); same model and micro-batches, only the layers per stage
+differ. torch's pipelining has no balancer (its stages are what the user cuts),
+so its rows keep the even split; the "same split" ratio is the like-for-like one.
+
+Steps alternate between the implementations one by one (the order rotates
+each step) so load from other processes hits all alike. A step's time is the slower
 rank's, after a barrier; the table gives tokens/s from the median step time,
 megalite's measured bubble (mean over ranks, Trainer.train_step's "bubble"),
 the simulator's bubble (executor semantics) with b/f = 2 and with every
@@ -31,11 +38,13 @@ per step) plus grad sync + clip + optimizer.
   python benchmarks/bench_pipeline.py --quick    # 4 layers, m in 2 4, 2 steps (smoke run)
   python benchmarks/bench_pipeline.py --pp 2 4 --micro-batches 4 8 16 \
       --schedules 1f1b interleaved_1f1b zb_h1 zbv   # issue 12's table (pp=4 needs 4 cores)
+  python benchmarks/bench_pipeline.py --balanced --num-layers 16 --vocab-size 16384 ...  # + balanced split
 """
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 import os
 import statistics
 import sys
@@ -56,13 +65,14 @@ from megalite.optim.clip_grads import clip_grad_norm_  # noqa: E402
 from megalite.optim.lr_scheduler import LRScheduler  # noqa: E402
 from megalite.optim.optimizer import build_optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState  # noqa: E402
+from megalite.pipeline.measure import measure_layer_costs, plan_for  # noqa: E402
 from megalite.pipeline.simulate import simulate_schedule  # noqa: E402
 from megalite.pipeline.stage_layout import layout_for  # noqa: E402
 from megalite.tensor_parallel.random import RNGTracker  # noqa: E402
 from megalite.training import MicroBatches, Trainer, build_model_chunks  # noqa: E402
 from tests.distributed.harness import run_distributed  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
 OVERLAP = "+ov"  # suffix: megalite with --overlap-p2p-communication
 Batch = Dict[str, torch.Tensor]
 
@@ -72,9 +82,9 @@ def _split_name(schedule: str) -> Tuple[str, bool]:
 
 
 def make_config(a: argparse.Namespace, schedule: str, vp: int, m: int, pp: int) -> Config:
-    """The benchmark model: GPT-2 style, dropout 0.1, mock data with a 4096 vocabulary."""
+    """The benchmark model: GPT-2 style (tied embeddings), dropout 0.1, mock data."""
     model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=4,
-                        seq_length=a.seq_length, vocab_size=4096)
+                        seq_length=a.seq_length, vocab_size=a.vocab_size)
     name, overlap = _split_name(schedule)
     return Config(model=model, parallel=ParallelConfig(pp=pp, vp=vp, pipeline_schedule=name,
                                                        overlap_p2p_comm=overlap),
@@ -92,6 +102,7 @@ class TorchPipeline:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                                   ScheduleZBVZeroBubble)
+        from torch.distributed.pipelining.schedules import ScheduleDualPipeV
         self.cfg, self.ps = cfg, ps
         schedule = _split_name(schedule)[0]
         pp = ps.pp_size
@@ -115,6 +126,8 @@ class TorchPipeline:
             self.schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
         elif schedule == "zbv":
             self.schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+        elif schedule == "dualpipev":
+            self.schedule = ScheduleDualPipeV(stages, m, loss_fn=loss_fn)
         else:
             cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
             self.schedule = cls(stages[0], m, loss_fn=loss_fn)
@@ -185,14 +198,20 @@ def run_row(ps: ParallelState, a: argparse.Namespace, schedule: str, vp: int, m:
     data = MicroBatches(ds, 0, a.micro_batch_size, m, ps)
     batches = [data.next() for _ in range(4)]
     impls = {"megalite": lambda b: trainer.train_step(b), "torch": lambda b: torch_pp.train_step(b)}
-    res: Dict[str, List] = {"megalite": [], "torch": [], "stats": [], "first_loss": []}
+    res: Dict[str, object] = {"megalite": [], "torch": [], "stats": [], "first_loss": {}, "balanced": []}
+    if a.balanced:
+        plan = plan_for(cfg, ps.pp_size, ps.dp_size, measure_layer_costs(cfg, ps))
+        balanced = Trainer(cfg.with_(parallel=replace(cfg.parallel, pipeline_stage_layers=plan.chosen.counts)), ps)
+        impls["balanced"] = lambda b: balanced.train_step(b)
+        res["plan"] = plan
     for i in range(a.warmup):
-        for step in impls.values():
+        for name, step in impls.items():
             out = step(batches[i % 4])
-            if i == 0:  # same weights, same batch: the losses must agree (up to dropout)
-                res["first_loss"].append(out["loss"])
+            if i == 0 and name != "balanced":  # same weights, same batch: the losses must agree (up to dropout)
+                res["first_loss"][name] = out["loss"]
     for i in range(a.steps):
-        order = list(impls) if i % 2 == 0 else list(reversed(impls))
+        names = list(impls)
+        order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
             sec, out = timed_step(ps, lambda: impls[name](batches[i % 4]))
             res[name].append(sec)
@@ -233,7 +252,7 @@ def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[D
     name = _split_name(schedule)[0]
     layout = layout_for(name, pp, vp)
     tokens = m * a.micro_batch_size * a.seq_length
-    step = {k: [max(ts) for ts in zip(*(r[k] for r in per_rank))] for k in ("megalite", "torch")}
+    step = {k: [max(ts) for ts in zip(*(r[k] for r in per_rank))] for k in ("megalite", "torch", "balanced")}
     stats = [s for r in per_rank for s in r["stats"]]
     mean = {k: statistics.mean(s[k] for s in stats) for k in
             ("forward", "backward", "p2p", "grads_sync", "optimizer", "bubble")}
@@ -249,19 +268,25 @@ def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[D
     sim_meas = statistics.mean(simulate_schedule(name, pp, vp, m, mode="executor", stage_costs=[
         c if c[2] > 0 else c[:2] for c in costs]).bubble_fraction)
     pair = statistics.median(x / y for x, y in zip(step["torch"], step["megalite"]))
-    losses = [x for r in per_rank for x in r["first_loss"] if x is not None]
-    loss_diff = abs(losses[0] - losses[1]) / abs(losses[1]) if len(losses) == 2 else float("nan")
+    # the first-step loss of each implementation, from a rank that has it (a V reports it on every rank)
+    first = {k: next(r["first_loss"][k] for r in per_rank if r["first_loss"].get(k) is not None)
+             for k in ("megalite", "torch")}
+    loss_diff = abs(first["megalite"] - first["torch"]) / abs(first["torch"])
     ml_s, tt_s = statistics.median(step["megalite"]), statistics.median(step["torch"])
-    return {"schedule": schedule, "pp": pp, "m": m, "loss_diff": loss_diff, "ml": tokens / ml_s, "tt": tokens / tt_s,
-            "pair": pair, "bf": ratio_bf, "sim2": sim2, "sim_meas": sim_meas, "compute": compute,
-            "p2p_rank": p2p, **mean}
+    out = {"schedule": schedule, "pp": pp, "m": m, "loss_diff": loss_diff, "ml": tokens / ml_s, "tt": tokens / tt_s,
+           "pair": pair, "bf": ratio_bf, "sim2": sim2, "sim_meas": sim_meas, "compute": compute,
+           "p2p_rank": p2p, **mean}
+    if step["balanced"]:
+        out.update(bal=tokens / statistics.median(step["balanced"]), plan=per_rank[0]["plan"],
+                   pair_bal=statistics.median(x / y for x, y in zip(step["torch"], step["balanced"])))
+    return out
 
 
 def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
     """One line per (pp, schedule, m), plus a sanity line on the first-step losses."""
     print(f"pp in {a.pp} gloo processes (1 thread each) on {os.cpu_count()} cores, GPT-2 style {a.num_layers} "
-          f"layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, vocab 4096, "
-          f"dropout 0.1; {a.steps} timed steps per row after {a.warmup} warmup, alternating megalite/torch")
+          f"layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, vocab {a.vocab_size}, "
+          f"dropout 0.1; {a.steps} timed steps per row after {a.warmup} warmup, alternating the implementations")
     print("tok/s from the median step time (slower rank); ratio = megalite/torch tok/s (median of "
           "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated (executor semantics) "
           "with b/f=2 and with every stage's measured F, B, W costs;\nmegalite ms per step: compute and "
@@ -278,6 +303,18 @@ def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
               f"{min(s['compute']):>7.0f}/{max(s['compute']):<7.0f}|"
               f"{min(s['p2p_rank']):>5.0f}/{max(s['p2p_rank']):<6.0f}|"
               f"{1e3 * (s['grads_sync'] + s['optimizer']):>7.0f}")
+    if any("bal" in s for s in summaries):
+        print("\nmegalite with --pipeline-balance measured (same model and micro-batches; torch keeps the even split):")
+        head = (f"{'pp':>2} |{'schedule':<19}|{'m':>3} |{'even split':>12} |{'balanced':>12} |{'torch tok/s':>12} |"
+                f"{'megalite even':>14} |{'balanced tok/s':>15} |{'ratio even':>11} |{'ratio balanced':>15} |"
+                f"{'predicted':>10}")
+        print(head)
+        print("-" * len(head))
+        for s in summaries:
+            p = s["plan"]
+            print(f"{s['pp']:>2} |{s['schedule']:<19}|{s['m']:>3} |{','.join(map(str, p.baseline.counts)):>12} |"
+                  f"{','.join(map(str, p.chosen.counts)):>12} |{s['tt']:>12.0f} |{s['ml']:>14.0f} |{s['bal']:>15.0f} |"
+                  f"{s['pair']:>11.2f} |{s['pair_bal']:>15.2f} |{p.speedup:>9.2f}x")
     worst = max(s["loss_diff"] for s in summaries)
     print(f"sanity: first-step loss, megalite vs torch (same weights and batch, different dropout "
           f"masks): max relative difference {100 * worst:.2f}%")
@@ -295,6 +332,9 @@ def main(argv: Sequence[str] = None) -> int:
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--balanced", action="store_true",
+                   help="also run megalite with the split --pipeline-balance measured chooses")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 layers, m in 2 4, 2 timed steps")
     a = p.parse_args(argv)
     if a.quick:
@@ -304,6 +344,7 @@ def main(argv: Sequence[str] = None) -> int:
     for pp in a.pp:
         rows = [(s, vps[_split_name(s)[0]], m) for s in a.schedules for m in a.micro_batches
                 if not (_split_name(s)[0] == "interleaved_1f1b" and m % pp)  # needs m % pp == 0
+                and not (_split_name(s)[0] == "dualpipev" and m < 2 * pp)
                 and a.num_layers % (pp * vps[_split_name(s)[0]]) == 0]
         per_rank = run_distributed(run_rows, pp, a, rows, pp=pp, timeout=3600)
         summaries += [summarize(a, row, [per_rank[r][i] for r in range(pp)], pp) for i, row in enumerate(rows)]

@@ -27,7 +27,7 @@ NOT_IMPLEMENTED: Dict[str, str] = {
     "--async-save": "asynchronous checkpoint saving",
 }
 
-_SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+_SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 _M, _P, _O, _D, _T, _L, _C = (ModelConfig(), ParallelConfig(), OptimConfig(), DataConfig(), TrainConfig(),
                               LoggingConfig(), CheckpointConfig())  # the single source of every default below
 
@@ -498,25 +498,25 @@ def _validate_balance(cfg: Config) -> None:
 
 
 def _validate_zero_bubble(cfg: Config, name: str, dp: int) -> None:
-    """Combinations the split backward (zb_h1, zbv) or the V layout (zbv) cannot run."""
+    """Combinations the split backward (zb_h1, zbv, dualpipev) or the V layout (zbv, dualpipev) cannot run."""
     par = cfg.parallel
-    if name not in ("zb_h1", "zbv"):
+    if name not in ("zb_h1", "zbv", "dualpipev"):
         return
     if cfg.model.torch_compile:
         raise ConfigError(f"--pipeline-schedule {name} splits each backward into input and weight gradients, "
                           f"which torch.compile'd layers do not support; drop --torch-compile")
-    if name != "zbv":
+    if name == "zb_h1":
         return
     if par.decoder_first_pipeline_num_layers or par.decoder_last_pipeline_num_layers:
-        raise ConfigError("--decoder-first/last-pipeline-num-layers are not supported with --pipeline-schedule "
-                          "zbv (a V puts the first and last stage on one rank); use --pipeline-stage-layers")
+        raise ConfigError(f"--decoder-first/last-pipeline-num-layers are not supported with --pipeline-schedule "
+                          f"{name} (a V puts the first and last stage on one rank); use --pipeline-stage-layers")
     if cfg.model.tied_embeddings and cfg.optim.overlap_grad_reduce and dp > 1:
-        raise ConfigError("--pipeline-schedule zbv with tied embeddings uses the embedding twice on rank 0, "
+        raise ConfigError(f"--pipeline-schedule {name} with tied embeddings uses the embedding twice on rank 0, "
                           "which --overlap-grad-reduce cannot count; add --untie-embeddings-and-output-weights "
                           "or drop --overlap-grad-reduce")
     if cfg.checkpoint.ckpt_format == "torch" and (cfg.checkpoint.save or cfg.checkpoint.load):
-        raise ConfigError("--ckpt-format torch stores Megatron's interleaved chunk layout, not zbv's V; "
-                          "use --ckpt-format sharded with --pipeline-schedule zbv")
+        raise ConfigError(f"--ckpt-format torch stores Megatron's interleaved chunk layout, not {name}'s V; "
+                          f"use --ckpt-format sharded with --pipeline-schedule {name}")
 
 
 def _validate_precision_and_memory(cfg: Config, dp: int) -> None:

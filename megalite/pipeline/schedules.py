@@ -34,8 +34,8 @@ from typing import Optional, Sequence, Union
 
 from megalite.pipeline.stage_layout import StageLayout, layout_for
 
-SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
-SPLIT_BACKWARD = ("zb_h1", "zbv")  # schedules whose B computes input gradients only (W: weights)
+SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zb_h1", "zbv", "dualpipev")  # schedules whose B computes input gradients only (W: weights)
 
 
 @dataclass(frozen=True)
@@ -327,18 +327,22 @@ def validate_schedule(name: str, pp: int, vp: int, m: int) -> None:
     no_pipelining: pp == vp == 1. gpipe: any pp, vp, m >= 1 (vp > 1 needs
     pp > 1). 1f1b: vp == 1, any m >= 1 (m < pp is legal, with a large bubble).
     interleaved_1f1b: pp > 1, vp > 1, m % pp == 0. zb_h1: vp == 1, any m.
-    zbv: pp > 1, vp == 2 (the two arms of the V), any m.
+    zbv: pp > 1, vp == 2 (the two arms of the V), any m. dualpipev: as zbv,
+    and m >= 2pp.
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     _check_sizes(pp, vp, m)
-    if name == "zbv":
+    if name in ("zbv", "dualpipev"):
         if pp < 2:
-            raise ValueError("--pipeline-schedule zbv needs --pipeline-model-parallel-size >= 2 "
+            raise ValueError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 "
                              "(on one rank use no_pipelining)")
         if vp != 2:
-            raise ValueError(f"--pipeline-schedule zbv runs two chunks per rank in a V: it needs "
+            raise ValueError(f"--pipeline-schedule {name} runs two chunks per rank in a V: it needs "
                              f"--virtual-pipeline-model-parallel-size 2 (got vp={vp})")
+        if name == "dualpipev" and m < 2 * pp:
+            raise ValueError(f"--pipeline-schedule dualpipev needs at least 2 x pp = {2 * pp} micro-batches per "
+                             f"step (got {m}); raise --global-batch-size or use zbv")
         return
     if vp > 1 and pp == 1:
         raise ValueError(f"virtual pipeline (vp={vp}) needs --pipeline-model-parallel-size > 1")
@@ -359,7 +363,9 @@ def build_compute(name: str, pp: int, vp: int, m: int) -> list[list[Compute]]:
     validate_schedule(name, pp, vp, m)
     if name in SPLIT_BACKWARD:
         from megalite.pipeline import zero_bubble  # it builds on this module's actions
-        return zero_bubble.build_zb_h1(pp, m) if name == "zb_h1" else zero_bubble.build_zbv(pp, m)
+        build = {"zb_h1": zero_bubble.build_zb_h1, "zbv": zero_bubble.build_zbv,
+                 "dualpipev": zero_bubble.build_dualpipev}[name]
+        return build(pp, m)
     if name == "no_pipelining":
         return build_no_pipelining(m)
     if name == "gpipe":

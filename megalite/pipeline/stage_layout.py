@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from megalite.pipeline.partition import layers_for_stage
 
-V_SCHEDULES = ("zbv",)
+V_SCHEDULES = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,11 @@ class StageLayout:
         s = self.stage(rank, chunk)
         if self.v_shape and (first is not None or last is not None):
             raise ValueError("--decoder-first/last-pipeline-num-layers are not supported with the V-shaped "
-                             "schedule zbv; drop them or use --pipeline-schedule zb_h1 / interleaved_1f1b")
+                             "schedules zbv and dualpipev; drop them or use --pipeline-stage-layers")
         extra = {} if stage_layers is None else {"stage_layers": stage_layers}
         return layers_for_stage(num_layers, self.pp, self.vp, s % self.pp, s // self.pp, first, last, **extra)
 
 
 def layout_for(schedule: Optional[str], pp: int, vp: int) -> StageLayout:
-    """The stage layout schedule ``schedule`` runs on (V for zbv, else interleaved)."""
+    """The stage layout schedule ``schedule`` runs on (V for zbv and dualpipev, else interleaved)."""
     return StageLayout(pp, vp, v_shape=schedule in V_SCHEDULES)

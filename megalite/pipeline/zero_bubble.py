@@ -22,6 +22,27 @@ comes back to the rank it started on and the warmup bubble of one arm is
 filled with the other arm's work; with equal costs and m >= 2pp the bubble is
 close to zero. The scheduler is deterministic, so every rank builds the same
 lists.
+
+DualPipeV (DeepSeek-V3's DualPipe folded into the same V) runs the same
+actions in a fixed phase order instead of a greedy one. Rank r of pp, with a =
+its first-arm chunk (stage r) and b = its second-arm chunk (stage 2pp-1-r);
+"Bw" is a whole backward (B then W at once), "B" a split one whose W joins a
+FIFO that "W" drains::
+
+    1. 2(pp-r-1) x  F(a)
+    2. r+1       x  F(a) F(b)
+    3. pp-r-1    x  B(b) W F(b)
+    4. m-2pp+r+1 x  F(a) Bw(b) F(b) Bw(a)     (the paired F and Bw are what DualPipe
+                                              overlaps to hide expert all-to-alls)
+    5. pp-r-1    x  Bw(b) F(b) Bw(a)
+    6. r+1       x  B?(b) B?(a)               (split from the middle pair on: at the
+                                              pair's b for odd r, its a for even r)
+    7. pp-r-1    x  W B(a)
+    8. r+1       x  W
+On one device the paired F and backward run one after the other, so the
+schedule is another zero-bubble V: peak 2pp chunk activations (1F1B's memory),
+needs m >= 2pp. tests/unit/test_schedules.py checks the per-rank order equals
+torch.distributed.pipelining's ScheduleDualPipeV.
 """
 from __future__ import annotations
 
@@ -64,6 +85,68 @@ def build_zbv(pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.
     """
     _check_sizes(pp, 2, m)
     return greedy_schedule(StageLayout(pp, 2, v_shape=True), m, costs, max_alive or 2 * pp)
+
+
+def build_dualpipev(pp: int, m: int) -> list[list[Compute]]:
+    """DualPipeV's per-rank order on the V layout (module docstring), whole backwards as B then W."""
+    _check_sizes(pp, 2, m)
+    if pp < 2 or m < 2 * pp:
+        raise ValueError(f"--pipeline-schedule dualpipev needs pp >= 2 and at least 2 x pp = {2 * pp} "
+                         f"micro-batches per step (got pp={pp}, {m}); raise --global-batch-size or use zbv")
+    return [_DualPipeVRank(pp, rank).order(m) for rank in range(pp)]
+
+
+class _DualPipeVRank:
+    """One rank's DualPipeV actions: per-chunk F and B counters and the FIFO of held-back W's."""
+
+    def __init__(self, pp: int, rank: int):
+        self.pp, self.rank = pp, rank
+        self.actions: list[Compute] = []
+        self.next = {(c, k): 0 for c in (0, 1) for k in "FB"}
+        self.held: deque = deque()
+
+    def f(self, chunk: int) -> None:
+        self.actions.append(Compute("F", self.next[(chunk, "F")], chunk))
+        self.next[(chunk, "F")] += 1
+
+    def b(self, chunk: int, split: bool) -> None:
+        mb = self.next[(chunk, "B")]
+        self.next[(chunk, "B")] += 1
+        self.actions.append(Compute("B", mb, chunk))
+        if split:
+            self.held.append((mb, chunk))
+        else:
+            self.actions.append(Compute("W", mb, chunk))
+
+    def w(self) -> None:
+        if self.held:
+            mb, chunk = self.held.popleft()
+            self.actions.append(Compute("W", mb, chunk))
+
+    def order(self, m: int) -> list[Compute]:
+        pp, r, a, b = self.pp, self.rank, 0, 1
+        for _ in range(2 * (pp - r - 1)):
+            self.f(a)
+        for _ in range(r + 1):
+            self.f(a), self.f(b)
+        for _ in range(pp - r - 1):
+            self.b(b, split=True), self.w(), self.f(b)
+        for _ in range(m - 2 * pp + r + 1):
+            self.f(a), self.b(b, split=False), self.f(b), self.b(a, split=False)
+        for _ in range(pp - r - 1):
+            self.b(b, split=False), self.f(b), self.b(a, split=False)
+        split = False
+        for i in range(r + 1):
+            middle = i == (r + 1) // 2
+            split = split or (middle and r % 2 == 1)
+            self.b(b, split)
+            split = split or middle
+            self.b(a, split)
+        for _ in range(pp - r - 1):
+            self.w(), self.b(a, split=True)
+        for _ in range(r + 1):
+            self.w()
+        return self.actions
 
 
 def greedy_schedule(layout: StageLayout, m: int, costs: tuple[float, float, float],

@@ -2,8 +2,8 @@
 
 Losses, grad norms and final weights equal the one-process run within 1e-5.
 
-ZB-H1 (one chunk per rank) and ZB-V (two chunks in a V: rank 0 holds the
-first and the last stage) split every backward into B (input gradients) and a
+ZB-H1 (one chunk per rank), ZB-V and DualPipeV (two chunks in a V: rank 0
+holds the first and the last stage) split every backward into B (input gradients) and a
 deferred W (weight GEMMs). The matrix covers pp 2 and 4; tp 2 with dp 2;
 m in {pp, 2pp, 3pp}; tied embeddings (in a V both uses of the embedding sit
 on rank 0) and untied; and the features whose gradients W must still land
@@ -12,7 +12,7 @@ recomputation (W reads the recomputed inputs), the distributed optimizer
 with overlapped reduce-scatter (grads arrive through the grad buffer's hooks).
 The overlapped placement (--overlap-p2p-communication: sends right after
 their compute, receives one compute ahead) runs 1F1B, interleaved 1F1B and
-both zero-bubble schedules.
+the zero-bubble schedules.
 """
 from dataclasses import replace
 
@@ -57,6 +57,9 @@ CASES = [
     ("zbv", 1, 2, 2, 1, 4, "tied"),
     ("zbv", 1, 4, 2, 1, 12, "untied"),
     ("zbv", 2, 2, 2, 2, 6, "tied"),
+    ("dualpipev", 1, 2, 2, 1, 4, "tied"),
+    ("dualpipev", 1, 4, 2, 1, 8, "untied"),
+    ("dualpipev", 2, 2, 2, 2, 6, "untied"),
 ]
 OVERLAP_CASES = [
     ("1f1b", 1, 4, 1, 1, 8, "tied"),
@@ -64,6 +67,7 @@ OVERLAP_CASES = [
     ("interleaved_1f1b", 2, 2, 2, 2, 2, "tied"),
     ("zb_h1", 1, 4, 1, 1, 4, "untied"),
     ("zbv", 1, 4, 2, 1, 4, "tied"),
+    ("dualpipev", 1, 2, 2, 1, 5, "tied"),
 ]
 
 

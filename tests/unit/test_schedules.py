@@ -142,6 +142,8 @@ def test_default_schedule_name():
     ("zbv", 4, 1, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=1)"),
     ("zbv", 4, 3, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=3)"),
     ("zbv", 1, 2, 8, "zbv needs --pipeline-model-parallel-size >= 2"),
+    ("dualpipev", 4, 2, 7, "dualpipev needs at least 2 x pp = 8 micro-batches per step (got 7)"),
+    ("dualpipev", 4, 1, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=1)"),
     ("no_pipelining", 2, 1, 4, "needs pp=1"),
     ("gpipe", 1, 2, 4, "needs --pipeline-model-parallel-size > 1"),
     ("1f1b", 2, 1, 0, "must be >= 1"),
@@ -207,6 +209,47 @@ def test_zero_bubble_schedules_are_deadlock_free_under_executor_semantics():
             assert computes == Counter((k, mb, c) for k in "FBW" for mb in range(m) for c in range(vp))
         seen[name] += 1
     assert seen["zb_h1"] == sum(3 * pp for pp in range(1, 9)) and seen["zbv"] == sum(3 * pp for pp in range(2, 9))
+    assert seen["dualpipev"] == sum(pp + 1 for pp in range(2, 9))  # m in 2pp..3pp
+
+
+def _torch_dualpipev_order(pp, m):
+    """torch.distributed.pipelining's ScheduleDualPipeV per-rank order, as megalite Computes.
+
+    Its order is computed without a process group (the two attributes it reads are set by
+    hand); an overlapped F&B pair becomes F then the backward, a whole backward B then W.
+    """
+    sched = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(sched, "ScheduleDualPipeV"):
+        pytest.skip("this torch has no ScheduleDualPipeV")
+    oracle = object.__new__(sched.ScheduleDualPipeV)
+    oracle.pp_group_size, oracle._n_microbatches = pp, m
+    T = sched._ComputationType
+    out = []
+    for rank in range(pp):
+        order = []
+        for action in oracle._calculate_single_rank_operations(rank):
+            for a in action.sub_actions or (action,):
+                chunk = 0 if a.stage_index < pp else 1
+                kinds = {T.FORWARD: "F", T.BACKWARD_INPUT: "B", T.BACKWARD_WEIGHT: "W", T.FULL_BACKWARD: "BW"}
+                order += [Compute(k, a.microbatch_index, chunk) for k in kinds[a.computation_type]]
+        out.append(order)
+    return out
+
+
+def test_dualpipev_order_equals_torch_schedule_dualpipev():
+    for pp in range(2, 9):
+        for m in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp):
+            assert build_compute("dualpipev", pp, 2, m) == _torch_dualpipev_order(pp, m), (pp, m)
+
+
+def test_dualpipev_fewer_bubbles_than_zbv_for_one_more_activation():
+    for pp in range(2, 9):
+        for m in (2 * pp, 3 * pp):
+            d = simulate(build_schedule("dualpipev", pp, 2, m), pp, 2, layout=layout_for("dualpipev", pp, 2),
+                         mode="executor")
+            v = simulate(build_schedule("zbv", pp, 2, m), pp, 2, layout=layout_for("zbv", pp, 2), mode="executor")
+            assert max(d.bubble_fraction) <= max(v.bubble_fraction) + 1e-9, (pp, m)
+            assert max(d.peak_in_flight) == 2 * pp + 1, (pp, m)
 
 
 def test_zb_h1_is_1f1b_order_with_held_back_weight_gradients():
