@@ -19,6 +19,8 @@ from typing import Dict, List, Optional, Sequence
 from megalite.config import (CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
                              ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from megalite.parallel_state import grid_groups
+from megalite.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD
+from megalite.pipeline.stage_layout import V_SCHEDULES
 
 # Flags a later milestone implements: recognised so they fail loudly instead of being ignored.
 NOT_IMPLEMENTED: Dict[str, str] = {
@@ -27,7 +29,6 @@ NOT_IMPLEMENTED: Dict[str, str] = {
     "--async-save": "asynchronous checkpoint saving",
 }
 
-_SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 _M, _P, _O, _D, _T, _L, _C = (ModelConfig(), ParallelConfig(), OptimConfig(), DataConfig(), TrainConfig(),
                               LoggingConfig(), CheckpointConfig())  # the single source of every default below
 
@@ -135,7 +136,7 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
                         "--virtual-pipeline-model-parallel-size)")
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="model chunks per pipeline rank for the interleaved schedule")
-    g.add_argument("--pipeline-schedule", choices=_SCHEDULES, default=_P.pipeline_schedule,
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=_P.pipeline_schedule,
                    help="pipeline schedule; default: 1f1b, or interleaved_1f1b with virtual stages")
     g.add_argument("--overlap-p2p-communication", dest="overlap_p2p_comm", action="store_true",
                    default=_P.overlap_p2p_comm,
@@ -498,14 +499,14 @@ def _validate_balance(cfg: Config) -> None:
 
 
 def _validate_zero_bubble(cfg: Config, name: str, dp: int) -> None:
-    """Combinations the split backward (zb_h1, zbv, dualpipev) or the V layout (zbv, dualpipev) cannot run."""
+    """Combinations the split backward (SPLIT_BACKWARD) or the V layout (V_SCHEDULES) cannot run."""
     par = cfg.parallel
-    if name not in ("zb_h1", "zbv", "dualpipev"):
+    if name not in SPLIT_BACKWARD:
         return
     if cfg.model.torch_compile:
         raise ConfigError(f"--pipeline-schedule {name} splits each backward into input and weight gradients, "
                           f"which torch.compile'd layers do not support; drop --torch-compile")
-    if name == "zb_h1":
+    if name not in V_SCHEDULES:
         return
     if par.decoder_first_pipeline_num_layers or par.decoder_last_pipeline_num_layers:
         raise ConfigError(f"--decoder-first/last-pipeline-num-layers are not supported with --pipeline-schedule "

@@ -88,9 +88,8 @@ class PipelineExecutor:
         self._wgrads: Optional[Dict[Tuple[int, int], "WeightGradStore | _WholeBackward"]] = None
         if not forward_only and any(isinstance(a, Compute) and a.kind == "W" for a in actions):
             self._wgrads = {}
-            self._whole_first = self.layout.vp == 1
             for c, chunk in enumerate(self.chunks):  # idempotent; results are the same with or without it
-                if self._stage(c) > 0 or not self._whole_first:
+                if self._stage(c) > 0 or not self.layout.whole_first_backward:
                     enable_weight_grad_split(chunk)
         p2p = P2PState(self.ps.timeout if self.ps.backend == "gloo" else None)
         t0 = self._now()
@@ -174,7 +173,7 @@ class PipelineExecutor:
         grad = None if stage == self.num_stages - 1 else received
         if self._wgrads is None:
             torch.autograd.backward(out, grad_tensors=grad)
-        elif stage == 0 and self._whole_first:  # nobody waits for its input gradient: all of it waits for W
+        elif stage == 0 and self.layout.whole_first_backward:  # nobody waits for its input gradient: all of it waits for W
             self._wgrads[(a.mb, a.chunk)] = _WholeBackward(out, grad)
         else:  # input gradients now; the weight GEMMs wait for this (mb, chunk)'s W
             store = WeightGradStore()

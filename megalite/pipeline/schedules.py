@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from megalite.pipeline.stage_layout import StageLayout, layout_for
+from megalite.pipeline.stage_layout import V_SCHEDULES, StageLayout, layout_for
 
 SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 SPLIT_BACKWARD = ("zb_h1", "zbv", "dualpipev")  # schedules whose B computes input gradients only (W: weights)
@@ -333,7 +333,7 @@ def validate_schedule(name: str, pp: int, vp: int, m: int) -> None:
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     _check_sizes(pp, vp, m)
-    if name in ("zbv", "dualpipev"):
+    if name in V_SCHEDULES:
         if pp < 2:
             raise ValueError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 "
                              "(on one rank use no_pipelining)")

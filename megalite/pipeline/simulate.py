@@ -361,7 +361,7 @@ def simulate(
         stage = layout.stage(rank, a.chunk)
         f, b, *rest = stage_costs[stage]
         w = rest[0] if rest else b / 2
-        if split and stage == 0 and layout.vp == 1 and mode == "executor":
+        if split and stage == 0 and layout.whole_first_backward and mode == "executor":
             w = b  # the executor runs this first stage's backward whole in its W (nothing waits for B)
         return f if a.kind == "F" else w if a.kind == "W" else b - w if split else b
 

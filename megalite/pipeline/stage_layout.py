@@ -40,6 +40,16 @@ class StageLayout:
             raise ValueError(f"a V-shaped stage layout has exactly 2 chunks per rank (got vp={self.vp})")
 
     @property
+    def whole_first_backward(self) -> bool:
+        """In a split-backward schedule, does the first stage run its backward whole in W?
+
+        Nothing waits for its input gradient, so with one stage per rank the split only costs
+        time; in a V (or interleaved) rank 0 runs other stages too and the split leaves it
+        fewer idle gaps (ZB-V, pp 2, m 4: simulated bubble 4.2% split vs 8.3% whole).
+        """
+        return self.vp == 1
+
+    @property
     def num_stages(self) -> int:
         return self.pp * self.vp
 

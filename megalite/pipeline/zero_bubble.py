@@ -50,7 +50,7 @@ import heapq
 from collections import deque
 from typing import Optional
 
-from megalite.pipeline.schedules import Compute, _check_sizes
+from megalite.pipeline.schedules import Compute, _check_sizes, validate_schedule
 from megalite.pipeline.stage_layout import StageLayout
 
 
@@ -89,10 +89,7 @@ def build_zbv(pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.
 
 def build_dualpipev(pp: int, m: int) -> list[list[Compute]]:
     """DualPipeV's per-rank order on the V layout (module docstring), whole backwards as B then W."""
-    _check_sizes(pp, 2, m)
-    if pp < 2 or m < 2 * pp:
-        raise ValueError(f"--pipeline-schedule dualpipev needs pp >= 2 and at least 2 x pp = {2 * pp} "
-                         f"micro-batches per step (got pp={pp}, {m}); raise --global-batch-size or use zbv")
+    validate_schedule("dualpipev", pp, 2, m)
     return [_DualPipeVRank(pp, rank).order(m) for rank in range(pp)]
 
 
