@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megalite.arguments import parse_args
 from megalite.checkpointing import CheckpointError
 from megalite.config import ConfigError
-from megalite.faults import ExitConditions, ExitSignals, watch_launcher
+from megalite.faults import ExitConditions, ExitSignals, launcher_gone, say_launcher_gone, watch_launcher
 from megalite.logging import setup_logging
 from megalite.parallel_state import ParallelState
 from megalite.preflight import check_output_paths
@@ -64,6 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RuntimeError as e:
         if not _is_comm_failure(e):
             raise
+        if launcher_gone():  # a rank that noticed first exited and broke this one's transfer: name the cause
+            say_launcher_gone()
+            return 1
         # A peer died or hung past --distributed-timeout-minutes: one line per rank that saw it, no traceback.
         first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
         first = first.split(". ")[0]  # gloo appends generic advice after the first sentence

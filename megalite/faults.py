@@ -82,19 +82,33 @@ class ExitSignals:
             os._exit(128 + signum)
 
 
+_launcher_pid: Optional[int] = None
+
+
+def launcher_gone() -> bool:
+    """True when watch_launcher runs and this rank's launcher has died (the rank was reparented)."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid
+
+
+def say_launcher_gone() -> None:
+    """The one line for a dead launcher; every rank of the node sees it, so local rank 0 says it."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        _stderr(f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {_launcher_pid}) is "
+                f"gone; exiting (and so do the node's other ranks)")
+
+
 def watch_launcher(poll_s: float = 0.5) -> Optional[threading.Thread]:
     """Under torchrun, exit this rank when its launcher dies (the rank's parent process changes)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
-    parent = os.getppid()
+    global _launcher_pid
+    parent = _launcher_pid = os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != parent:
-                if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank of the node sees it: say it once
-                    _stderr(f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) is "
-                            f"gone; exiting (and so do the node's other ranks)")
+            if launcher_gone():
+                say_launcher_gone()
                 os._exit(1)
 
     thread = threading.Thread(target=watch, name="megalite-launcher-watch", daemon=True)
