@@ -3,10 +3,8 @@
 ::
 
     --load DIR  ->  meta.json: the run's Config (model shape, tokenizer, data, seed)
-                ->  full tensors, whatever tp/pp/vp the run was saved with:
-                      sharded  every saved block (index_<rank>.json) placed at its offsets
-                      torch    each mp_rank_TT[_PPP] file's local tensors placed by the
-                               blocks that rank's chunks hold (checkpointing/layout.py)
+                ->  full tensors, whatever tp/pp/vp the run was saved with, read layer by
+                    layer by the converter's reader (checkpointing/native_io.MegaliteSource)
                 ->  GPTModel at tp = pp = 1 (vocabulary padding re-added for tp 1)
 
     generate:  prompt ids -> model(prompt, cache) -> sample -> model(new token, cache) -> ...
@@ -21,19 +19,15 @@ training run evaluates on, for any split).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from megalite.checkpointing import CheckpointError, _legacy_dir, iteration_dir, read_latest
-from megalite.checkpointing.layout import param_blocks
-from megalite.checkpointing.safe_load import SafeFileSystemReader, safe_torch_load
+from megalite.checkpointing import CheckpointError
+from megalite.checkpointing.native_io import MegaliteSource
 from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
                              ParallelConfig, TrainConfig)
 from megalite.data.builder import build_train_valid_test_datasets
@@ -62,92 +56,12 @@ def config_from_dict(saved: dict) -> Config:
 
 def read_checkpoint(root: str, step: Optional[int] = None) -> Tuple[Config, int, Dict[str, torch.Tensor]]:
     """(run config, iteration, full unsharded model tensors) of ``root``'s latest or ``step`` checkpoint."""
-    if not os.path.isdir(root):
-        raise CheckpointError(f"--load {root}: no such directory")
-    it = step if step is not None else read_latest(root)
-    if it is None:
-        raise CheckpointError(f"--load {root}: no checkpoint there (no latest_checkpointed_iteration.txt)")
-    d = iteration_dir(root, it)
-    meta_path = os.path.join(d, "meta.json")
-    if not os.path.exists(meta_path):
-        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json); check --load/--ckpt-step")
+    source = MegaliteSource(root, step, flag="--load")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        cfg = config_from_dict(meta["config"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot read {meta_path} ({e}); the checkpoint is damaged") from None
-    if meta.get("format") == "torch":
-        full = _read_torch_model(d, cfg, meta["layout"])
-    else:
-        full = _read_sharded_model(d)
-    return cfg, it, full
-
-
-def _region(offsets: Sequence[int], sizes: Sequence[int]) -> Tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-
-
-def _read_sharded_model(d: str) -> Dict[str, torch.Tensor]:
-    """Every ``model/`` block of a sharded checkpoint, assembled into full tensors."""
-    SafeFileSystemReader(d).read_metadata()  # refuse a tampered index before dcp reads it
-    entries = []
-    for fn in sorted(os.listdir(d)):
-        if fn.startswith("index_") and fn.endswith(".json"):
-            with open(os.path.join(d, fn)) as f:
-                entries += [e for e in json.load(f) if e["prefix"] == "model"]
-    if not entries:
-        raise CheckpointError(f"{d} has no model tensors (no index_*.json entries); the checkpoint is incomplete")
-    blocks = {e["key"]: torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"])) for e in entries}
-    try:
-        with warnings.catch_warnings():  # dcp warns when run without a process group: intended here
-            warnings.simplefilter("ignore")
-            dcp.load(blocks, storage_reader=SafeFileSystemReader(d))
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - dcp wraps every failure in its own exception types
-        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise CheckpointError(f"reading the tensors of {d} failed ({first[:200]}); the checkpoint is damaged") from None
-    full: Dict[str, torch.Tensor] = {}
-    for e in entries:
-        if e["name"] not in full:
-            full[e["name"]] = torch.zeros(e["shape"], dtype=blocks[e["key"]].dtype)
-        full[e["name"]][_region(e["offsets"], e["sizes"])] = blocks[e["key"]]
-    return full
-
-
-def _read_torch_model(d: str, cfg: Config, layout: dict) -> Dict[str, torch.Tensor]:
-    """A legacy (Megatron ``torch``) checkpoint of any tp/pp/vp, assembled into full tensors.
-
-    Each file holds one (tp, pp) rank's local tensors; the chunks that rank built
-    (rebuilt here without process groups) say where each sits in the full tensor.
-    """
-    from megalite.training import build_model_chunks  # the same chunks the saving run built
-    tp, pp = layout["tp"], layout["pp"]
-    run = cfg.with_(parallel=replace(cfg.parallel, tp=tp, pp=pp, vp=layout["vp"],
-                                     decoder_first_pipeline_num_layers=layout["first"] or None,
-                                     decoder_last_pipeline_num_layers=layout["last"] or None),
-                    model=replace(cfg.model, params_dtype="float32", torch_compile=False))
-    full: Dict[str, torch.Tensor] = {}
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            path = os.path.join(d, _legacy_dir(tp_rank, pp_rank, pp), "model_optim_rng.pt")
-            if not os.path.exists(path):
-                raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-            state = safe_torch_load(path)
-            ps = ParallelState(tp * pp, tp_rank + pp_rank * tp, tp, pp, create_groups=False)
-            chunks = build_model_chunks(run, ps, RNGTracker(run.train.seed, tp_rank, pp_rank, ps.device))
-            for i, chunk in enumerate(chunks):
-                local = state.get("model" if len(chunks) == 1 else f"model{i}", {})
-                for name, p in chunk.named_parameters():
-                    if name not in local or tuple(local[name].shape) != tuple(p.shape):
-                        raise CheckpointError(f"{path}: {name} is missing or has another shape than the run "
-                                              f"stored in meta.json; the checkpoint is damaged")
-                    for b in param_blocks(chunk, name, p, for_write=True):
-                        if b.name not in full:
-                            full[b.name] = torch.zeros(b.global_shape, dtype=local[name].dtype)
-                        full[b.name][_region(b.offsets, b.sizes)] = b.local(local[name])
-    return full
+        cfg = config_from_dict(source.meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot read {source.dir}/meta.json ({e}); the checkpoint is damaged") from None
+    return cfg, source.info.iteration, source.full_model()
 
 
 def build_model(cfg: Config, full: Dict[str, torch.Tensor], device: torch.device | str = "cpu",

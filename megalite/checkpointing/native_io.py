@@ -33,28 +33,31 @@ from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
-def find_iteration(root: str, what: str) -> str:
-    """The iteration directory ``latest_checkpointed_iteration.txt`` names (one-line error otherwise)."""
+def find_iteration(root: str, what: str, step: Optional[int] = None, flag: str = "--load-dir") -> str:
+    """The iteration directory ``step`` or ``latest_checkpointed_iteration.txt`` names (one-line error otherwise)."""
     if not os.path.isdir(root):
-        raise CheckpointError(f"--load-dir {root} does not exist")
-    it = read_latest(root)
+        raise CheckpointError(f"{flag} {root}: no such directory")
+    it = step if step is not None else read_latest(root)
     if it is None:
-        raise CheckpointError(f"{root} has no latest_checkpointed_iteration.txt: it is not a {what} checkpoint")
+        raise CheckpointError(f"{flag} {root}: no checkpoint there (no latest_checkpointed_iteration.txt); "
+                              f"it is not a {what} checkpoint")
     d = iteration_dir(root, it)
     if not os.path.isdir(d):
-        raise CheckpointError(f"{root} names iteration {it} but {d} is missing: the checkpoint is incomplete")
+        asked = "--ckpt-step asks for" if step is not None else "latest_checkpointed_iteration.txt names"
+        raise CheckpointError(f"{root}: {asked} iteration {it} but {d} is missing; it is not a complete {what} "
+                              f"checkpoint")
     return d
 
 
 class MegaliteSource(ModelSource):
     """A megalite checkpoint (either format), read lazily."""
 
-    def __init__(self, root: str):
-        self.dir = find_iteration(root, "megalite")
+    def __init__(self, root: str, step: Optional[int] = None, flag: str = "--load-dir"):
+        self.dir = find_iteration(root, "megalite", step, flag)
         meta_path = os.path.join(self.dir, "meta.json")
         if not os.path.exists(meta_path):
-            raise CheckpointError(f"{self.dir} has no meta.json: it is not a megalite checkpoint (a Megatron-LM "
-                                  f"one loads with --loader megatron)")
+            raise CheckpointError(f"{self.dir} has no meta.json: it is not a complete megalite checkpoint (a "
+                                  f"Megatron-LM one converts with --loader megatron)")
         self.meta = _read_json(meta_path)
         config = self.meta.get("config", {})
         self.cfg = model_config_from_dict(config.get("model", {}))
@@ -151,6 +154,15 @@ class MegaliteSource(ModelSource):
         out = self._read(post_names(self.cfg), *last)
         check_tensors(self.cfg, out, post_names(self.cfg), self.dir)
         return out
+
+    def full_model(self) -> Dict[str, torch.Tensor]:
+        """Every model tensor, full (unsharded, unpadded), under megalite's single-model names."""
+        full = self.pre()
+        for i in range(self.cfg.num_layers):
+            full.update({layer_prefix(i) + n: t for n, t in self.layer(i).items()})
+        full.update(self.post())
+        self.close()
+        return full
 
     def close(self) -> None:
         self._files, self._open_rank = [], None
