@@ -102,7 +102,7 @@ def watch_launcher(poll_s: float = 0.5) -> Optional[threading.Thread]:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     global _launcher_pid
-    parent = _launcher_pid = os.getppid()
+    _launcher_pid = os.getppid()
 
     def watch() -> None:
         while True:

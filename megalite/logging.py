@@ -15,9 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megalite.config import ModelConfig
 from megalite.parallel_state import ParallelState
-from megalite.throughput import flops_per_iteration  # noqa: F401  (re-exported: FLOPs and MFU live there)
 
 _FORMAT = "%(message)s"
 

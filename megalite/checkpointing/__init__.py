@@ -72,6 +72,20 @@ def _quiet_single_process():
         yield
 
 
+def dcp_read(state: Dict[str, torch.Tensor], d: str, advice: str) -> None:
+    """torch.distributed.checkpoint's load into ``state``; any failure (DCP wraps each rank's in its own
+    exception types) becomes one CheckpointError line naming ``d``, then ``advice``."""
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=SafeFileSystemReader(d))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise CheckpointError(f"reading the tensors of {d} failed ({first[:200]}); the checkpoint is damaged: "
+                              f"{advice}") from None
+
+
 # -- what a run consists of -----------------------------------------------------------------------
 def _rng_state(trainer) -> dict:
     np_state = np.random.get_state()
@@ -458,15 +472,7 @@ def _load_sharded(trainer, d: str, meta: dict, load_optim: bool) -> Optional[dic
     except CheckpointError as e:
         error = e
     _agree_on_error(trainer, error)  # a rank that cannot plan must not leave the others in the collective read
-    try:
-        with _quiet_single_process():
-            dcp.load(wanted, storage_reader=SafeFileSystemReader(d))  # collective
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch.distributed.checkpoint wraps every rank's failure
-        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise CheckpointError(f"reading the tensors of {d} failed ({first[:200]}); the checkpoint is damaged: "
-                              f"load another iteration with --ckpt-step") from None
+    dcp_read(wanted, d, "load another iteration with --ckpt-step")  # collective
     for dst, key, src in copies:
         dst.copy_(wanted[key][src])
     with torch.no_grad():

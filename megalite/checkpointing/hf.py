@@ -20,7 +20,7 @@ import json
 import math
 import os
 import struct
-from typing import BinaryIO, Dict, List, Optional, Tuple
+from typing import BinaryIO, Dict, List, Tuple
 
 import torch
 

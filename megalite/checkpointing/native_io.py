@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megalite.checkpointing import (FORMAT_VERSION, _SHAPE_FIELDS, _legacy_dir, _quiet_single_process,
+from megalite.checkpointing import (FORMAT_VERSION, _SHAPE_FIELDS, _legacy_dir, _quiet_single_process, dcp_read,
                                     _read_index, _read_json, iteration_dir, read_latest)
 from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors, layer_names,
                                                 layer_prefix, merge_tp, model_config_from_dict, post_names,
@@ -96,14 +96,7 @@ class MegaliteSource(ModelSource):
             for e in entries:
                 state[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
                 parts.append((n, e))
-        try:
-            with _quiet_single_process():
-                dcp.load(state, storage_reader=SafeFileSystemReader(self.dir))
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - DCP wraps read failures
-            first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            raise CheckpointError(f"reading {self.dir} failed ({first[:160]}): the checkpoint is damaged") from None
+        dcp_read(state, self.dir, "use another iteration of it, or another checkpoint")
         for n, e in parts:
             where = tuple(slice(o, o + s) for o, s in zip(e["offsets"], e["sizes"]))
             out[n][where] = state[e["key"]]
