@@ -100,14 +100,15 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     log.info(f"schedule {trainer.schedule_name}, {trainer.m} micro-batches per step; "
              f"parameters on this rank: {n_params:,}")
     try:
-        train_ds, valid_ds = build_datasets(cfg, ps)
+        datasets = build_datasets(cfg, ps)
     except DatasetError as e:  # bad data files, split or caches: every rank stops, one says why
         if e.report:
             _error(str(e))
         ps.destroy()
         return 2
     try:
-        trainer.train(train_ds, valid_ds, ExitConditions(signals, cfg.train.exit_duration_in_mins, start))
+        trainer.train(datasets.train, datasets.valid, ExitConditions(signals, cfg.train.exit_duration_in_mins, start),
+                      test_ds=datasets.test)
     except TrainingStopped as e:
         if e.report:  # the rank that knows the problem says it once
             _error(str(e))

@@ -210,7 +210,11 @@ def _add_validation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=_T.eval_interval,
                    help="iterations between evaluations on the validation split (and once at the end)")
     g.add_argument("--eval-iters", type=int, default=_T.eval_iters,
-                   help="global batches per evaluation (0: no evaluation)")
+                   help="global batches per evaluation (0: no evaluation); the test split is evaluated once, "
+                        "at the end of training")
+    g.add_argument("--skip-train", action="store_true",
+                   help="skip the training loop: evaluate the model (--load's checkpoint) on the validation "
+                        "and test splits, then exit without saving")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -374,7 +378,8 @@ def _to_config(a: argparse.Namespace) -> Config:
                         train_iters=a.train_iters, seed=a.seed, eval_interval=a.eval_interval,
                         eval_iters=a.eval_iters, num_threads=a.num_threads, exit_interval=a.exit_interval,
                         check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
-                        exit_signal_handler=a.exit_signal_handler, exit_duration_in_mins=a.exit_duration_in_mins)
+                        exit_signal_handler=a.exit_signal_handler, exit_duration_in_mins=a.exit_duration_in_mins,
+                        skip_train=a.skip_train)
     logging_cfg = LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
                                 timeline_out=a.timeline_out, peak_tflops=a.peak_tflops)
     ckpt = CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, ckpt_format=a.ckpt_format,
@@ -430,6 +435,9 @@ def validate(cfg: Config, world_size: int) -> None:
               pipeline_model_parallel_size=par.pp, lr=cfg.optim.lr)
     if t.train_iters < 0:
         raise ConfigError(f"--train-iters must be >= 0, got {t.train_iters}")
+    if t.skip_train and (t.eval_iters <= 0 or t.eval_interval <= 0):
+        raise ConfigError("--skip-train only evaluates, but --eval-iters or --eval-interval is 0; give both "
+                          "a positive value")
     grid_groups(world_size, par.tp, par.pp)
     dp = world_size // (par.tp * par.pp)
     if m.hidden_size % m.num_attention_heads:

@@ -152,6 +152,7 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = True  # stop at the first non-finite loss or grad norm (Megatron)
     exit_signal_handler: bool = False  # SIGTERM/SIGINT: save a checkpoint at the end of the iteration, exit
     exit_duration_in_mins: Optional[float] = None  # stop (and save) once the run has trained this long
+    skip_train: bool = False  # no training loop: evaluate (validation, then test split) and exit (Megatron)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import math
 import os
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -134,19 +134,25 @@ class DatasetError(ValueError):
         self.report = report
 
 
-def build_datasets(cfg: Config, ps: ParallelState):
-    """Train and validation datasets (samples of seq_length + 1 ids), built once per node.
+class Datasets(NamedTuple):
+    train: Optional[object]
+    valid: Optional[object]
+    test: Optional[object]
+
+
+def build_datasets(cfg: Config, ps: ParallelState) -> Datasets:
+    """Train, validation and test datasets (samples of seq_length + 1 ids), built once per node.
 
     Rank 0 builds the index caches while the others wait; a failure there is agreed on
     (the builder's barrier is an all-reduce of a failure flag) so that every rank stops
     at once and only one prints, instead of the others waiting out the timeout.
     """
     t = cfg.train
-    n_train, n_valid = validation_plan(t)[:2]
+    n_train, n_valid, n_test = validation_plan(t)
     if cfg.data.mock_data:
         make = lambda n, salt: MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size,  # noqa: E731
                                               cfg.train.seed + salt, n) if n else None
-        return make(n_train, 0), make(n_valid, 1)
+        return Datasets(make(n_train, 0), make(n_valid, 1), make(n_test, 2))
     from megalite.data.builder import build_train_valid_test_datasets
     agreed = []
 
@@ -157,7 +163,7 @@ def build_datasets(cfg: Config, ps: ParallelState):
 
     error: Optional[str] = None
     try:
-        train, valid, _ = build_train_valid_test_datasets(cfg.data, (n_train, n_valid, 0),
+        train, valid, test = build_train_valid_test_datasets(cfg.data, (n_train, n_valid, n_test),
                                                           seq_length=cfg.model.seq_length, seed=cfg.train.seed,
                                                           is_primary=ps.rank == 0, barrier=barrier)
         if train is None and n_train > 0:
@@ -177,7 +183,12 @@ def build_datasets(cfg: Config, ps: ParallelState):
     reporter = lowest_rank_with(error is not None, ps)  # phase 2: did any rank fail loading?
     if reporter is not None:
         raise DatasetError(error or "the dataset build failed on another rank", report=reporter == ps.rank)
-    return train, valid
+    if test is not None and len(test) < t.eval_iters * t.global_batch_size:  # a capped blend: too small to read
+        if ps.rank == 0:
+            logger.warning(f"the test split has {len(test)} samples, fewer than one evaluation reads (--eval-iters "
+                           f"{t.eval_iters} x --global-batch-size {t.global_batch_size}): it is not evaluated")
+        test = None
+    return Datasets(train, valid, test)
 
 
 def _collate(samples: List[dict]) -> torch.Tensor:
@@ -389,16 +400,19 @@ class Trainer:
         return self._reduce_loss(losses)
 
     # -- the loop -------------------------------------------------------------------------------
-    def train(self, train_ds, valid_ds, exits: Optional[ExitConditions] = None) -> List[Dict[str, float]]:
+    def train(self, train_ds, valid_ds, exits: Optional[ExitConditions] = None,
+              test_ds=None) -> List[Dict[str, float]]:
         """Run ``train_iters`` iterations with logging and evaluation; return per-iteration scalars.
 
         Stops early, after saving, at --exit-interval or when ``exits`` asks (a signal under
-        --exit-signal-handler, --exit-duration-in-mins); evaluates once more at the end of a
-        completed run when the last iteration was not an evaluation one (as Megatron).
+        --exit-signal-handler, --exit-duration-in-mins). A completed run evaluates once more at
+        the end when the last iteration was not an evaluation one, then once on the test split
+        (as Megatron). --skip-train runs no iteration: only those two evaluations, no save.
         """
         cfg, t = self.cfg, self.cfg.train
+        training = not t.skip_train and self.iteration < t.train_iters
         data = MicroBatches(train_ds, self.consumed_samples, t.micro_batch_size, self.m, self.ps,
-                            cfg.data.num_workers) if self.needs_data and self.iteration < t.train_iters else None
+                            cfg.data.num_workers) if self.needs_data and training else None
         evaluating = t.eval_iters > 0 and t.eval_interval > 0
         if valid_ds is None and evaluating and self.ps.is_logging_rank:
             logger.warning("no validation samples (see --split / --valid-data-path): evaluation is skipped")
@@ -410,10 +424,10 @@ class Trainer:
         history: List[Dict[str, float]] = []
         window: List[Dict[str, float]] = []
         self.run_start, self.first_iteration, self.stop_reason = time.perf_counter(), self.iteration, None
-        self.last_valid_loss, evaluated_at = None, None
+        self.last_valid_loss, self.test_loss, evaluated_at = None, None, None
         self.last_logged: Tuple[int, Optional[float]] = (self.iteration, None)  # (iteration, lm loss)
         t_last = time.perf_counter()
-        while self.iteration < t.train_iters:
+        while training and self.iteration < t.train_iters:
             lr = self.scheduler.get_lr()
             batches = data.next() if data is not None else [None] * self.m
             self._check_tokens(data, batches)
@@ -446,12 +460,13 @@ class Trainer:
                 t_last = time.perf_counter()  # saving is not iteration time
             if self.stop_reason:
                 break
-        if cfg.checkpoint.save and self.saved_at != self.iteration:
+        if cfg.checkpoint.save and self.saved_at != self.iteration and not t.skip_train:
             self.save()
         self.optimizer.finish_param_gather()
-        if evaluating and self.stop_reason is None and evaluated_at != self.iteration \
-                and self.iteration > self.first_iteration:
-            self._log_eval(valid_ds, tb, at_end=True)
+        if evaluating and self.stop_reason is None and (self.iteration > self.first_iteration or t.skip_train):
+            if evaluated_at != self.iteration:
+                self._log_eval(valid_ds, tb, at_end=True)
+            self._log_eval(test_ds, tb, at_end=True, split="test")
         if cfg.logging.timeline_out and self.last_stats is not None:
             self.write_timeline(cfg.logging.timeline_out)
         tb.close()
@@ -469,11 +484,14 @@ class Trainer:
         unlogged = history[len(history) - (self.iteration - logged_at):] if logged_at < self.iteration else []
         losses = [h["loss"] for h in unlogged if h["loss"] is not None] or ([logged] if logged is not None else [])
         tokens = iters * t.global_batch_size * cfg.model.seq_length
-        lines = [f"training {'stopped (' + self.stop_reason + ')' if self.stop_reason else 'done'}: "
+        status = ("skipped (--skip-train)" if t.skip_train else
+                  f"stopped ({self.stop_reason})" if self.stop_reason else "done")
+        lines = [f"training {status}: "
                  f"{iters} iterations ({self.iteration} in all), {tokens:,} tokens in "
                  f"{format_duration(time.perf_counter() - self.run_start)}"
                  + (f"; final lm loss {sum(losses) / len(losses):.4f}" if losses else "")
-                 + (f", validation lm loss {self.last_valid_loss:.4f}" if self.last_valid_loss is not None else "")]
+                 + (f", validation lm loss {self.last_valid_loss:.4f}" if self.last_valid_loss is not None else "")
+                 + (f", test lm loss {self.test_loss:.4f}" if self.test_loss is not None else "")]
         if cfg.checkpoint.save and self.saved_at is not None:
             lines.append(f"  checkpoint: {cfg.checkpoint.save} (iteration {self.saved_at})")
         if cfg.logging.tensorboard_dir:
@@ -522,24 +540,28 @@ class Trainer:
                     "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
                     **flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device))}, self.iteration)
 
-    def _log_eval(self, valid_ds, tb: TensorBoard, at_end: bool = False) -> None:
-        """Evaluate on the next validation batches and log Megatron's validation lines."""
-        if valid_ds is None:  # the same on every rank: no validation split, nothing to run
+    def _log_eval(self, ds, tb: TensorBoard, at_end: bool = False, split: str = "validation") -> None:
+        """Evaluate on the next batches of ``split`` and log Megatron's validation lines."""
+        if ds is None:  # the same on every rank: no such split, nothing to run
             return
         t = self.cfg.train
-        # Each evaluation goes on where the last stopped (Megatron's order); resumed runs skip
-        # the batches the evaluations before the checkpoint read.
-        start = validation_start(self.iteration, t, len(valid_ds))
-        valid = MicroBatches(valid_ds, start, t.micro_batch_size, self.m, self.ps, self.cfg.data.num_workers,
-                             name="validation") if self.needs_data else None
-        loss = self.evaluate(valid)
+        # Each validation goes on where the last stopped (Megatron's order); resumed runs skip
+        # the batches the evaluations before the checkpoint read. The test split is read once, from 0.
+        start = validation_start(self.iteration, t, len(ds)) if split == "validation" else 0
+        batches = MicroBatches(ds, start, t.micro_batch_size, self.m, self.ps, self.cfg.data.num_workers,
+                               name=split) if self.needs_data else None
+        loss = self.evaluate(batches)
         if self.ps.is_logging_rank and loss is not None:
-            self.last_valid_loss = loss
             ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-            where = "the end of training for val data" if at_end else f"iteration {self.iteration}"
+            if split == "validation":
+                self.last_valid_loss = loss
+                where = "the end of training for val data" if at_end else f"iteration {self.iteration}"
+            else:
+                self.test_loss, where = loss, "the end of training for test data"
             line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
             logger.info("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-            tb.scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.iteration)
+            key = "lm loss validation" if split == "validation" else "lm loss test"
+            tb.scalars({key: loss, key + " ppl": ppl}, self.iteration)
 
     def write_timeline(self, path: str) -> None:
         """Gather the last iteration's measured events of this pipeline and write the timeline JSON."""

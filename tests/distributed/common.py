@@ -38,7 +38,7 @@ def _train(cfg: Config, ps: ParallelState, steps: int):
         ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
                             steps * cfg.train.global_batch_size)
     else:  # real .bin/.idx data: index caches built by rank 0 while the others wait
-        ds, _ = build_datasets(cfg.with_(train=replace(cfg.train, train_iters=steps, eval_iters=0)), ps)
+        ds = build_datasets(cfg.with_(train=replace(cfg.train, train_iters=steps, eval_iters=0)), ps).train
     data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
     losses: List[float] = []
     norms: List[float] = []

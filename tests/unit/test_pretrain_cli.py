@@ -42,6 +42,43 @@ def test_single_process_run_logs_evaluates_and_writes_tensorboard(tmp_path, caps
     assert [round(e.value, 5) for e in acc.Scalars("lm loss")] == [round(x, 5) for x in _losses(out)]
 
 
+_EVAL = r"validation loss at (iteration \d+|the end of training for \w+ data) \| lm loss value: ([0-9.E+-]+) \|"
+
+
+def test_test_split_is_evaluated_at_the_end_and_skip_train_only_evaluates(tmp_path, capsys):
+    # A completed run evaluates the validation split once more at the end, then the test split once
+    # (Megatron's lines). --skip-train on its checkpoint runs no iteration, saves nothing and logs the
+    # same two losses; tools/evaluate.py's test-split loss of the checkpoint is the same number.
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+    from tools import evaluate
+
+    ckpt = tmp_path / "ckpt"
+    run = TINY + ["--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2", "--save", str(ckpt)]
+    assert pretrain_gpt.main(run) == 0
+    out = capsys.readouterr().out
+    found = re.findall(_EVAL, out)
+    assert [w for w, _ in found] == ["iteration 2", "the end of training for val data",
+                                     "the end of training for test data"], out
+    assert found[1][1] != found[2][1]  # two splits, two losses
+    assert f"test lm loss {float(found[2][1]):.4f}" in out
+    saved = sorted(p.name for p in ckpt.iterdir())
+
+    assert pretrain_gpt.main(run + ["--load", str(ckpt), "--skip-train"]) == 0
+    out = capsys.readouterr().out
+    again = re.findall(_EVAL, out)
+    assert [w for w, _ in again] == ["the end of training for val data", "the end of training for test data"], out
+    for (_, a), (_, b) in zip(found[1:], again):
+        assert abs(float(a) - float(b)) <= 1e-6 * abs(float(a)), (found, again)
+    assert not re.search(r" iteration +\d+/", out) and "training skipped (--skip-train): 0 iterations" in out
+    assert sorted(p.name for p in ckpt.iterdir()) == saved
+
+    assert evaluate.main(["--load", str(ckpt), "--split-name", "test"]) == 0
+    tool = re.search(r"validation loss at iteration 3 for test data \| lm loss value: ([0-9.E+-]+) \|",
+                     capsys.readouterr().out)
+    assert tool and abs(float(tool.group(1)) - float(found[2][1])) <= 1e-6 * abs(float(found[2][1]))
+
+
 def test_eval_iters_zero_disables_evaluation(capsys):
     sys.path.insert(0, str(REPO))
     import pretrain_gpt
