@@ -44,37 +44,50 @@ _MIN_GAIN = 1e-6  # a move must shorten the step by this fraction: float noise n
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """Seconds (or any unit) per micro-batch of each layer kind: (forward, backward)."""
+    """Seconds (or any unit) per micro-batch of each layer kind: (forward, backward).
+
+    ``weight``, when measured (schedules with a split backward), is the part of each kind's
+    backward its W action runs, as (embedding, layer, head); without it the simulator takes
+    half of every backward.
+    """
 
     embedding: Tuple[float, float]
     layer: Tuple[float, float]
     head: Tuple[float, float]  # final norm + output layer + loss
+    weight: Optional[Tuple[float, float, float]] = None
 
     def as_list(self) -> List[float]:
-        return [*self.embedding, *self.layer, *self.head]
+        return [*self.embedding, *self.layer, *self.head, *(self.weight or ())]
 
     @classmethod
     def from_list(cls, v: Sequence[float]) -> "LayerCosts":
-        return cls((float(v[0]), float(v[1])), (float(v[2]), float(v[3])), (float(v[4]), float(v[5])))
+        """The inverse of ``as_list``: 6 numbers, or 9 with the weight parts."""
+        if len(v) not in (6, 9):
+            raise ValueError(f"LayerCosts needs 6 or 9 numbers, got {len(v)}")
+        v = [float(x) for x in v]
+        return cls((v[0], v[1]), (v[2], v[3]), (v[4], v[5]), tuple(v[6:9]) if len(v) == 9 else None)
 
     def describe(self, scale: float = 1e3) -> str:
-        """``embedding 0.10/0.20, layer ..., output layer + loss ...`` (forward/backward, x scale)."""
+        """``embedding 0.10/0.20, layer ..., output layer + loss ...`` (forward/backward[ of which W], x scale)."""
         parts = (("embedding", self.embedding), ("transformer layer", self.layer),
                  ("output layer + loss", self.head))
-        return ", ".join(f"{name} {f * scale:.3g}/{b * scale:.3g}" for name, (f, b) in parts)
+        ws = self.weight or (None, None, None)
+        return ", ".join(f"{name} {f * scale:.3g}/{b * scale:.3g}" + ("" if w is None else f" (W {w * scale:.3g})")
+                         for (name, (f, b)), w in zip(parts, ws))
 
 
-def stage_costs(counts: Sequence[int], costs: LayerCosts) -> List[Tuple[float, float]]:
-    """(forward, backward) cost of every virtual stage of the split ``counts``."""
+def stage_costs(counts: Sequence[int], costs: LayerCosts) -> List[Tuple[float, ...]]:
+    """(forward, backward[, weight part of the backward]) cost of every virtual stage of the split ``counts``."""
     last = len(counts) - 1
-    out = []
+    we, wl, wh = costs.weight or (0.0, 0.0, 0.0)
+    out: List[Tuple[float, ...]] = []
     for s, n in enumerate(counts):
-        f, b = n * costs.layer[0], n * costs.layer[1]
+        f, b, w = n * costs.layer[0], n * costs.layer[1], n * wl
         if s == 0:
-            f, b = f + costs.embedding[0], b + costs.embedding[1]
+            f, b, w = f + costs.embedding[0], b + costs.embedding[1], w + we
         if s == last:
-            f, b = f + costs.head[0], b + costs.head[1]
-        out.append((f, b))
+            f, b, w = f + costs.head[0], b + costs.head[1], w + wh
+        out.append((f, b, w) if costs.weight is not None else (f, b))
     return out
 
 
@@ -123,7 +136,7 @@ def _megatron_candidate(num_layers: int, pp: int, vp: int, costs: LayerCosts) ->
                 counts = stage_layer_counts(num_layers, pp, vp, first, last)
             except ValueError:
                 continue
-            per_stage = [f + b for f, b in stage_costs(counts, costs)]
+            per_stage = [c[0] + c[1] for c in stage_costs(counts, costs)]
             key = max(sum(per_stage[r::pp]) for r in range(pp))
             if best_key is None or key < best_key:
                 best, best_key = tuple(counts), key
@@ -139,7 +152,7 @@ def candidate_splits(num_layers: int, pp: int, vp: int, costs: LayerCosts,
     """
     S = pp * vp
     unit = costs.layer[0] + costs.layer[1]
-    fixed = [f + b for f, b in stage_costs([0] * S, costs)]
+    fixed = [c[0] + c[1] for c in stage_costs([0] * S, costs)]
     groups = rank_stages or [list(range(r, S, pp)) for r in range(pp)]
     found = [even_split(num_layers, S),
              _water_fill(num_layers, fixed, unit, [[s] for s in range(S)]),

@@ -8,7 +8,10 @@ own tp shard, sequence parallelism, dtype, recomputation, compile)::
     head probe        [s, b, h] -> final norm -> output layer -> loss
 
 and times forward and backward of each for a few micro-batches (median after
-a warmup). The six numbers are reduced with a max over every rank (the
+a warmup). For a schedule with a split backward (ZB-H1, ZB-V, DualPipeV) the
+backward runs as the executor runs it, B with the weight GEMMs deferred to a
+WeightGradStore, then W, and the W part of each kind is kept too (otherwise
+the simulator takes half of a backward). The six (or nine) numbers are reduced with a max over every rank (the
 slowest device sets the pace), so every rank holds the same costs and
 ``balance.choose_split`` picks the same split everywhere. Random states are
 saved and restored around the probes: a measured run trains exactly like the
@@ -16,6 +19,7 @@ same run given the chosen ``--pipeline-stage-layers``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -29,7 +33,8 @@ from megalite.config import Config
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.balance import BalancePlan, LayerCosts, choose_split
-from megalite.pipeline.schedules import default_schedule_name
+from megalite.pipeline.schedules import SPLIT_BACKWARD, default_schedule_name
+from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_split
 from megalite.tensor_parallel.random import RNGTracker
 
 logger = logging.getLogger("megalite")
@@ -43,30 +48,41 @@ def _timer(device: torch.device) -> Callable[[], float]:
 
 
 def _time_fb(run: Callable[[], Tuple[torch.Tensor, torch.Tensor]], now: Callable[[], float],
-             warmup: int, reps: int) -> Tuple[float, float]:
-    """Median (forward, backward) seconds of ``run`` (returns output and its gradient) after ``warmup`` calls."""
+             warmup: int, reps: int, split: bool) -> Tuple[float, float, float]:
+    """Median (forward, backward, W part of the backward) seconds of ``run`` (returns output and its
+    gradient) after ``warmup`` calls. ``split``: the backward runs as the executor splits it, B with
+    the weight GEMMs deferred to a WeightGradStore, then W; otherwise whole (W part 0)."""
     fwd: List[float] = []
     bwd: List[float] = []
+    wgt: List[float] = []
     for i in range(warmup + reps):
+        store = WeightGradStore()
         t0 = now()
         out, grad = run()
         t1 = now()
-        torch.autograd.backward(out, grad)
+        with store.collecting() if split else contextlib.nullcontext():
+            torch.autograd.backward(out, grad)
         t2 = now()
+        store.run()
+        t3 = now()
         if i >= warmup:
             fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+            bwd.append(t3 - t1)
+            wgt.append(t3 - t2)
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(wgt)
 
 
-def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int) -> List[float]:
-    """This rank's [emb f, emb b, layer f, layer b, head f, head b] in seconds."""
+def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int, split: bool) -> List[float]:
+    """This rank's [emb f, emb b, layer f, layer b, head f, head b] in seconds, then with ``split``
+    the W parts of the three backwards."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
 
     def probe(pre: bool, post: bool, layers: List[int]) -> GPTModel:
         chunk = GPTModel(m, ps, tracker, t.seed, layers, pre_process=pre, post_process=post,
                          sequence_parallel=par.sequence_parallel).to(ps.device)
+        if split:
+            enable_weight_grad_split(chunk)
         return chunk.train()
 
     emb, layer, head = probe(True, False, []), probe(False, False, [0]), probe(False, True, [])
@@ -89,8 +105,13 @@ def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int) -> List
 
     now = _timer(ps.device)
     out: List[float] = []
+    weights: List[float] = []
     for run in (run_emb, run_layer, run_head):
-        out += _time_fb(run, now, warmup, reps)
+        f, b, w = _time_fb(run, now, warmup, reps, split)
+        out += [f, b]
+        weights.append(w)
+    if split:
+        out += weights
     del emb, layer, head
     if ps.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -98,11 +119,13 @@ def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int) -> List
 
 
 def measure_layer_costs(cfg: Config, ps: ParallelState, warmup: int = 2, reps: int = 5) -> LayerCosts:
-    """Forward/backward seconds per micro-batch of each layer kind, max over every rank (collective)."""
+    """Forward/backward seconds per micro-batch of each layer kind, max over every rank (collective);
+    for a schedule with a split backward (ZB-H1, ZB-V, DualPipeV) also the W part of each."""
+    split = _schedule(cfg, ps.pp_size) in SPLIT_BACKWARD
     cpu_state = torch.get_rng_state()
     dev_state = torch.cuda.get_rng_state(ps.device) if ps.device.type == "cuda" else None
     try:
-        local = _probe_times(cfg, ps, warmup, reps)
+        local = _probe_times(cfg, ps, warmup, reps, split)
     finally:
         torch.set_rng_state(cpu_state)
         if dev_state is not None:
@@ -113,11 +136,15 @@ def measure_layer_costs(cfg: Config, ps: ParallelState, warmup: int = 2, reps: i
     return LayerCosts.from_list(costs.tolist())
 
 
+def _schedule(cfg: Config, pp: int) -> str:
+    return cfg.parallel.pipeline_schedule or default_schedule_name(pp, cfg.parallel.vp)
+
+
 def plan_for(cfg: Config, pp: int, dp: int, costs: LayerCosts) -> BalancePlan:
     """The balanced split of this run's layers for its schedule and micro-batch count."""
     par, t = cfg.parallel, cfg.train
     m = t.global_batch_size // (t.micro_batch_size * dp)
-    schedule = par.pipeline_schedule or default_schedule_name(pp, par.vp)
+    schedule = _schedule(cfg, pp)
     return choose_split(cfg.model.num_layers, pp, par.vp, m, schedule, costs, overlap_p2p=par.overlap_p2p_comm)
 
 

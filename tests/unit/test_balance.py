@@ -1,4 +1,5 @@
 """Balanced stages: general per-stage splits, the split search, the measurement, the flags."""
+from dataclasses import replace
 import itertools
 import pathlib
 import random
@@ -133,6 +134,22 @@ def test_layers_not_divisible_start_from_near_even():
         choose_split(7, 4, 2, 4, "interleaved_1f1b", LayerCosts((0, 0), (1, 2), (0, 0)))
 
 
+def test_measured_weight_parts_reach_the_simulator():
+    plain = LayerCosts((0.1, 0.2), (1.0, 2.0), (4.0, 8.0))
+    split = LayerCosts((0.1, 0.2), (1.0, 2.0), (4.0, 8.0), weight=(0.0, 0.5, 6.0))
+    assert LayerCosts.from_list(split.as_list()) == split and len(split.as_list()) == 9
+    assert stage_costs((3, 1), plain) == [(3.1, 6.2), (5.0, 10.0)]
+    assert stage_costs((3, 1), split) == [(3.1, 6.2, 1.5), (5.0, 10.0, 6.5)]
+    assert "output layer + loss 4e+03/8e+03 (W 6e+03)" in split.describe()
+    # B is the backward less W: a small measured W leaves a long B on the critical path
+    light_w = LayerCosts((0.1, 0.2), (1.0, 2.0), (0.5, 1.0), weight=(0.0, 0.2, 0.1))
+    half_w = LayerCosts((0.1, 0.2), (1.0, 2.0), (0.5, 1.0))
+    a, b = (choose_split(8, 2, 1, 4, "zb_h1", c).baseline.step_time for c in (half_w, light_w))
+    assert b > a * 1.05  # 58.1 -> 64.5: less of the backward can move into the gaps
+    with pytest.raises(ValueError, match="6 or 9 numbers"):
+        LayerCosts.from_list([1.0] * 7)
+
+
 # -- measurement ----------------------------------------------------------------------------------
 def _tiny(vocab=4096, **model):
     m = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=vocab,
@@ -152,6 +169,17 @@ def test_measurement_times_every_kind_and_leaves_random_state_alone(model):
     assert all(c > 0 for c in costs.as_list())
     plan = plan_for(cfg, pp=2, dp=1, costs=costs)
     assert plan.m == 4 and plan.schedule == "1f1b" and sum(plan.chosen.counts) == 4
+    assert costs.weight is None  # a whole backward: no W part
+
+
+def test_split_backward_schedules_measure_the_weight_part():
+    cfg = _tiny()
+    cfg = cfg.with_(parallel=replace(cfg.parallel, pipeline_schedule="zb_h1"))
+    costs = measure_layer_costs(cfg, ParallelState.single(), warmup=1, reps=2)
+    w_emb, w_layer, w_head = costs.weight
+    assert 0 < w_layer < costs.layer[1] and 0 < w_head < costs.head[1]  # the weight GEMMs, run in W
+    assert w_emb < w_layer  # the embedding's gradient stays in B
+    assert plan_for(cfg, pp=2, dp=1, costs=costs).schedule == "zb_h1"
 
 
 # -- flags ------------------------------------------------------------------------------------------
