@@ -13,15 +13,34 @@ bubble shrinks from (pp-1)(F+B+W) to (pp-1)(F+B-W), a third of 1F1B's with
 equal costs, while at most pp micro-batches have activations alive (forward
 done, W not yet), exactly 1F1B's peak on rank 0.
 
-ZB-V runs two chunks per rank in a V (stage_layout.py) and is built by a
-greedy list scheduler: every rank, as soon as it is free, runs the first
-ready action by priority B > F > W, with F only while fewer than 2pp chunk
-activations (1F1B's memory: pp micro-batches of a whole rank) are alive, and
-W as filler. Because the V puts the first and last stage on rank 0, a micro-batch
-comes back to the rank it started on and the warmup bubble of one arm is
-filled with the other arm's work; with equal costs and m >= 2pp the bubble is
-close to zero. The scheduler is deterministic, so every rank builds the same
-lists.
+ZB-V runs two chunks per rank in a V (stage_layout.py). Because the V puts
+the first and last stage on rank 0, a micro-batch comes back to the rank it
+started on and the warmup bubble of one arm is filled with the other arm's
+work. Two orders are built and the one with the shorter simulated step
+(executor semantics, the given F/B/W costs; ties: the first) is used:
+
+* the zero-bubble paper's phase order (the one torch.distributed.pipelining's
+  ScheduleZBVZeroBubble runs). Rank r of pp, a = its first-arm chunk, b = its
+  second-arm chunk, n = max(m, 2pp-1) micro-batches (those >= m dropped), W
+  always the oldest held-back one of its chunk::
+
+    1. 2(pp-r)-1 x  F(a)
+    2. r         x  F(b) F(a)
+    3. pp-r      x  F(b) B(b) W(b)
+    4. until both arms have run n forwards:  [F(a)] B(a) W(a) F(b) B(b) W(b)
+    5. r         x  B(a) B(b)
+    6. pp-r      x  B(a) W(a)
+    7. the held-back W(b)'s, then the W(a)'s
+
+* a greedy list schedule: every rank, as soon as it is free, runs the first
+  ready action by priority B > F > W, with F only while fewer than 2pp chunk
+  activations are alive, and W as filler.
+
+Both keep 1F1B's activation memory (2pp chunk activations: pp micro-batches
+of a whole rank). With unit costs the phase order is faster than or equal to
+the greedy one for every m > pp on pp 2..7 (pp 6, m 12: bubble 6.9% vs 11.1%);
+the greedy one wins for m <= pp (the phases assume 2pp-1 micro-batches) and
+at pp 8, m 11. Both are deterministic, so every rank builds the same lists.
 
 DualPipeV (DeepSeek-V3's DualPipe folded into the same V) runs the same
 actions in a fixed phase order instead of a greedy one. Rank r of pp, with a =
@@ -40,8 +59,11 @@ FIFO that "W" drains::
     7. pp-r-1    x  W B(a)
     8. r+1       x  W
 On one device the paired F and backward run one after the other, so the
-schedule is another zero-bubble V: peak 2pp chunk activations (1F1B's memory),
-needs m >= 2pp. tests/unit/test_schedules.py checks the per-rank order equals
+schedule is another zero-bubble V: with unit costs its simulated bubble equals
+ZB-V's (phase order) for m in {2pp, 3pp, 4pp}, pp 2..8, for one more chunk
+activation per rank (peak 2pp + 1); it needs m >= 2pp. Its gain is the F/B
+pairing, which overlaps expert-parallel all-to-alls on GPUs.
+tests/unit/test_schedules.py checks the per-rank order equals
 torch.distributed.pipelining's ScheduleDualPipeV.
 """
 from __future__ import annotations
@@ -78,13 +100,74 @@ def build_zb_h1(pp: int, m: int) -> list[list[Compute]]:
 
 def build_zbv(pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
               max_alive: Optional[int] = None) -> list[list[Compute]]:
-    """ZB-V: two chunks per rank in a V, ordered by the greedy scheduler (module docstring).
+    """ZB-V: two chunks per rank in a V; the paper's phase order, or the greedy one where that
+    is faster in the simulator (module docstring).
 
     ``costs`` are (F, B, W) per chunk; ``max_alive`` caps the chunk activations alive per
     rank (default 2pp, the activation memory of 1F1B).
     """
     _check_sizes(pp, 2, m)
-    return greedy_schedule(StageLayout(pp, 2, v_shape=True), m, costs, max_alive or 2 * pp)
+    layout = StageLayout(pp, 2, v_shape=True)
+    cap = max_alive or 2 * pp
+    greedy = greedy_schedule(layout, m, costs, cap)
+    phases = [_ZBVRank(pp, rank).order(m) for rank in range(pp)]
+    return phases if _zbv_time(phases, layout, costs, cap) <= _zbv_time(greedy, layout, costs, cap) else greedy
+
+
+def _zbv_time(order: list[list[Compute]], layout: StageLayout, costs: tuple[float, float, float],
+              max_alive: int) -> float:
+    """Simulated step time of a V order under the executor's semantics (inf: over ``max_alive``)."""
+    from megalite.pipeline.schedules import add_communication
+    from megalite.pipeline.simulate import simulate
+    f, b, w = costs
+    r = simulate(add_communication(order, layout.pp, 2, None, layout), layout.pp, 2, layout=layout,
+                 stage_costs=[(f, b + w, w)] * layout.num_stages, mode="executor")
+    return r.makespan if max(r.peak_in_flight) <= max_alive else float("inf")
+
+
+class _ZBVRank:
+    """One rank's actions in the zero-bubble paper's ZB-V phase order (module docstring)."""
+
+    def __init__(self, pp: int, rank: int):
+        self.pp, self.rank = pp, rank
+        self.actions: list[Compute] = []
+        self.next = {(c, k): 0 for c in (0, 1) for k in "FB"}
+        self.held: dict[int, deque] = {0: deque(), 1: deque()}  # per chunk: mbs whose B ran, W not yet
+
+    def f(self, chunk: int) -> None:
+        self.actions.append(Compute("F", self.next[(chunk, "F")], chunk))
+        self.next[(chunk, "F")] += 1
+
+    def b(self, chunk: int) -> None:
+        mb = self.next[(chunk, "B")]
+        self.next[(chunk, "B")] += 1
+        self.actions.append(Compute("B", mb, chunk))
+        self.held[chunk].append(mb)
+
+    def w(self, chunk: int) -> None:
+        self.actions.append(Compute("W", self.held[chunk].popleft(), chunk))
+
+    def order(self, m: int) -> list[Compute]:
+        pp, r, a, b = self.pp, self.rank, 0, 1
+        n = max(m, 2 * pp - 1)  # the phases need 2pp - 1 micro-batches; extra ones are dropped below
+        for _ in range(2 * (pp - r) - 1):
+            self.f(a)
+        for _ in range(r):
+            self.f(b), self.f(a)
+        for _ in range(pp - r):
+            self.f(b), self.b(b), self.w(b)
+        while self.next[(b, "F")] < self.next[(a, "F")] or self.next[(a, "F")] < n:
+            if self.next[(a, "F")] < n:
+                self.f(a)
+            self.b(a), self.w(a), self.f(b), self.b(b), self.w(b)
+        for _ in range(r):
+            self.b(a), self.b(b)
+        for _ in range(pp - r):
+            self.b(a), self.w(a)
+        for chunk in (b, a):
+            while self.held[chunk]:
+                self.w(chunk)
+        return [x for x in self.actions if x.mb < m]
 
 
 def build_dualpipev(pp: int, m: int) -> list[list[Compute]]:
