@@ -15,7 +15,7 @@ global-norm clipping, AdamW and the LR schedule.
   ``ScheduleInterleaved1F1B``; for zb_h1 ``ScheduleInterleavedZeroBubble``
   with one stage per rank (torch's closest to ZB-H1), for zbv
   ``ScheduleZBVZeroBubble`` on the same V placement (the same per-rank order whenever megalite picks the
-  paper's ZB-V phases: every m > pp at pp <= 7), for dualpipev
+  paper's ZB-V phases: every m > pp at pp <= 7), for dualpipev ``ScheduleDualPipeV`` (the last stage's module
   also lists the tied embedding it reads, or torch's split backward skips its
   gradient); loss_fn = the chunk's own ``loss`` (same math).
 
