@@ -91,9 +91,14 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     trainer = Trainer(cfg, ps)
     if cfg.checkpoint.load:
         try:
-            trainer.load()
+            loaded = trainer.load()
         except CheckpointError as e:
             _error(str(e))
+            ps.destroy()
+            return 2
+        if loaded is None and cfg.train.skip_train:  # every rank finds the same: say it once
+            if ps.rank == 0:
+                _error(f"--skip-train: --load {cfg.checkpoint.load} holds no checkpoint to evaluate")
             ps.destroy()
             return 2
     n_params = sum(p.numel() for c in trainer.chunks for p in c.parameters())

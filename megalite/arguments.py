@@ -438,6 +438,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.skip_train and (t.eval_iters <= 0 or t.eval_interval <= 0):
         raise ConfigError("--skip-train only evaluates, but --eval-iters or --eval-interval is 0; give both "
                           "a positive value")
+    if t.skip_train and not cfg.checkpoint.load:
+        raise ConfigError("--skip-train evaluates a trained model: give its checkpoint with --load DIR")
     grid_groups(world_size, par.tp, par.pp)
     dp = world_size // (par.tp * par.pp)
     if m.hidden_size % m.num_attention_heads:

@@ -90,9 +90,13 @@ def launcher_gone() -> bool:
     return _launcher_pid is not None and os.getppid() != _launcher_pid
 
 
+_said_launcher_gone = threading.Lock()
+
+
 def say_launcher_gone() -> None:
-    """The one line for a dead launcher; every rank of the node sees it, so local rank 0 says it."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    """The one line for a dead launcher; every rank of the node sees it, so local rank 0 says it
+    (once: the watcher thread and a failed transfer in the main thread may both notice)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" and _said_launcher_gone.acquire(blocking=False):
         _stderr(f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {_launcher_pid}) is "
                 f"gone; exiting (and so do the node's other ranks)")
 

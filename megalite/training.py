@@ -149,6 +149,8 @@ def build_datasets(cfg: Config, ps: ParallelState) -> Datasets:
     """
     t = cfg.train
     n_train, n_valid, n_test = validation_plan(t)
+    if t.skip_train:  # only evaluates: the validation split keeps the training run's size (its order)
+        n_train = 0
     if cfg.data.mock_data:
         make = lambda n, salt: MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size,  # noqa: E731
                                               cfg.train.seed + salt, n) if n else None
@@ -415,7 +417,7 @@ class Trainer:
                             cfg.data.num_workers) if self.needs_data and training else None
         evaluating = t.eval_iters > 0 and t.eval_interval > 0
         if valid_ds is None and evaluating and self.ps.is_logging_rank:
-            logger.warning("no validation samples (see --split / --valid-data-path): evaluation is skipped")
+            logger.warning("no validation samples (see --split / --valid-data-path): validation is skipped")
         tb = TensorBoard(cfg.logging.tensorboard_dir if self.ps.is_logging_rank else None)
         flops = Throughput(cfg.model, t.global_batch_size, self.chunks[0].padded_vocab, self.ps.world_size,
                            num_chunks=self.ps.pp_size * cfg.parallel.vp,
@@ -561,7 +563,8 @@ class Trainer:
             line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
             logger.info("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
             key = "lm loss validation" if split == "validation" else "lm loss test"
-            tb.scalars({key: loss, key + " ppl": ppl}, self.iteration)
+            if not t.skip_train:  # as Megatron: an evaluation-only run adds no point to the training curves
+                tb.scalars({key: loss, key + " ppl": ppl}, self.iteration)
 
     def write_timeline(self, path: str) -> None:
         """Gather the last iteration's measured events of this pipeline and write the timeline JSON."""

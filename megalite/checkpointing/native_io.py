@@ -59,15 +59,19 @@ class MegaliteSource(ModelSource):
             raise CheckpointError(f"{self.dir} has no meta.json: it is not a complete megalite checkpoint (a "
                                   f"Megatron-LM one converts with --loader megatron)")
         self.meta = _read_json(meta_path)
-        config = self.meta.get("config", {})
-        self.cfg = model_config_from_dict(config.get("model", {}))
-        data = config.get("data", {})
-        self.info = SourceInfo(iteration=int(self.meta.get("iteration", 0)), kind="megalite",
-                               tokenizer={k: data.get(k) for k in TOKENIZER_FIELDS})
-        self.format = self.meta.get("format", "sharded")
-        lay = self.meta["layout"]  # the layout it was trained in: the converter's default target
-        self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None, lay.get("last") or None,
-                             tuple(lay.get("stage_layers") or ()) or None)
+        try:
+            config = self.meta.get("config", {})
+            self.cfg = model_config_from_dict(config.get("model", {}))
+            data = config.get("data", {})
+            self.info = SourceInfo(iteration=int(self.meta.get("iteration", 0)), kind="megalite",
+                                   tokenizer={k: data.get(k) for k in TOKENIZER_FIELDS})
+            self.format = self.meta.get("format", "sharded")
+            lay = self.meta["layout"]  # the layout it was trained in: the converter's default target
+            self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None,
+                                 lay.get("last") or None, tuple(lay.get("stage_layers") or ()) or None)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{meta_path} is damaged ({type(e).__name__}: {e}); restore it from the run "
+                                  f"that saved the checkpoint") from None
         if self.format == "sharded":
             SafeFileSystemReader(self.dir).read_metadata()  # the allow-listed index, before DCP reads anything
             self.index = _read_index(self.dir)

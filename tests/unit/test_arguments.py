@@ -132,6 +132,7 @@ def test_query_groups_need_the_gqa_flag():
     (["--exit-interval", "0"], 1, r"--exit-interval must be > 0"),
     (["--train-iters", "-1"], 1, r"--train-iters must be >= 0"),
     (["--skip-train", "--eval-iters", "0"], 1, r"--skip-train only evaluates, but --eval-iters or --eval-interval"),
+    (["--skip-train"], 1, r"--skip-train evaluates a trained model: give its checkpoint with --load DIR"),
     (["--train-iter", "5"], 1, r"unrecognized argument --train-iter; did you mean --train-iters\?"),
     (["--tensor-parallel-size", "2"], 1, r"did you mean --tensor-model-parallel-size\?"),
     (["--async-save"], 1, r"--async-save is not implemented yet"),

@@ -73,6 +73,10 @@ def test_test_split_is_evaluated_at_the_end_and_skip_train_only_evaluates(tmp_pa
     assert not re.search(r" iteration +\d+/", out) and "training skipped (--skip-train): 0 iterations" in out
     assert sorted(p.name for p in ckpt.iterdir()) == saved
 
+    (tmp_path / "empty").mkdir()
+    assert pretrain_gpt.main(run + ["--load", str(tmp_path / "empty"), "--skip-train"]) == 2
+    assert "--skip-train: --load " in capsys.readouterr().err
+
     assert evaluate.main(["--load", str(ckpt), "--split-name", "test"]) == 0
     tool = re.search(r"validation loss at iteration 3 for test data \| lm loss value: ([0-9.E+-]+) \|",
                      capsys.readouterr().out)
