@@ -210,11 +210,9 @@ def _add_validation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=_T.eval_interval,
                    help="iterations between evaluations on the validation split (and once at the end)")
     g.add_argument("--eval-iters", type=int, default=_T.eval_iters,
-                   help="global batches per evaluation (0: no evaluation); the test split is evaluated once, "
-                        "at the end of training")
+                   help="global batches per evaluation (0: none); the test split is evaluated once, at the end")
     g.add_argument("--skip-train", action="store_true",
-                   help="skip the training loop: evaluate the model (--load's checkpoint) on the validation "
-                        "and test splits, then exit without saving")
+                   help="no training: evaluate --load's checkpoint on the validation and test splits, exit unsaved")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -436,8 +434,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.train_iters < 0:
         raise ConfigError(f"--train-iters must be >= 0, got {t.train_iters}")
     if t.skip_train and (t.eval_iters <= 0 or t.eval_interval <= 0):
-        raise ConfigError("--skip-train only evaluates, but --eval-iters or --eval-interval is 0; give both "
-                          "a positive value")
+        raise ConfigError("--skip-train only evaluates, but --eval-iters or --eval-interval is 0; give both > 0")
     if t.skip_train and not cfg.checkpoint.load:
         raise ConfigError("--skip-train evaluates a trained model: give its checkpoint with --load DIR")
     grid_groups(world_size, par.tp, par.pp)

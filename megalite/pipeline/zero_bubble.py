@@ -125,24 +125,34 @@ def _zbv_time(order: list[list[Compute]], layout: StageLayout, costs: tuple[floa
     return r.makespan if max(r.peak_in_flight) <= max_alive else float("inf")
 
 
-class _ZBVRank:
-    """One rank's actions in the zero-bubble paper's ZB-V phase order (module docstring)."""
+class _VRank:
+    """One rank's actions in a V built phase by phase: per-chunk F and B counters."""
 
     def __init__(self, pp: int, rank: int):
         self.pp, self.rank = pp, rank
         self.actions: list[Compute] = []
         self.next = {(c, k): 0 for c in (0, 1) for k in "FB"}
-        self.held: dict[int, deque] = {0: deque(), 1: deque()}  # per chunk: mbs whose B ran, W not yet
+
+    def _add(self, kind: str, chunk: int) -> int:
+        """Append ``kind`` of the chunk's next micro-batch; return that micro-batch."""
+        mb = self.next[(chunk, kind)]
+        self.next[(chunk, kind)] += 1
+        self.actions.append(Compute(kind, mb, chunk))
+        return mb
 
     def f(self, chunk: int) -> None:
-        self.actions.append(Compute("F", self.next[(chunk, "F")], chunk))
-        self.next[(chunk, "F")] += 1
+        self._add("F", chunk)
+
+
+class _ZBVRank(_VRank):
+    """One rank's actions in the zero-bubble paper's ZB-V phase order (module docstring)."""
+
+    def __init__(self, pp: int, rank: int):
+        super().__init__(pp, rank)
+        self.held: dict[int, deque] = {0: deque(), 1: deque()}  # per chunk: mbs whose B ran, W not yet
 
     def b(self, chunk: int) -> None:
-        mb = self.next[(chunk, "B")]
-        self.next[(chunk, "B")] += 1
-        self.actions.append(Compute("B", mb, chunk))
-        self.held[chunk].append(mb)
+        self.held[chunk].append(self._add("B", chunk))
 
     def w(self, chunk: int) -> None:
         self.actions.append(Compute("W", self.held[chunk].popleft(), chunk))
@@ -176,23 +186,15 @@ def build_dualpipev(pp: int, m: int) -> list[list[Compute]]:
     return [_DualPipeVRank(pp, rank).order(m) for rank in range(pp)]
 
 
-class _DualPipeVRank:
-    """One rank's DualPipeV actions: per-chunk F and B counters and the FIFO of held-back W's."""
+class _DualPipeVRank(_VRank):
+    """One rank's DualPipeV actions, with the FIFO of held-back W's."""
 
     def __init__(self, pp: int, rank: int):
-        self.pp, self.rank = pp, rank
-        self.actions: list[Compute] = []
-        self.next = {(c, k): 0 for c in (0, 1) for k in "FB"}
+        super().__init__(pp, rank)
         self.held: deque = deque()
 
-    def f(self, chunk: int) -> None:
-        self.actions.append(Compute("F", self.next[(chunk, "F")], chunk))
-        self.next[(chunk, "F")] += 1
-
     def b(self, chunk: int, split: bool) -> None:
-        mb = self.next[(chunk, "B")]
-        self.next[(chunk, "B")] += 1
-        self.actions.append(Compute("B", mb, chunk))
+        mb = self._add("B", chunk)
         if split:
             self.held.append((mb, chunk))
         else:
