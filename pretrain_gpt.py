@@ -25,7 +25,8 @@ from megalite.faults import ExitConditions, ExitSignals, launcher_gone, say_laun
 from megalite.logging import setup_logging
 from megalite.parallel_state import ParallelState
 from megalite.preflight import check_output_paths
-from megalite.training import DatasetError, Trainer, TrainingStopped, build_datasets, resolve_data
+from megalite.data.loading import DatasetError, build_datasets, resolve_data
+from megalite.training import Trainer, TrainingStopped
 
 PROG = "pretrain_gpt.py"
 
@@ -91,7 +92,7 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     trainer = Trainer(cfg, ps)
     if cfg.checkpoint.load:
         try:
-            loaded = trainer.load()
+            loaded = trainer.checkpointer.load()
         except CheckpointError as e:
             _error(str(e))
             ps.destroy()

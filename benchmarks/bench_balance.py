@@ -20,35 +20,24 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import pipeline_config, run_distributed  # first: puts the repository on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from megalite.config import (Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig,  # noqa: E402
-                             TrainConfig)
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.pipeline.measure import measure_layer_costs, plan_for  # noqa: E402
-from megalite.training import MicroBatches, Trainer  # noqa: E402
-from tests.distributed.harness import run_distributed  # noqa: E402
+from megalite.config import Config
+from megalite.parallel_state import ParallelState
+from megalite.analysis.measure import measure_layer_costs, plan_for
+from megalite.settings import resolve_settings
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 
 Row = Tuple[int, str, int, int]  # (pp, schedule, vp, m)
 
 
 def make_config(a: argparse.Namespace, pp: int, schedule: str, vp: int, m: int, split=None) -> Config:
     """GPT-2 style (tied embeddings), dropout 0.1, mock data with the large vocabulary."""
-    model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                        seq_length=a.seq_length, vocab_size=a.vocab_size)
-    return Config(model=model, parallel=ParallelConfig(pp=pp, vp=vp, pipeline_schedule=schedule,
-                                                       pipeline_stage_layers=split),
-                  optim=OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, clip_grad=1.0),
-                  data=DataConfig(mock_data=True),
-                  train=TrainConfig(micro_batch_size=a.micro_batch_size, global_batch_size=a.micro_batch_size * m,
-                                    train_iters=10_000, seed=1234, eval_iters=0))
+    return pipeline_config(a, pp, schedule, vp, m, heads=a.num_attention_heads, split=split)
 
 
 def run_row(ps: ParallelState, a: argparse.Namespace, row: Row) -> Dict:
@@ -56,14 +45,14 @@ def run_row(ps: ParallelState, a: argparse.Namespace, row: Row) -> Dict:
     pp, schedule, vp, m = row
     cfg = make_config(a, pp, schedule, vp, m)
     t0 = time.perf_counter()
-    costs = measure_layer_costs(cfg, ps)
-    plan = plan_for(cfg, pp, ps.dp_size, costs)
+    settings = resolve_settings(cfg, ps.world_size)
+    costs = measure_layer_costs(cfg, ps, settings)
+    plan = plan_for(cfg, settings, costs)
     plan_s = time.perf_counter() - t0
     trainers = {"even": Trainer(make_config(a, pp, schedule, vp, m, plan.baseline.counts), ps),
                 "balanced": Trainer(make_config(a, pp, schedule, vp, m, plan.chosen.counts), ps)}
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed, 4 * m * a.micro_batch_size)
-    data = MicroBatches(ds, 0, a.micro_batch_size, m, ps)
-    batches = [data.next() for _ in range(4)]
+    feed = MockFeed(trainers["even"], 4)  # both trainers read the same micro-batches
+    batches = [feed.next() for _ in range(4)]
     res: Dict[str, List] = {k: [] for name in trainers for k in (name, f"bubble_{name}", f"compute_{name}",
                                                                   f"other_{name}")}
     for i in range(a.warmup + a.steps):

@@ -20,41 +20,37 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Dict
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import mock_config, run_distributed  # first: puts the repository on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.training import MicroBatches, Trainer  # noqa: E402
-from tests.distributed.harness import run_distributed  # noqa: E402
+from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.config import Config, ModelConfig
+from megalite.parallel_state import ParallelState
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 
 
 def make_config(a, tp=1, pp=1) -> Config:
     m = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=12 if a.hidden % 12 == 0 else 8,
                     seq_length=64, vocab_size=a.vocab, hidden_dropout=0.0, attention_dropout=0.0)
-    return Config(model=m, parallel=ParallelConfig(tp=tp, pp=pp), optim=OptimConfig(),
-                  data=DataConfig(mock_data=True),
-                  train=TrainConfig(micro_batch_size=1, global_batch_size=pp, train_iters=10, seed=1, eval_iters=0))
+    return mock_config(m, mbs=1, gbs=pp, seed=1, train_iters=10, tp=tp, pp=pp)
 
 
 def trained(a, ps: ParallelState) -> Trainer:
     cfg = make_config(a, ps.tp_size, ps.pp_size)
     trainer = Trainer(cfg, ps)
-    ds = MockGPTDataset(64, a.vocab, 1, cfg.train.global_batch_size)
-    data = MicroBatches(ds, 0, 1, trainer.m, ps) if trainer.needs_data else None
-    trainer.train_step(data.next() if data else [None] * trainer.m)  # Adam state exists
-    trainer.iteration = 1
+    trainer.train_step(MockFeed(trainer, 1).next())  # Adam state exists
+    trainer.state.iteration = 1
     return trainer
+
+
+def parts(t: Trainer) -> tuple:
+    """The explicit state objects save_checkpoint and load_checkpoint take."""
+    return t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker
 
 
 def dir_bytes(path: str, rank_tag: str = None) -> int:
@@ -79,9 +75,9 @@ def one_process(a, tmp: str) -> Dict[str, Dict[str, float]]:
     rows = {}
     for fmt in ("sharded", "torch"):
         root = os.path.join(tmp, f"one_{fmt}")
-        save = timed(lambda: save_checkpoint(trainer, root, fmt))
+        save = timed(lambda: save_checkpoint(*parts(trainer), root, fmt))
         fresh = Trainer(trainer.cfg, ps)
-        load = timed(lambda: load_checkpoint(fresh, root))
+        load = timed(lambda: load_checkpoint(*parts(fresh), root))
         rows[fmt] = {"save": save, "load": load, "bytes": dir_bytes(root)}
     state = {"model": trainer.chunks[0].state_dict(),
              "optimizer": {name: {k: v for k, v in trainer.optimizer.optimizer.state[p].items()}
@@ -100,13 +96,13 @@ def _four(ps: ParallelState, a, tmp: str) -> Dict[str, float]:
     for fmt in ("sharded", "torch"):
         root = os.path.join(tmp, f"four_{fmt}")
         ps.barrier()
-        out[f"{fmt}_save"] = timed(lambda: save_checkpoint(trainer, root, fmt))
+        out[f"{fmt}_save"] = timed(lambda: save_checkpoint(*parts(trainer), root, fmt))
         fresh = Trainer(trainer.cfg, ps)
         ps.barrier()
-        out[f"{fmt}_load"] = timed(lambda: load_checkpoint(fresh, root))
+        out[f"{fmt}_load"] = timed(lambda: load_checkpoint(*parts(fresh), root))
     fresh = Trainer(trainer.cfg, ps)
     ps.barrier()
-    out["reshard_load"] = timed(lambda: load_checkpoint(fresh, os.path.join(tmp, "one_sharded")))
+    out["reshard_load"] = timed(lambda: load_checkpoint(*parts(fresh), os.path.join(tmp, "one_sharded")))
     out["rank"] = ps.rank
     return out
 

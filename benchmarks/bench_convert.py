@@ -18,16 +18,14 @@ import sys
 import tempfile
 import time
 
+from common import REPO  # first: puts the repository on sys.path
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalite.checkpointing.interchange import (Layout, ModelSource, SourceInfo, full_shape,  # noqa: E402
+from megalite.checkpointing.interchange import (Layout, ModelSource, SourceInfo, full_shape,
                                                 layer_names, post_names, pre_names)
-from megalite.checkpointing.native_io import save_sharded  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.checkpointing.native_io import save_sharded
+from megalite.config import ModelConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runs one command and reports that child's peak RSS (KiB on Linux)
 _MEASURE = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode;"
             " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)")
@@ -55,7 +53,7 @@ class RandomSource(ModelSource):
 def measure(args) -> tuple:
     """(seconds, peak MiB, exit status) of one command in its own process."""
     start = time.time()
-    out = subprocess.run([sys.executable, "-c", _MEASURE, *args], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", _MEASURE, *args], capture_output=True, text=True, cwd=REPO)
     seconds = time.time() - start
     kib, rc = out.stdout.split()
     return seconds, int(kib) / 1024, int(rc)

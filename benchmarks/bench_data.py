@@ -32,14 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO  # first: puts the repository on sys.path
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from megalite.data.blended_dataset import build_blending_indices  # noqa: E402
-from megalite.data.default_corpus import prepare_default_corpus  # noqa: E402
-from megalite.data.gpt_dataset import (build_document_index, build_sample_index,  # noqa: E402
+from megalite.data.blended_dataset import build_blending_indices
+from megalite.data.default_corpus import prepare_default_corpus
+from megalite.data.gpt_dataset import (build_document_index, build_sample_index,
                                        build_shuffle_index)
 
 

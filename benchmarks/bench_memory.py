@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Dict, List
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import mock_config, run_distributed  # first: puts the repository on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.pipeline.schedules import Compute, build_schedule  # noqa: E402
-from megalite.training import MicroBatches, Trainer  # noqa: E402
-from tests.distributed.harness import run_distributed  # noqa: E402
+from megalite.config import Config, ModelConfig, OptimConfig
+from megalite.data.mock_dataset import MockGPTDataset
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.actions import Compute
+from megalite.pipeline.registry import build_schedule
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 
 RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
              "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
@@ -51,11 +48,8 @@ def make_config(a, tp=1, pp=1, dp=1, sp=False, dtype="bfloat16", backend="unfuse
     mdl = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, seq_length=a.seq,
                       vocab_size=4096, hidden_dropout=0.1, attention_dropout=0.1, params_dtype=dtype,
                       attention_backend=backend, **model)
-    return Config(model=mdl, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp),
-                  optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True),
-                  data=DataConfig(mock_data=True),
-                  train=TrainConfig(micro_batch_size=a.mbs, global_batch_size=a.mbs * m * dp, train_iters=10,
-                                    seed=1, eval_iters=0))
+    return mock_config(mdl, a.mbs, a.mbs * m * dp, seed=1, train_iters=10,
+                       optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True), tp=tp, pp=pp, sequence_parallel=sp)
 
 
 class SavedBytes:
@@ -150,9 +144,7 @@ def _in_flight(ps: ParallelState, a, recompute: str, m: int) -> Dict[str, float]
             sizes[-1] += c.total
             return out
         chunk.forward, chunk.loss = counted_forward, counted_loss
-    ds = MockGPTDataset(a.seq, 4096, 1, m * a.mbs)
-    data = MicroBatches(ds, 0, a.mbs, trainer.m, ps) if trainer.needs_data else None
-    trainer.train_step(data.next() if data is not None else [None] * trainer.m)
+    trainer.train_step(MockFeed(trainer, 1).next())
     actions = [x for x in build_schedule("1f1b", ps.pp_size, 1, m)[ps.pp_rank] if isinstance(x, Compute)]
     live, peak, held, it = 0, 0, {}, iter(sizes)
     for act in actions:
@@ -188,8 +180,7 @@ def _optimizer_bytes(ps: ParallelState, a, dist_opt: bool) -> Dict[str, float]:
     cfg = make_config(a, dp=ps.dp_size)
     cfg = cfg.with_(optim=replace(cfg.optim, use_distributed_optimizer=dist_opt))
     trainer = Trainer(cfg, ps)
-    ds = MockGPTDataset(a.seq, 4096, 1, cfg.train.global_batch_size)
-    trainer.train_step(MicroBatches(ds, 0, a.mbs, trainer.m, ps).next())  # Adam state exists after a step
+    trainer.train_step(MockFeed(trainer, 1).next())  # Adam state exists after a step
     n = sum(p.numel() for p in trainer.params)
     return {"state": trainer.optimizer.state_bytes(), "params": n,
             "grad_buffer": trainer.optimizer.grads.grad_data.numel() * 4}
@@ -218,9 +209,8 @@ def _step_times(ps: ParallelState, a, variants: Dict[str, dict], steps: int) -> 
                           **{k: x for k, x in v.items() if k.startswith("recompute")})
         cfg = cfg.with_(optim=replace(cfg.optim, use_distributed_optimizer=v.get("dist_opt", False)))
         trainer = Trainer(cfg, ps)
-        ds = MockGPTDataset(a.seq, 4096, 1, (steps + 1) * cfg.train.global_batch_size)
-        data = MicroBatches(ds, 0, a.mbs, trainer.m, ps)
-        batches = [data.next() for _ in range(steps + 1)]
+        feed = MockFeed(trainer, steps + 1)
+        batches = [feed.next() for _ in range(steps + 1)]
         trainer.train_step(batches[0])
         times = []
         for b in batches[1:]:

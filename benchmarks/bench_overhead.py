@@ -24,21 +24,18 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import common  # noqa: F401  (first: puts the repository on sys.path)
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import Config, ModelConfig  # noqa: E402
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.training import MicroBatches, Trainer  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.config import Config, ModelConfig
+from megalite.parallel_state import ParallelState
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 
 Batch = Dict[str, torch.Tensor]
 
@@ -182,10 +179,8 @@ def build_config(a: argparse.Namespace, total_iters: int) -> Config:
 
 def make_batches(cfg: Config, trainer: Trainer, n: int) -> List[List[Batch]]:
     """n global batches of mock data, read once through megalite's MicroBatches (data is not timed)."""
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                        n * cfg.train.global_batch_size)
-    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, trainer.ps)
-    return [data.next() for _ in range(n)]
+    feed = MockFeed(trainer, n)
+    return [feed.next() for _ in range(n)]
 
 
 def timed(step: Callable[[List[Batch]], dict], batch: List[Batch]) -> Tuple[float, float]:

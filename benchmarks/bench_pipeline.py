@@ -50,28 +50,24 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import pipeline_config, run_distributed  # first: puts the repository on sys.path
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megalite.config import (Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig,  # noqa: E402
-                             TrainConfig)
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
-from megalite.optim.clip_grads import clip_grad_norm_  # noqa: E402
-from megalite.optim.lr_scheduler import LRScheduler  # noqa: E402
-from megalite.optim.optimizer import build_optimizer  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.pipeline.measure import measure_layer_costs, plan_for  # noqa: E402
-from megalite.pipeline.simulate import simulate_schedule  # noqa: E402
-from megalite.pipeline.stage_layout import layout_for  # noqa: E402
-from megalite.tensor_parallel.random import RNGTracker  # noqa: E402
-from megalite.training import MicroBatches, Trainer, build_model_chunks  # noqa: E402
-from tests.distributed.harness import run_distributed  # noqa: E402
+from megalite.config import Config
+from megalite.optim.clip_grads import clip_grad_norm_
+from megalite.optim.lr_scheduler import LRScheduler
+from megalite.optim.optimizer import build_optimizer
+from megalite.parallel_state import ParallelState
+from megalite.analysis.measure import measure_layer_costs, plan_for
+from megalite.settings import resolve_settings
+from megalite.analysis.simulate import simulate_schedule
+from megalite.pipeline.registry import layout_for
+from megalite.tensor_parallel.random import RNGTracker
+from megalite.training import Trainer, build_model_chunks
+from megalite.training.mock import MockFeed
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
 OVERLAP = "+ov"  # suffix: megalite with --overlap-p2p-communication
@@ -83,17 +79,9 @@ def _split_name(schedule: str) -> Tuple[str, bool]:
 
 
 def make_config(a: argparse.Namespace, schedule: str, vp: int, m: int, pp: int) -> Config:
-    """The benchmark model: GPT-2 style (tied embeddings), dropout 0.1, mock data."""
-    model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=4,
-                        seq_length=a.seq_length, vocab_size=a.vocab_size)
+    """The benchmark model: GPT-2 style (tied embeddings), 4 heads, dropout 0.1, mock data."""
     name, overlap = _split_name(schedule)
-    return Config(model=model, parallel=ParallelConfig(pp=pp, vp=vp, pipeline_schedule=name,
-                                                       overlap_p2p_comm=overlap),
-                  optim=OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, clip_grad=1.0),
-                  data=DataConfig(mock_data=True),
-                  train=TrainConfig(micro_batch_size=a.micro_batch_size,
-                                    global_batch_size=a.micro_batch_size * m, train_iters=10_000,
-                                    seed=1234, eval_iters=0))
+    return pipeline_config(a, pp, name, vp, m, heads=4, overlap=overlap)
 
 
 class TorchPipeline:
@@ -109,7 +97,7 @@ class TorchPipeline:
         pp = ps.pp_size
         layout = layout_for(schedule, pp, cfg.parallel.vp)
         tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
-        self.chunks = build_model_chunks(cfg, ps, tracker)
+        self.chunks = build_model_chunks(cfg, ps, tracker, layout)
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.train_iters)
@@ -194,14 +182,13 @@ def run_row(ps: ParallelState, a: argparse.Namespace, schedule: str, vp: int, m:
     cfg = make_config(a, schedule, vp, m, ps.pp_size)
     trainer = Trainer(cfg, ps)
     torch_pp = TorchPipeline(cfg, ps, schedule, m)
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                        4 * m * a.micro_batch_size)
-    data = MicroBatches(ds, 0, a.micro_batch_size, m, ps)
-    batches = [data.next() for _ in range(4)]
+    feed = MockFeed(trainer, 4)  # ranks without the first or last stage read no data (neither pipeline needs it)
+    batches = [feed.next() for _ in range(4)]
     impls = {"megalite": lambda b: trainer.train_step(b), "torch": lambda b: torch_pp.train_step(b)}
     res: Dict[str, object] = {"megalite": [], "torch": [], "stats": [], "first_loss": {}, "balanced": []}
     if a.balanced:
-        plan = plan_for(cfg, ps.pp_size, ps.dp_size, measure_layer_costs(cfg, ps))
+        settings = resolve_settings(cfg, ps.world_size)
+        plan = plan_for(cfg, settings, measure_layer_costs(cfg, ps, settings))
         balanced = Trainer(cfg.with_(parallel=replace(cfg.parallel, pipeline_stage_layers=plan.chosen.counts)), ps)
         impls["balanced"] = lambda b: balanced.train_step(b)
         res["plan"] = plan
@@ -238,7 +225,7 @@ def chunk_costs(events: List[dict], m: int) -> Dict[int, Tuple[float, float, flo
 
 
 def run_rows(ps: ParallelState, a: argparse.Namespace, rows: List[Tuple[str, int, int]]) -> List[Dict]:
-    """One rank (one thread, a gloo group from the test harness): every row in turn."""
+    """One rank (one thread, a gloo group from megalite.testing.run_distributed): every row in turn."""
     results = []
     for schedule, vp, m in rows:
         results.append(run_row(ps, a, schedule, vp, m))

@@ -6,7 +6,7 @@ storage autograd saves during each chunk's forward (and the loss), replayed in
 the order of the rank's schedule (+ at its forward, - at its backward) for the
 peak, plus parameter, gradient-buffer and optimizer-state bytes of the real
 Trainer after one step. The row compares the most loaded rank's total with
-``megalite.planner.estimate_memory`` for the same layout.
+``megalite.analysis.planner.estimate_memory`` for the same layout.
 
   python benchmarks/bench_plan.py            # 12 layouts (GPT-2 and Llama style), ~2-4 minutes on 2 cores
   python benchmarks/bench_plan.py --quick    # 4 layouts
@@ -14,22 +14,18 @@ Trainer after one step. The row compares the most loaded rank's total with
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import mock_config, run_distributed  # first: puts the repository on sys.path
+import torch
 
-import torch  # noqa: E402
-
-from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
-from benchmarks.bench_memory import SavedBytes  # noqa: E402  (the same saved-tensor meter)
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.pipeline.schedules import build_compute  # noqa: E402
-from megalite.planner import RECOMPUTE, Layout, estimate_memory  # noqa: E402
-from megalite.training import MicroBatches, Trainer  # noqa: E402
+from megalite.config import Config, ModelConfig, OptimConfig
+from bench_memory import SavedBytes  # (the same saved-tensor meter)
+from megalite.parallel_state import ParallelState
+from megalite.analysis.planner import RECOMPUTE, Layout, estimate_memory
+from megalite.pipeline.registry import build_compute
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 
 GPT2 = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=2048,
             hidden_dropout=0.1, attention_dropout=0.1, params_dtype="bfloat16", attention_backend="unfused")
@@ -58,13 +54,10 @@ QUICK = [0, 2, 3, 5]
 
 def make_config(model: Dict, layout: Layout, gbs: int) -> Config:
     mdl = ModelConfig(**model, **RECOMPUTE[layout.recompute])
-    return Config(model=mdl, parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp,
-                                                     sequence_parallel=layout.sp),
-                  optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True,
-                                    use_distributed_optimizer=layout.dist_opt),
-                  data=DataConfig(mock_data=True),
-                  train=TrainConfig(micro_batch_size=layout.mbs, global_batch_size=gbs, train_iters=10, seed=1,
-                                    eval_iters=0))
+    return mock_config(mdl, layout.mbs, gbs, seed=1, train_iters=10,
+                       optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True,
+                                         use_distributed_optimizer=layout.dist_opt),
+                       tp=layout.tp, pp=layout.pp, vp=layout.vp, sequence_parallel=layout.sp)
 
 
 def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[str, float]:
@@ -88,9 +81,7 @@ def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[st
             sizes[c][-1] += counter.total
             return out
         chunk.forward, chunk.loss = counted_forward, counted_loss
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, 1, gbs)
-    data = MicroBatches(ds, 0, layout.mbs, trainer.m, ps) if trainer.needs_data else None
-    trainer.train_step(data.next() if data is not None else [None] * trainer.m)
+    trainer.train_step(MockFeed(trainer, 1).next())
     live, peak = 0, 0
     for act in build_compute(trainer.schedule_name, ps.pp_size, layout.vp, trainer.m)[ps.pp_rank]:
         size = sizes[act.chunk][act.mb]
@@ -107,7 +98,6 @@ def measure_layout(model: Dict, layout: Layout, gbs: int) -> Dict[str, float]:
     if layout.world == 1:
         ranks = [measure(ParallelState.single(), model, layout, gbs)]
     else:
-        from tests.distributed.harness import run_distributed
         ranks = run_distributed(measure, layout.world, model, layout, gbs, tp=layout.tp, pp=layout.pp)
     return max(ranks, key=lambda r: r["weights"] + r["grads"] + r["optimizer"] + r["activations"])
 

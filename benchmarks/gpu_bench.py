@@ -16,22 +16,19 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict, List
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+import common  # noqa: F401  (first: puts the repository on sys.path)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench_overhead import PlainTrainer  # noqa: E402
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.data.mock_dataset import MockGPTDataset  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report  # noqa: E402
-from megalite.training import MicroBatches, Trainer  # noqa: E402
+from bench_overhead import PlainTrainer
+from megalite.arguments import parse_args
+from megalite.data.mock_dataset import MockGPTDataset
+from megalite.parallel_state import ParallelState
+from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 
 FULL = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, mbs=4, gbs=16, iters=30, warmup=3)
 SMOKE = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, mbs=2, gbs=4, iters=2, warmup=1)
@@ -66,12 +63,13 @@ def timed_steps(step: Callable, batches: List, warmup: int, iters: int, cuda: bo
 
 def check_rng_round_trip(trainer: Trainer) -> None:
     """A checkpoint's RNG capture (CUDA states included) restores the same random stream."""
-    from megalite.checkpointing import _rng_state, _set_rng_state
-    state = _rng_state(trainer)
+    from megalite.checkpointing import RandomStates
+    rng = RandomStates(trainer.tracker)
+    state = rng.state_dict()
     device = trainer.ps.device
     with trainer.tracker.fork("tp"):
         first = torch.rand(4, device=device)
-    _set_rng_state(trainer, state)
+    rng.load_state_dict(state)
     with trainer.tracker.fork("tp"):
         again = torch.rand(4, device=device)
     assert torch.equal(first, again), "RNG state round trip changed the random stream"
@@ -82,9 +80,8 @@ def run_megalite(s: Dict[str, int], recompute: bool, ps: ParallelState, peak) ->
     cfg = parse_args(flags(s, recompute, cuda), world_size=1)
     trainer = Trainer(cfg, ps)
     check_rng_round_trip(trainer)
-    ds = MockGPTDataset(s["seq"], s["vocab"], 1, 4 * s["gbs"])
-    data = MicroBatches(ds, 0, s["mbs"], trainer.m, ps)  # pin_memory=True on CUDA
-    batches = [data.next() for _ in range(4)]
+    feed = MockFeed(trainer, 4, seed=1)  # pin_memory=True on CUDA
+    batches = [feed.next() for _ in range(4)]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = timed_steps(trainer.train_step, batches, s["warmup"], s["iters"], cuda)

@@ -1,13 +1,20 @@
-"""Typed, frozen configuration sections.
+"""Typed, frozen configuration sections, each field declared together with its command-line flag.
 
-Each component receives only its own section (DESIGN principle 3). The CLI in
-``arguments.py`` fills these from Megatron-compatible flags; tests and tools
-may build them directly.
+Each component receives only its own section (README, Architecture). A field the CLI sets says,
+right next to its default, everything about its flag (flags.py): name, help group and sentence,
+argparse options and the range its value must lie in. ``arguments.py`` builds the parser from these
+declarations and ``validate.py`` checks the ranges, so adding a plain flag is adding one field.
+A flag that does not map one-to-one onto a field (``--bf16``, ``--group-query-attention``, ...) is
+declared as a companion of the field it sets, with the function that works that field out.
+Within a help group the fields are listed in --help order. Tests and tools build sections directly.
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
+
+from megalite.flags import HelpGroup, derived
 
 
 class ConfigError(ValueError):
@@ -17,33 +24,113 @@ class ConfigError(ValueError):
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+# Megatron's argument groups, in --help order.
+(NETWORK, REGULARIZATION, TRAINING, INITIALIZATION, LEARNING_RATE, CHECKPOINTING, PRECISION, RECOMPUTE,
+ DISTRIBUTED, VALIDATION, DATA, TOKENIZER, LOGGING) = HELP_GROUPS = tuple(HelpGroup(t) for t in (
+    "network size", "regularization", "training", "initialization", "learning rate", "checkpointing",
+    "mixed precision", "activation recomputation", "distributed", "validation", "data and dataloader",
+    "tokenizer", "logging"))
+
+
+def _query_groups(a: argparse.Namespace) -> Optional[int]:
+    if a.num_query_groups is not None and not a.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention (without it every head has its own "
+                          "key/value group)")
+    return a.num_query_groups if a.group_query_attention else None
+
+
+def _params_dtype(a: argparse.Namespace) -> str:
+    if a.bf16 and a.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pass one")
+    return "bfloat16" if a.bf16 else "float16" if a.fp16 else "float32"
+
+
+def _virtual_size(a: argparse.Namespace) -> int:
+    """vp from --virtual-pipeline-model-parallel-size or from --num-layers-per-virtual-pipeline-stage."""
+    per = a.num_layers_per_virtual_pipeline_stage
+    if per is not None and a.virtual_pipeline_model_parallel_size:
+        raise ConfigError("give --num-layers-per-virtual-pipeline-stage or "
+                          "--virtual-pipeline-model-parallel-size, not both")
+    if per is not None:
+        stage_layers = a.num_layers // max(1, a.pp)
+        if per < 1 or a.num_layers % a.pp or stage_layers % per:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per} must divide the layers per "
+                              f"pipeline stage ({a.num_layers} layers / {a.pp} stages)")
+        return stage_layers // per
+    return a.virtual_pipeline_model_parallel_size or 1
+
+
+def layer_list(text: str) -> Tuple[int, ...]:
+    """``5,3`` -> (5, 3) for --pipeline-stage-layers."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts such as 5,3, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = 4
-    hidden_size: int = 256
-    ffn_hidden_size: Optional[int] = None  # default 4h (or 8h/3 rounded for SwiGLU)
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # None: multi-head attention (groups == heads)
-    seq_length: int = 128
-    max_position_embeddings: Optional[int] = None  # default seq_length
-    vocab_size: int = 0  # the tokenizer's (unpadded) vocabulary size
-    make_vocab_size_divisible_by: int = 128
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: int = 10000
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    params_dtype: str = "float32"  # float32 | bfloat16 (--bf16) | float16 (--fp16)
-    attention_backend: str = "auto"  # auto/flash/fused: torch SDPA; unfused/local: explicit softmax
-    recompute_granularity: Optional[str] = None  # None | "full" | "selective" (core attention)
-    recompute_method: Optional[str] = None  # "uniform" | "block" (full granularity)
-    recompute_num_layers: int = 1
-    torch_compile: bool = False  # torch.compile each transformer layer
+    num_layers: int = NETWORK("--num-layers", 4, "transformer layers", gt=0)
+    hidden_size: int = NETWORK("--hidden-size", 256, "transformer hidden size", gt=0)
+    ffn_hidden_size: Optional[int] = NETWORK(  # None: 4h (or 8h/3 rounded for SwiGLU)
+        "--ffn-hidden-size", None, "MLP hidden size; default 4 x hidden (8/3 x hidden rounded up to 64 with "
+        "--swiglu)", gt=0)
+    num_attention_heads: int = NETWORK("--num-attention-heads", 4, "attention heads", gt=0)
+    num_query_groups: Optional[int] = NETWORK(  # None: multi-head attention (groups == heads)
+        "--num-query-groups", None, "key/value groups with --group-query-attention (default: one per head)",
+        before=NETWORK.flag("--group-query-attention", "grouped-query attention: heads share --num-query-groups "
+                            "key/value groups", action="store_true"), value=_query_groups)
+    seq_length: int = NETWORK("--seq-length", 128, "tokens per sample", gt=0)
+    max_position_embeddings: Optional[int] = NETWORK(
+        "--max-position-embeddings", None, "learned position table size (default: --seq-length)", gt=0)
+    vocab_size: int = NETWORK(  # the tokenizer's (unpadded) vocabulary size
+        "--vocab-size", 0, "vocabulary for --mock-data and NullTokenizer (default 4096 for mock data; otherwise "
+        "the tokenizer's)", parser_default=None,
+        value=lambda a: a.vocab_size if a.vocab_size is not None else (4096 if a.mock_data else 0))
+    make_vocab_size_divisible_by: int = NETWORK(
+        "--make-vocab-size-divisible-by", 128, "pad the vocabulary to a multiple of this x "
+        "--tensor-model-parallel-size", gt=0)
+    init_method_std: float = INITIALIZATION("--init-method-std", 0.02,
+                                            "standard deviation of the normal weight initialization", gt=0,
+                                            listed_after="--seed")
+    hidden_dropout: float = REGULARIZATION(
+        "--hidden-dropout", 0.1, "dropout after attention and MLP, in [0, 1) (0 for layout-identical losses)",
+        ge=0, lt=1)
+    attention_dropout: float = REGULARIZATION("--attention-dropout", 0.1,
+                                              "dropout on attention probabilities, in [0, 1)", ge=0, lt=1)
+    normalization: str = NETWORK("--normalization", "LayerNorm", "normalization layer",
+                                 choices=("LayerNorm", "RMSNorm"))
+    layernorm_epsilon: float = NETWORK("--norm-epsilon", 1e-5, "epsilon of the norms", gt=0)
+    swiglu: bool = NETWORK("--swiglu", False, "SwiGLU MLP (gated, SiLU) instead of GeLU")
+    position_embedding_type: str = NETWORK("--position-embedding-type", "learned_absolute", "position embedding",
+                                           choices=("learned_absolute", "rope"))
+    rotary_base: int = NETWORK("--rotary-base", 10000, "RoPE base period", gt=0)
+    untie_embeddings_and_output_weights: bool = NETWORK(
+        "--untie-embeddings-and-output-weights", False,
+        "separate output layer weights (default: the output layer reuses the embedding)")
+    add_bias_linear: bool = NETWORK("--disable-bias-linear", True, "no biases in the linear layers")
+    params_dtype: str = derived(  # float32 | bfloat16 (--bf16) | float16 (--fp16)
+        "float32", PRECISION.flag("--bf16", "bf16 parameters and activations, fp32 main weights", action="store_true"),
+        PRECISION.flag("--fp16", "fp16 parameters and activations, fp32 main weights, dynamic loss scaling",
+                       action="store_true"), value=_params_dtype)
+    attention_backend: str = NETWORK(  # auto/flash/fused: torch SDPA; unfused/local: explicit softmax
+        "--attention-backend", "auto", "auto/flash/fused: torch scaled_dot_product_attention (flash kernels "
+        "where the device has them); unfused/local: explicit QK^T, softmax, dropout, x V",
+        choices=("auto", "flash", "fused", "unfused", "local"))
+    recompute_granularity: Optional[str] = RECOMPUTE(  # None | "full" | "selective" (core attention)
+        "--recompute-granularity", None, "full: recompute whole layers (needs --recompute-method); selective: "
+        "core attention", choices=("full", "selective"),
+        before=RECOMPUTE.flag("--recompute-activations", "alias of --recompute-granularity selective",
+                              action="store_true"),
+        value=lambda a: "selective" if a.recompute_activations else a.recompute_granularity)
+    recompute_method: Optional[str] = RECOMPUTE(
+        "--recompute-method", None, "uniform: checkpoint every group of --recompute-num-layers layers; block: "
+        "recompute the first --recompute-num-layers layers of each pipeline chunk", choices=("uniform", "block"))
+    recompute_num_layers: int = RECOMPUTE(
+        "--recompute-num-layers", 1, "layers per recomputed group (uniform) or recomputed layers per chunk (block)",
+        ge=1)
+    torch_compile: bool = RECOMPUTE("--torch-compile", False,
+                                    "torch.compile each transformer layer (needs a C++ compiler on CPU)")
 
     @property
     def torch_dtype(self):
@@ -83,98 +170,174 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vp: int = 1  # virtual pipeline chunks per pipeline rank
-    distributed_backend: Optional[str] = None  # None: nccl if CUDA else gloo
-    pipeline_schedule: Optional[str] = None  # None: 1f1b, or interleaved when vp > 1
-    overlap_p2p_comm: bool = False  # sends right after their compute, receives posted one compute ahead
-    decoder_first_pipeline_num_layers: Optional[int] = None
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    pipeline_stage_layers: Optional[Tuple[int, ...]] = None  # layers per virtual stage, in stage order
-    pipeline_balance: str = "even"  # even | measured (time layer kinds at startup, choose the split)
-    sequence_parallel: bool = False
-    distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails (a hung or stopped rank)
+    tp: int = DISTRIBUTED("--tensor-model-parallel-size", 1, "ranks sharing each layer (tensor parallelism)", gt=0)
+    pp: int = DISTRIBUTED("--pipeline-model-parallel-size", 1,
+                          "pipeline stages (the data-parallel size is the rest of the world)", gt=0)
+    vp: int = derived(  # virtual pipeline chunks per pipeline rank
+        1, DISTRIBUTED.flag("--num-layers-per-virtual-pipeline-stage", "layers per virtual stage for the "
+                            "interleaved schedule (or give --virtual-pipeline-model-parallel-size)", type=int),
+        DISTRIBUTED.flag("--virtual-pipeline-model-parallel-size",
+                         "model chunks per pipeline rank for the interleaved schedule", type=int),
+        value=_virtual_size)
+    pipeline_schedule: Optional[str] = DISTRIBUTED(  # None: 1f1b, or interleaved when vp > 1
+        "--pipeline-schedule", None, "pipeline schedule; default: 1f1b, or interleaved_1f1b with virtual stages",
+        choices="schedules")  # the pipeline registry's names, filled in by arguments.py
+    overlap_p2p_comm: bool = DISTRIBUTED(  # sends right after their compute, receives posted one compute ahead
+        "--overlap-p2p-communication", False, "send each activation/gradient as soon as its compute ends and post "
+        "receives one compute ahead, overlapping transfers with compute",
+        then=DISTRIBUTED.flag("--no-overlap-p2p-communication", "place pipeline transfers as Megatron's "
+                              "non-overlapped schedules do (the default)", action="store_false",
+                              dest="overlap_p2p_comm"))
+    decoder_first_pipeline_num_layers: Optional[int] = DISTRIBUTED(
+        "--decoder-first-pipeline-num-layers", None,
+        "layers on the first pipeline stage (uneven split; the rest are spread evenly)")
+    decoder_last_pipeline_num_layers: Optional[int] = DISTRIBUTED(
+        "--decoder-last-pipeline-num-layers", None,
+        "layers on the last pipeline stage (uneven split; the rest are spread evenly)")
+    pipeline_stage_layers: Optional[Tuple[int, ...]] = DISTRIBUTED(  # layers per virtual stage, in stage order
+        "--pipeline-stage-layers", None, "layers of every virtual pipeline stage, comma-separated in stage order "
+        "(pp x vp entries, each >= 1, summing to --num-layers), e.g. 5,3", type=layer_list)
+    pipeline_balance: str = DISTRIBUTED(
+        "--pipeline-balance", "even", "measured: time the embedding, a transformer layer and the output layer + "
+        "loss at startup and train with the split of layers the simulator finds fastest",
+        choices=("even", "measured"))
+    sequence_parallel: bool = DISTRIBUTED(  # as Megatron: off when there is no tensor parallelism to split over
+        "--sequence-parallel", False, "split norms, dropout and residuals along the sequence over the TP group",
+        value=lambda a: a.sequence_parallel and a.tp != 1)
+    distributed_backend: Optional[str] = DISTRIBUTED(  # None: nccl if CUDA else gloo
+        "--distributed-backend", None, "default: nccl when CUDA is available, else gloo", choices=("gloo", "nccl"),
+        listed_after="--ddp-bucket-size")
+    distributed_timeout_minutes: float = DISTRIBUTED(  # a collective waiting longer fails (a hung or stopped rank)
+        "--distributed-timeout-minutes", 10.0, "a collective or transfer that waits longer fails and ends the job "
+        "(a hung or stopped rank)", gt=0, listed_after="--distributed-backend")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    lr_decay_style: str = "cosine"  # constant | linear | cosine
-    lr_warmup_iters: int = 20
-    lr_decay_iters: Optional[int] = None  # default train_iters
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    # fp16 loss scaling (Megatron's flags and defaults); loss_scale set = a constant scale
-    loss_scale: Optional[float] = None
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    lr: float = LEARNING_RATE("--lr", 1e-3, "peak learning rate", gt=0)
+    min_lr: float = LEARNING_RATE("--min-lr", 1e-4, "learning rate at the end of the decay", ge=0)
+    lr_decay_style: str = LEARNING_RATE("--lr-decay-style", "cosine", "decay from --lr to --min-lr after warmup",
+                                        choices=("constant", "linear", "cosine"))
+    lr_warmup_iters: int = LEARNING_RATE("--lr-warmup-iters", 20, "iterations of linear warmup from 0 to --lr", ge=0)
+    lr_decay_iters: Optional[int] = LEARNING_RATE(  # None: train_iters
+        "--lr-decay-iters", None, "iterations over which the rate decays (default: --train-iters)", gt=0)
+    weight_decay: float = REGULARIZATION("--weight-decay", 0.01, "AdamW weight decay", ge=0)
+    clip_grad: float = REGULARIZATION("--clip-grad", 1.0, "gradient norm clipping (0: off)", ge=0)
+    adam_beta1: float = REGULARIZATION("--adam-beta1", 0.9, "Adam beta1, in [0, 1)", ge=0, lt=1)
+    adam_beta2: float = REGULARIZATION("--adam-beta2", 0.999, "Adam beta2, in [0, 1)", ge=0, lt=1)
+    adam_eps: float = REGULARIZATION("--adam-eps", 1e-8, "Adam epsilon", gt=0)
+    # fp16 loss scaling (Megatron's flags and defaults); loss_scale set = a constant scale.
+    # Their ranges apply with --fp16 only (validate.py).
+    loss_scale: Optional[float] = PRECISION("--loss-scale", None, "constant fp16 loss scale (default: dynamic scaling)")
+    initial_loss_scale: float = PRECISION("--initial-loss-scale", 2.0 ** 32, "first dynamic fp16 loss scale")
+    min_loss_scale: float = PRECISION("--min-loss-scale", 1.0, "the dynamic fp16 loss scale never goes below this")
+    loss_scale_window: int = PRECISION("--loss-scale-window", 1000,
+                                       "iterations without overflow before the scale doubles")
+    hysteresis: int = PRECISION("--hysteresis", 2, "overflows since the last growth needed before the scale halves "
+                                "(then every further overflow halves it)")
+    accumulate_allreduce_grads_in_fp32: bool = PRECISION(  # forced on for bf16, as Megatron
+        "--accumulate-allreduce-grads-in-fp32", False, "fp32 gradient accumulation and reduction (always on with "
+        "--bf16)", value=lambda a: a.accumulate_allreduce_grads_in_fp32 or a.bf16)
     # gradient reduction and the distributed optimizer (ZeRO-1)
-    accumulate_allreduce_grads_in_fp32: bool = False  # forced on for bf16, as Megatron
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    ddp_bucket_size: Optional[int] = None  # elements; None: max(40M, 1M x dp)
+    use_distributed_optimizer: bool = DISTRIBUTED(
+        "--use-distributed-optimizer", False,
+        "shard fp32 main weights and Adam states over the data-parallel group (ZeRO-1)")
+    overlap_grad_reduce: bool = DISTRIBUTED(
+        "--overlap-grad-reduce", False, "start each bucket's gradient reduction as soon as backward has filled it")
+    overlap_param_gather: bool = DISTRIBUTED(
+        "--overlap-param-gather", False, "with --use-distributed-optimizer: gather updated weights in the "
+        "background, each bucket waited for by the first forward that uses it")
+    ddp_bucket_size: Optional[int] = DISTRIBUTED(  # elements; None: max(40M, 1M x dp)
+        "--ddp-bucket-size", None, "gradient bucket size in elements (default max(40M, 1M x data-parallel size))",
+        gt=0)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    mock_data: bool = False
-    data_path: Tuple[str, ...] = ()  # Megatron style: [w1 p1 w2 p2 ...] or [p1 p2 ...]
-    train_data_path: Tuple[str, ...] = ()
-    valid_data_path: Tuple[str, ...] = ()
-    test_data_path: Tuple[str, ...] = ()
-    split: str = "969,30,1"
-    data_cache_path: Optional[str] = None
-    tokenizer_type: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    num_workers: int = 0  # DataLoader worker processes per rank
+    mock_data: bool = DATA("--mock-data", False,
+                           "synthetic deterministic samples (needs no files; --vocab-size sets the vocabulary)")
+    # Megatron style: [w1 p1 w2 p2 ...] or [p1 p2 ...]
+    data_path: Tuple[str, ...] = DATA("--data-path", (), "dataset prefixes (without .bin/.idx), optionally "
+                                      "weighted: w1 p1 w2 p2 ...; default: the embedded default corpus")
+    train_data_path: Tuple[str, ...] = DATA("--train-data-path", (), "the train split's own (weighted) prefixes")
+    valid_data_path: Tuple[str, ...] = DATA("--valid-data-path", (),
+                                            "the validation split's own (weighted) prefixes")
+    test_data_path: Tuple[str, ...] = DATA("--test-data-path", (), "the test split's own (weighted) prefixes")
+    split: str = DATA("--split", "969,30,1", "train,valid,test document proportions of --data-path")
+    data_cache_path: Optional[str] = DATA("--data-cache-path", None,
+                                          "where index caches go (default: a cache/ directory next to each dataset)")
+    num_workers: int = DATA("--num-workers", 0, "DataLoader worker processes per rank (0: load in the training "
+                            "process)", ge=0)
+    tokenizer_type: Optional[str] = TOKENIZER(
+        "--tokenizer-type", None, "GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, Llama2Tokenizer "
+        "or NullTokenizer")
+    vocab_file: Optional[str] = TOKENIZER("--vocab-file", None, "vocab.json of a GPT2BPETokenizer")
+    merge_file: Optional[str] = TOKENIZER("--merge-file", None, "merges.txt of a GPT2BPETokenizer")
+    tokenizer_model: Optional[str] = TOKENIZER("--tokenizer-model", None,
+                                               "SentencePiece .model file, or a Hugging Face tokenizer directory")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
-    train_iters: int = 200
-    seed: int = 1234
-    eval_interval: int = 50
-    eval_iters: int = 5
-    num_threads: Optional[int] = None  # None: leave torch's default (OMP_NUM_THREADS)
-    exit_interval: Optional[int] = None
-    check_for_nan_in_loss_and_grad: bool = True  # stop at the first non-finite loss or grad norm (Megatron)
-    exit_signal_handler: bool = False  # SIGTERM/SIGINT: save a checkpoint at the end of the iteration, exit
-    exit_duration_in_mins: Optional[float] = None  # stop (and save) once the run has trained this long
-    skip_train: bool = False  # no training loop: evaluate (validation, then test split) and exit (Megatron)
+    micro_batch_size: int = TRAINING("--micro-batch-size", 8, "samples per micro-batch on one data-parallel rank",
+                                     gt=0)
+    global_batch_size: int = TRAINING("--global-batch-size", 16, "samples per iteration over all data-parallel "
+                                      "ranks and micro-batches", gt=0)
+    train_iters: int = TRAINING("--train-iters", 200, "iterations to train (0: none)", ge=0)
+    seed: int = INITIALIZATION("--seed", 1234, "random seed of weights, data order and dropout (the same for every "
+                               "layout)", ge=0)
+    eval_interval: int = VALIDATION("--eval-interval", 50, "iterations between evaluations on the validation split "
+                                    "(and once at the end)", ge=0)
+    eval_iters: int = VALIDATION("--eval-iters", 5, "global batches per evaluation (0: none); the test split is "
+                                 "evaluated once, at the end", ge=0)
+    exit_interval: Optional[int] = TRAINING(
+        "--exit-interval", None, "stop (after saving, with --save) when the iteration is a multiple of this", gt=0)
+    exit_duration_in_mins: Optional[float] = TRAINING(  # stop (and save) once the run has trained this long
+        "--exit-duration-in-mins", None, "stop (after saving, with --save) once training has run this many minutes",
+        gt=0)
+    exit_signal_handler: bool = TRAINING(  # SIGTERM/SIGINT: save a checkpoint at the end of the iteration, exit
+        "--exit-signal-handler", False, "on SIGTERM or SIGINT, finish the iteration, save a checkpoint and exit 0 "
+        "(without it: exit at once without saving)")
+    check_for_nan_in_loss_and_grad: bool = TRAINING(  # stop at the first non-finite loss or grad norm (Megatron)
+        "--no-check-for-nan-in-loss-and-grad", True, "count non-finite losses/grad norms and skip those updates "
+        "instead of stopping the run at the first one")
+    num_threads: Optional[int] = TRAINING(  # None: leave torch's default (OMP_NUM_THREADS)
+        "--num-threads", None, "torch intra-op threads (default: left to OMP_NUM_THREADS / torch)", gt=0)
+    skip_train: bool = VALIDATION(  # evaluate (validation, then test split) and exit (Megatron)
+        "--skip-train", False,
+        "no training: evaluate --load's checkpoint on the validation and test splits, exit unsaved")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    ckpt_format: str = "sharded"  # sharded (layout-free, torch.distributed.checkpoint) | torch (Megatron legacy)
-    finetune: bool = False  # load weights only; iteration, optimizer and RNG start fresh
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    ckpt_step: Optional[int] = None  # load this iteration instead of the latest
-    ckpt_keep_last: Optional[int] = None  # keep only the newest K checkpoints
+    save: Optional[str] = CHECKPOINTING("--save", None, "directory to save checkpoints to")
+    save_interval: Optional[int] = CHECKPOINTING(
+        "--save-interval", None, "iterations between checkpoints (a checkpoint is also saved at the end and at "
+        "--exit-interval)", gt=0)
+    load: Optional[str] = CHECKPOINTING("--load", None, "directory to resume from (its latest checkpoint)")
+    ckpt_format: str = CHECKPOINTING(  # sharded (layout-free, torch.distributed.checkpoint) | torch (legacy)
+        "--ckpt-format", "sharded", "sharded: layout-free, loads into any tp/pp/vp/dp; torch: Megatron-LM's legacy "
+        "mp_rank_XX/model_optim_rng.pt files (same tp/pp/vp to load)", choices=("sharded", "torch"))
+    ckpt_step: Optional[int] = CHECKPOINTING("--ckpt-step", None, "load this iteration, not the latest")
+    finetune: bool = CHECKPOINTING("--finetune", False,
+                                   "load the weights only: iteration 0, fresh optimizer and random state")
+    no_load_optim: bool = CHECKPOINTING("--no-load-optim", False, "do not load optimizer and LR-schedule state")
+    no_load_rng: bool = CHECKPOINTING("--no-load-rng", False, "do not load random-number-generator states")
+    ckpt_keep_last: Optional[int] = CHECKPOINTING(
+        "--ckpt-keep-last", None, "keep only the newest K checkpoints (the latest is never deleted)", gt=0)
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = 10
-    tensorboard_dir: Optional[str] = None
-    timeline_out: Optional[str] = None
-    log_timers: bool = True
-    peak_tflops: Optional[float] = None  # per-device peak for MFU; None: the bf16 table for the GPU (none on CPU)
+    log_interval: int = LOGGING("--log-interval", 10, "iterations between log lines", gt=0)
+    tensorboard_dir: Optional[str] = LOGGING("--tensorboard-dir", None,
+                                             "write the log line's scalars as TensorBoard events here")
+    timeline_out: Optional[str] = LOGGING("--timeline-out", None,
+                                          "write the measured pipeline timeline (JSON) of the last iteration here")
+    log_timers: bool = True  # no flag
+    peak_tflops: Optional[float] = LOGGING(  # None: the bf16 table for the GPU (none on CPU)
+        "--peak-tflops", None, "peak TFLOP/s of one device for the MFU in the log line (default: the bf16 dense "
+        "peak of an A100/H100/H200/B200 by its name; no MFU on CPU unless given)", gt=0)
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,11 @@
 Sampling follows Megatron's text generation: temperature, then top-k, then
 top-p (nucleus) filtering, then one multinomial draw from a seeded generator
 (so a seed gives the same text every time); greedy takes the argmax.
-Used by tools/generate.py and tools/evaluate.py (``split_dataset``: the samples the
-training run evaluates on, for any split).
+Used by tools/generate.py and tools/evaluate.py.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 from dataclasses import dataclass, fields, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -30,8 +27,7 @@ from megalite.checkpointing import CheckpointError
 from megalite.checkpointing.native_io import MegaliteSource
 from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
                              ParallelConfig, TrainConfig)
-from megalite.data.builder import build_train_valid_test_datasets
-from megalite.data.mock_dataset import MockGPTDataset
+from megalite.data.loading import resolve_default_corpus
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.model.gpt import GPTModel
 from megalite.model.kv_cache import KVCache
@@ -40,7 +36,6 @@ from megalite.tensor_parallel.random import RNGTracker
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig,
              "train": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
-_DEFAULT_CORPUS = "pydoc_topics_text_document"  # default_corpus.py's data prefix, in its cache directory
 
 
 # -- checkpoint -> config and full tensors ---------------------------------------------------------
@@ -90,17 +85,6 @@ def load_full_weights(model: GPTModel, full: Dict[str, torch.Tensor]) -> None:
 
 
 # -- tokenizer -----------------------------------------------------------------------------------
-def resolve_default_corpus(data: DataConfig) -> DataConfig:
-    """The default run's files, rebuilt (default_corpus.py) when its stored cache paths are gone."""
-    paths = data.data_path
-    if len(paths) != 1 or os.path.basename(paths[0]) != _DEFAULT_CORPUS or os.path.exists(paths[0] + ".idx"):
-        return data
-    from megalite.data.default_corpus import prepare_default_corpus
-    corpus = prepare_default_corpus()
-    return replace(data, data_path=(corpus["data_prefix"],), vocab_file=corpus["vocab_file"],
-                   merge_file=corpus["merge_file"], tokenizer_type=corpus["tokenizer_type"])
-
-
 def run_tokenizer(cfg: Config, overrides: Optional[dict] = None) -> Tokenizer:
     """The run's tokenizer: the checkpoint's tokenizer flags, each replaced by one given in ``overrides``.
 
@@ -114,30 +98,6 @@ def run_tokenizer(cfg: Config, overrides: Optional[dict] = None) -> Tokenizer:
         return build_tokenizer(data, vocab)  # ids 0..vocab-1 (its eod, vocab, is never generated)
     # the run's vocabulary counts NullTokenizer's eod: its --vocab-size was one less
     return build_tokenizer(data, vocab - 1 if data.tokenizer_type == "NullTokenizer" else vocab)
-
-
-# -- evaluation data ---------------------------------------------------------------------------
-def split_dataset(cfg: Config, split: str):
-    """The samples pretrain_gpt.py evaluates on (valid), or the same recipe for test / train.
-
-    The sample order of a real dataset depends on how many samples are asked for, so
-    each split asks for what the training run asked (``training.validation_plan``,
-    Megatron's counts), and at least one evaluation's worth.
-    """
-    from megalite.training import validation_plan
-    t, index = cfg.train, ("train", "valid", "test").index(split)
-    n_eval = t.eval_iters * t.global_batch_size
-    planned = validation_plan(t)
-    n = max(n_eval, planned[index])
-    if cfg.data.mock_data:  # pretrain_gpt.py's seeds: train seed + 0, valid seed + 1 (here test: + 2)
-        return MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed + index, n)
-    counts = [0, 0, 0]
-    counts[index] = n
-    ds = build_train_valid_test_datasets(cfg.data, tuple(counts), seq_length=cfg.model.seq_length,
-                                         seed=t.seed)[index]
-    if ds is None:
-        raise ValueError(f"the {split} split has no documents (see --split, or give --{split}-data-path)")
-    return ds
 
 
 # -- sampling and generation ---------------------------------------------------------------------
@@ -206,24 +166,3 @@ def generate(model: GPTModel, prompt: Sequence[int], max_new_tokens: int, sampli
     return out
 
 
-# -- command line pieces shared by tools/generate.py and tools/evaluate.py ---------------------------
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (``prog: error: ...``, exit code 2), without the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def add_load_args(p: argparse.ArgumentParser) -> None:
-    """--load, --ckpt-step, --device, --dtype: which checkpoint, and where and how to run it."""
-    g = p.add_argument_group("checkpoint")
-    g.add_argument("--load", required=True, help="checkpoint directory (pretrain_gpt.py --save), any format and layout")
-    g.add_argument("--ckpt-step", type=int, help="load this iteration, not the latest")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="weights and activations (default: the run's, from --bf16/--fp16)")
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (the CLIs' error contract)."""
-    return " ".join(str(e).split()) or type(e).__name__

@@ -65,29 +65,16 @@ def loss_from_first_stage(loss: Optional[float], ps: ParallelState) -> Optional[
     return float(t) if ps.is_last_stage or loss is not None else None
 
 
-def flag_on_any_rank(flag: bool, ps: ParallelState) -> bool:
-    """True on every rank when ``flag`` is true on at least one."""
-    return flags_on_any_rank([flag], ps)[0]
+def logged_loss(losses: Sequence[torch.Tensor], ps: ParallelState, v_shape: bool) -> Optional[float]:
+    """The loss the log line shows: mean micro-batch loss over DP, on the last pipeline rank (None elsewhere).
 
-
-def flags_on_any_rank(flags: Sequence[bool], ps: ParallelState) -> List[bool]:
-    """Element-wise OR of ``flags`` over every rank, in one all-reduce."""
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=ps.device)
-    if ps.world_size > 1 and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v > 0) for v in t.tolist()]
-
-
-def lowest_rank_with(flag: bool, ps: ParallelState) -> Optional[int]:
-    """The lowest global rank where ``flag`` is true, known on every rank (None: on none).
-
-    Lets exactly one of the ranks that found the same problem report it.
+    A V puts the loss on pipeline rank 0; it is passed to the last pipeline rank, where the
+    log line (and every caller) expects it.
     """
-    t = torch.tensor([ps.rank if flag else ps.world_size], device=ps.device, dtype=torch.float64)
-    if ps.world_size > 1 and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    lowest = int(t.item())
-    return None if lowest >= ps.world_size else lowest
+    loss = mean_over_data_parallel(losses, ps)
+    if v_shape and ps.pp_size > 1:
+        loss = loss_from_first_stage(loss, ps)
+    return loss
 
 
 def mean_over_pipeline(value: float, ps: ParallelState) -> float:

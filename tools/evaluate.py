@@ -28,10 +28,12 @@ import torch  # noqa: E402
 
 from megalite.checkpointing import CheckpointError  # noqa: E402
 from megalite.config import Config, ConfigError, OptimConfig, ParallelConfig  # noqa: E402
-from megalite.inference import (OneLineArgumentParser, add_load_args, load_full_weights, one_line,  # noqa: E402
-                                read_checkpoint, resolve_default_corpus, split_dataset)
+from megalite.cli import OneLineArgumentParser, add_load_args, one_line  # noqa: E402
+from megalite.data.batches import MicroBatches  # noqa: E402
+from megalite.data.loading import resolve_default_corpus, split_dataset, validation_start  # noqa: E402
+from megalite.inference import load_full_weights, read_checkpoint  # noqa: E402
 from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.training import TrainingStopped  # noqa: E402
+from megalite.training import Trainer, TrainingStopped  # noqa: E402
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     p = OneLineArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0])
@@ -80,7 +82,6 @@ def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Op
     For the validation split the batches are those the training run's evaluation at ``iteration``
     read (each evaluation goes on where the last stopped); other splits start at their beginning.
     """
-    from megalite.training import MicroBatches, Trainer, validation_start  # the run's evaluation
     if dtype:
         cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
     dataset = split_dataset(cfg, split)

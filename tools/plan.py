@@ -6,7 +6,7 @@
         --num-attention-heads 16 --global-batch-size 256 --seq-length 2048
 
 For every (tp, pp, vp, dp, micro-batch, recompute, sequence parallel, distributed optimizer)
-layout that pretrain_gpt.py accepts, megalite/planner.py estimates the memory of the most
+layout that pretrain_gpt.py accepts, megalite/analysis/planner.py estimates the memory of the most
 loaded rank (weights, fp32 grads, optimizer state, activations in flight for the schedule)
 and the step time (FLOPs at --efficiency of the peak, tensor-parallel and data-parallel
 traffic, the pipeline simulator's bubble). Layouts over (1 - --headroom) x --gpu-memory are
@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.planner import GiB, Hardware, plan  # noqa: E402
+from megalite.analysis.planner import GiB, Hardware, plan  # noqa: E402
 from megalite.throughput import peak_tflops_for  # noqa: E402
 
 _LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",

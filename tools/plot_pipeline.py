@@ -24,9 +24,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.pipeline.schedules import SCHEDULES, build_schedule, format_schedule  # noqa: E402
-from megalite.pipeline.simulate import MODES, simulate, timeline_bubble  # noqa: E402
-from megalite.pipeline.stage_layout import layout_for  # noqa: E402
+from megalite.analysis.simulate import MODES, simulate, timeline_bubble  # noqa: E402
+from megalite.pipeline.actions import format_schedule  # noqa: E402
+from megalite.pipeline.registry import SCHEDULES, build_schedule, layout_for  # noqa: E402
 
 _HATCH = {"F": None, "B": "//", "W": ".."}
 
@@ -85,9 +85,16 @@ def plot_timeline(timeline: dict, out: str) -> None:
     plt.close(fig)
 
 
+def _schedules_help() -> str:
+    """One line per registered schedule: its name and description."""
+    width = max(len(name) for name in SCHEDULES)
+    return "schedules:\n" + "\n".join(f"  {name:<{width}}  {spec.description}" for name, spec in SCHEDULES.items())
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedule", choices=SCHEDULES, help="simulate this schedule")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_schedules_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schedule", choices=list(SCHEDULES), help="simulate this schedule (listed below)")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vp", type=int, default=1)
     p.add_argument("--num-microbatches", "-m", type=int, default=8)

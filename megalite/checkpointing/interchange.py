@@ -23,7 +23,8 @@ import torch
 
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.config import ModelConfig
-from megalite.pipeline.partition import layers_for_stage, validate_partition
+from megalite.pipeline.partition import validate_partition
+from megalite.pipeline.stage_layout import StageLayout
 
 WORD = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
@@ -133,8 +134,8 @@ class Layout:
 
     def stages(self, num_layers: int) -> List[Tuple[int, int, range]]:
         """(pp_rank, chunk, global layers) of every chunk, in the order the layers run."""
-        out = [(r, c, layers_for_stage(num_layers, self.pp, self.vp, r, c, self.first, self.last,
-                                       self.stage_layers))
+        out = [(r, c, StageLayout(self.pp, self.vp).layers(num_layers, r, c, self.first, self.last,
+                                                           self.stage_layers))
                for c in range(self.vp) for r in range(self.pp)]
         return out
 

@@ -31,7 +31,7 @@ import torch
 from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors,
                                                 layer_names, merge_tp, post_names, pre_names, split_tp,
                                                 stream_to_ranks)
-from megalite.checkpointing import _legacy_dir  # Megatron's mp_rank_TT[_PPP] naming, which ours is
+from megalite.checkpointing.torch_format import legacy_dir  # Megatron's mp_rank_TT[_PPP] naming, which ours is
 from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
 from megalite.config import ModelConfig
 
@@ -268,7 +268,7 @@ class MegatronSource(ModelSource):
         self.where = self.layout.stage_of_layer(self.cfg.num_layers)
         for t in range(self.layout.tp):  # every file present before anything is converted
             for r in range(self.layout.pp):
-                path = os.path.join(self.dir, _legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
+                path = os.path.join(self.dir, legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
                 if not os.path.exists(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete (its args say "
                                           f"tp={self.layout.tp} pp={self.layout.pp})")
@@ -282,7 +282,7 @@ class MegatronSource(ModelSource):
             self._files = []  # release the previous rank's maps first
             for t in range(self.layout.tp):
                 self._files.append(load_megatron_file(
-                    os.path.join(self.dir, _legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")))
+                    os.path.join(self.dir, legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")))
             self._open_rank = pp_rank
         key = "model" if self.layout.vp == 1 else f"model{chunk}"
         if key not in self._files[0]:
@@ -352,7 +352,7 @@ def save_megatron(source: ModelSource, out: str, layout: Layout, tokenizer: Dict
     def write(pp_rank: int, files: List[Dict[int, Dict[str, torch.Tensor]]]) -> None:
         for t, chunks in enumerate(files):
             models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in sorted(chunks.items())}
-            path = os.path.join(d, _legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
+            path = os.path.join(d, legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"args": ns, "checkpoint_version": 3.0, "iteration": it, **models,
                         "num_floating_point_operations_so_far": 0}, path)

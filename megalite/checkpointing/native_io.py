@@ -22,12 +22,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megalite.checkpointing import (FORMAT_VERSION, _SHAPE_FIELDS, _legacy_dir, _quiet_single_process, dcp_read,
-                                    _read_index, _read_json, iteration_dir, read_latest)
 from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors, layer_names,
                                                 layer_prefix, merge_tp, model_config_from_dict, post_names,
                                                 pre_names, split_tp, stream_to_ranks)
+from megalite.checkpointing.protocol import iteration_dir, read_json, read_latest
+from megalite.checkpointing.run_state import FORMAT_VERSION, SHAPE_FIELDS
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
+from megalite.checkpointing.sharded import dcp_read, quiet_single_process, read_index
+from megalite.checkpointing.torch_format import legacy_dir
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -58,7 +60,7 @@ class MegaliteSource(ModelSource):
         if not os.path.exists(meta_path):
             raise CheckpointError(f"{self.dir} has no meta.json: it is not a complete megalite checkpoint (a "
                                   f"Megatron-LM one converts with --loader megatron)")
-        self.meta = _read_json(meta_path)
+        self.meta = read_json(meta_path)
         try:
             config = self.meta.get("config", {})
             self.cfg = model_config_from_dict(config.get("model", {}))
@@ -74,12 +76,12 @@ class MegaliteSource(ModelSource):
                                   f"that saved the checkpoint") from None
         if self.format == "sharded":
             SafeFileSystemReader(self.dir).read_metadata()  # the allow-listed index, before DCP reads anything
-            self.index = _read_index(self.dir)
+            self.index = read_index(self.dir)
         else:
             self.where = self.layout.stage_of_layer(self.cfg.num_layers)
             for t in range(self.layout.tp):  # every file present before anything is converted
                 for r in range(self.layout.pp):
-                    path = os.path.join(self.dir, _legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
+                    path = os.path.join(self.dir, legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
                     if not os.path.exists(path):
                         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
             self._open_rank: Optional[int] = None
@@ -111,7 +113,7 @@ class MegaliteSource(ModelSource):
         if self._open_rank != pp_rank:
             self._files = []  # release the previous rank's maps before opening the next
             for t in range(self.layout.tp):
-                path = os.path.join(self.dir, _legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")
+                path = os.path.join(self.dir, legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")
                 if not os.path.exists(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
                 self._files.append(safe_torch_load(path, mmap=True))
@@ -179,7 +181,7 @@ def _meta(cfg: ModelConfig, info: SourceInfo, layout: Layout, fmt: str, tokenize
             "layout": {"world": layout.tp * layout.pp, "tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "dp": 1,
                        "first": layout.first or 0, "last": layout.last or 0, "converted_from": info.kind},
             "config": json.loads(json.dumps(asdict(full), default=str)),
-            "model_shape": {f: getattr(cfg, f) for f in _SHAPE_FIELDS}}
+            "model_shape": {f: getattr(cfg, f) for f in SHAPE_FIELDS}}
 
 
 def _whole_key(name: str, t: torch.Tensor) -> str:
@@ -209,7 +211,7 @@ def save_sharded(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[
         tensors = {n: t.contiguous() for n, t in read().items()}
         state = {_whole_key(n, t): t for n, t in tensors.items()}
         part = os.path.join(d, f".part{k}")
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(part))
         md = SafeFileSystemReader(part).read_metadata()
         fname = f"__{k}_0.distcp"
@@ -249,7 +251,7 @@ def save_torch(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[st
     def write(pp_rank: int, files: List[Dict[int, Dict[str, torch.Tensor]]]) -> None:
         for t, chunks in enumerate(files):
             models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in chunks.items()}
-            path = os.path.join(d, _legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
+            path = os.path.join(d, legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"args": meta["config"], "checkpoint_version": 3.0, "iteration": it, "consumed_samples": 0,
                         **models, "optimizer": {"state": {}, "scaler": None, "group_steps": []},

@@ -1,6 +1,6 @@
 """A GPT model chunk: some consecutive layers, plus embedding and/or head.
 
-The model knows nothing of pipelining (DESIGN principle 4). A chunk is told
+The model knows nothing of pipelining (README, Architecture: design rules). A chunk is told
 which global layers it holds and whether it is the first (``pre_process``:
 embeddings) and/or last (``post_process``: final norm + output layer) stage.
 The single-process model is simply the chunk with every layer, pre and post::

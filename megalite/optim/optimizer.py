@@ -234,6 +234,30 @@ class MegatronOptimizer:
             total += sum(pc.main.numel() * 4 for pc in self.pieces)
         return total
 
+    def step_state(self) -> Dict[str, object]:
+        """The counters a checkpoint keeps besides tensors, as plain numbers (``meta.json``'s values).
+
+        ``adam_step``: Adam's step count (the same for every parameter; 0.0 before the first
+        update); ``group_steps``: the per-group counts apex's FusedAdam keeps (None where a
+        group has none); ``scaler``: the fp16 loss scaler's state (None without one).
+        """
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        return {"adam_step": float(steps[0]) if steps else 0.0,
+                "group_steps": [float(g["step"]) if torch.is_tensor(g.get("step")) else g.get("step")
+                                for g in self.optimizer.param_groups],
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_step_state(self, state: Dict[str, object]) -> None:
+        """Restore the group step counts and the loss scaler from :meth:`step_state`'s output.
+
+        Adam's per-parameter step arrives with the moments (:meth:`load_full_state_dict`).
+        """
+        for g, step in zip(self.optimizer.param_groups, state.get("group_steps") or []):
+            if step is not None:
+                g["step"] = step
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
     def sharded_state_dict(self) -> Dict[str, object]:
         """This rank's own state: per piece (name, start, end) its fp32 main weight and Adam moments."""
         out = {}

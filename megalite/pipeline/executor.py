@@ -37,7 +37,7 @@ import torch
 
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.p2p import P2PState
-from megalite.pipeline.schedules import Comm, Compute
+from megalite.pipeline.actions import Comm, Compute
 from megalite.pipeline.stage_layout import StageLayout
 from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_split
 
@@ -57,6 +57,12 @@ class StepStats:
     @property
     def compute(self) -> float:
         return self.forward + self.backward
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle fraction: (schedule time - compute) / compute, Megatron's bubble definition."""
+        wall = self.events[-1]["end"] if self.events else 0.0
+        return max(0.0, wall - self.compute) / self.compute if self.compute > 0 else 0.0
 
 
 class PipelineExecutor:

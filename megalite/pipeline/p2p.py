@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.schedules import Comm
+from megalite.pipeline.actions import Comm
 
 Key = Tuple[str, int, int]  # (kind, mb, dst_stage): how both sides name a transfer
 

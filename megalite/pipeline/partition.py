@@ -1,8 +1,9 @@
-"""Which transformer layers live on which (pipeline rank, virtual chunk).
+"""How many, and which, transformer layers each virtual pipeline stage holds.
 
-Megatron's layout, drawn for 16 layers, pp=4, vp=2 (S = pp*vp = 8 virtual
-stages, stage s = vp_chunk * pp + pp_rank, stages hold consecutive layers in
-order of s)::
+Stages hold consecutive runs of layers in stage order; which (pipeline rank,
+chunk) runs a stage is ``stage_layout.StageLayout``'s business. Megatron's
+split, drawn for 16 layers, pp=4, vp=2 on the interleaved layout (S = pp*vp =
+8 virtual stages, stage s = vp_chunk * pp + pp_rank)::
 
     chunk 0:  rank0 [0,1]   rank1 [2,3]   rank2 [4,5]   rank3 [6,7]
     chunk 1:  rank0 [8,9]   rank1 [10,11] rank2 [12,13] rank3 [14,15]
@@ -34,23 +35,6 @@ _VP = ("virtual pipeline size (--virtual-pipeline-model-parallel-size, or the la
 def num_stages(pp: int, vp: int) -> int:
     """Return the number of virtual pipeline stages, ``pp * vp``."""
     return pp * vp
-
-
-def stage_of(pp: int, vp: int, pp_rank: int, vp_chunk: int) -> int:
-    """Return the global virtual stage index held by (pp_rank, vp_chunk).
-
-    Megatron numbers virtual stages chunk-major: stage ``vp_chunk * pp +
-    pp_rank``, so activations visit every rank once per chunk before wrapping
-    from the last rank back to rank 0 for the next chunk.
-    """
-    if not (0 <= pp_rank < pp and 0 <= vp_chunk < vp):
-        raise ValueError(f"pp_rank={pp_rank}, vp_chunk={vp_chunk} out of range for pp={pp}, vp={vp}")
-    return vp_chunk * pp + pp_rank
-
-
-def rank_of_stage(pp: int, stage: int) -> int:
-    """Return the pipeline rank that holds global virtual stage ``stage``."""
-    return stage % pp
 
 
 def _check_uneven(num_layers: int, pp: int, vp: int, first: Optional[int], last: Optional[int]) -> None:
@@ -161,27 +145,28 @@ def stage_layer_counts(
     if stage_layers is not None:
         return list(stage_layers)
     per_rank = [_layers_per_chunk(num_layers, pp, vp, r, first, last) for r in range(pp)]
-    return [per_rank[s % pp] for s in range(pp * vp)]
+    return per_rank * vp  # stages chunk-major: every virtual round holds the same layers
 
 
-def layers_for_stage(
+def layers_of_stage(
     num_layers: int,
     pp: int,
     vp: int,
-    pp_rank: int,
-    vp_chunk: int,
+    stage: int,
     first: Optional[int] = None,
     last: Optional[int] = None,
     stage_layers: Optional[Sequence[int]] = None,
 ) -> range:
-    """Return the global layer indices held by (pp_rank, vp_chunk).
+    """Return the global layer indices held by virtual ``stage`` (0 .. pp*vp-1).
 
-    Stages are filled in order of their global index ``vp_chunk * pp +
-    pp_rank``; each holds a consecutive run of layers, as many as
-    ``stage_layer_counts`` gives it (see the module docstring). Raises
-    ValueError for an illegal layout or out-of-range rank/chunk.
+    Stages hold consecutive runs of layers in stage order, as many as
+    ``stage_layer_counts`` gives each (see the module docstring). Which
+    (rank, chunk) runs a stage is ``StageLayout``'s business (its ``layers``
+    method is the usual entry). Raises ValueError for an illegal layout or an
+    out-of-range stage.
     """
     counts = stage_layer_counts(num_layers, pp, vp, first, last, stage_layers)
-    s = stage_of(pp, vp, pp_rank, vp_chunk)  # range-checks rank and chunk
-    start = sum(counts[:s])
-    return range(start, start + counts[s])
+    if not 0 <= stage < pp * vp:
+        raise ValueError(f"stage {stage} out of range for pp={pp}, vp={vp} ({pp * vp} virtual stages)")
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])

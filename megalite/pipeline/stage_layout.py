@@ -14,17 +14,17 @@ both the first stage (embedding) and the last (output layer and loss), and the
 turn (s3 -> s4) stays on the last rank. Layers are assigned by global stage
 (stage s holds the s-th run of consecutive layers) in both placements, so a
 model split either way holds the same layers per stage; only the rank differs.
-Schedules, the simulator, the executor and model building all ask a
-``StageLayout`` rather than computing ``chunk * pp + rank`` themselves.
+Schedules, the simulator, the executor, model building and checkpoint
+conversion all ask a ``StageLayout`` rather than computing ``chunk * pp +
+rank`` themselves: it is the only stage <-> rank mapping. Which layout a
+schedule runs on is its registry entry's ``v_shape`` (registry.layout_for).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megalite.pipeline.partition import layers_for_stage
-
-V_SCHEDULES = ("zbv", "dualpipev")
+from megalite.pipeline.partition import layers_of_stage
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,5 @@ class StageLayout:
         if self.v_shape and (first is not None or last is not None):
             raise ValueError("--decoder-first/last-pipeline-num-layers are not supported with the V-shaped "
                              "schedules zbv and dualpipev; drop them or use --pipeline-stage-layers")
-        extra = {} if stage_layers is None else {"stage_layers": stage_layers}
-        return layers_for_stage(num_layers, self.pp, self.vp, s % self.pp, s // self.pp, first, last, **extra)
+        return layers_of_stage(num_layers, self.pp, self.vp, s, first, last, stage_layers)
 
-
-def layout_for(schedule: Optional[str], pp: int, vp: int) -> StageLayout:
-    """The stage layout schedule ``schedule`` runs on (V for zbv and dualpipev, else interleaved)."""
-    return StageLayout(pp, vp, v_shape=schedule in V_SCHEDULES)

@@ -16,8 +16,10 @@ done, W not yet), exactly 1F1B's peak on rank 0.
 ZB-V runs two chunks per rank in a V (stage_layout.py). Because the V puts
 the first and last stage on rank 0, a micro-batch comes back to the rank it
 started on and the warmup bubble of one arm is filled with the other arm's
-work. Two orders are built and the one with the shorter simulated step
-(executor semantics, the given F/B/W costs; ties: the first) is used:
+work. Two orders are built and the one with the shorter step (ties: the
+first) is used, timed by ``step_time`` with the given F/B/W costs under the
+executor's semantics (the same makespan megalite.analysis.simulate gives in
+its executor mode; tests/unit/test_schedules.py checks both agree):
 
 * the zero-bubble paper's phase order (the one torch.distributed.pipelining's
   ScheduleZBVZeroBubble runs). Rank r of pp, a = its first-arm chunk, b = its
@@ -65,6 +67,9 @@ activation per rank (peak 2pp + 1); it needs m >= 2pp. Its gain is the F/B
 pairing, which overlaps expert-parallel all-to-alls on GPUs.
 tests/unit/test_schedules.py checks the per-rank order equals
 torch.distributed.pipelining's ScheduleDualPipeV.
+
+Both V schedules need pp >= 2 and vp == 2 (``check_zbv``, ``check_dualpipev``);
+registry.py names the three builders with their layout and constraints.
 """
 from __future__ import annotations
 
@@ -72,13 +77,43 @@ import heapq
 from collections import deque
 from typing import Optional
 
-from megalite.pipeline.schedules import Compute, _check_sizes, validate_schedule
+from megalite.pipeline.actions import Compute
+from megalite.pipeline.schedules import check_one_chunk, check_sizes
 from megalite.pipeline.stage_layout import StageLayout
+
+
+def check_zb_h1(pp: int, vp: int, m: int) -> None:
+    """zb_h1 runs 1F1B's layout: one chunk per rank, any m >= 1."""
+    check_one_chunk("zb_h1", pp, vp, m)
+
+
+def _check_v(name: str, pp: int, vp: int, m: int) -> None:
+    """A V needs two ranks or more and exactly its two arms per rank."""
+    check_sizes(pp, vp, m)
+    if pp < 2:
+        raise ValueError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 "
+                         "(on one rank use no_pipelining)")
+    if vp != 2:
+        raise ValueError(f"--pipeline-schedule {name} runs two chunks per rank in a V: it needs "
+                         f"--virtual-pipeline-model-parallel-size 2 (got vp={vp})")
+
+
+def check_zbv(pp: int, vp: int, m: int) -> None:
+    """zbv: pp >= 2, vp == 2 (the two arms of the V), any m >= 1."""
+    _check_v("zbv", pp, vp, m)
+
+
+def check_dualpipev(pp: int, vp: int, m: int) -> None:
+    """dualpipev: as zbv, and m >= 2pp (its phases pair forwards with backwards from the start)."""
+    _check_v("dualpipev", pp, vp, m)
+    if m < 2 * pp:
+        raise ValueError(f"--pipeline-schedule dualpipev needs at least 2 x pp = {2 * pp} micro-batches per "
+                         f"step (got {m}); raise --global-batch-size or use zbv")
 
 
 def build_zb_h1(pp: int, m: int) -> list[list[Compute]]:
     """ZB-H1: 1F1B's F/B order; rank r runs W after each B except its first r, which go last."""
-    _check_sizes(pp, 1, m)
+    check_sizes(pp, 1, m)
     schedule = []
     for rank in range(pp):
         warmup = min(pp - rank - 1, m)
@@ -101,28 +136,61 @@ def build_zb_h1(pp: int, m: int) -> list[list[Compute]]:
 def build_zbv(pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
               max_alive: Optional[int] = None) -> list[list[Compute]]:
     """ZB-V: two chunks per rank in a V; the paper's phase order, or the greedy one where that
-    is faster in the simulator (module docstring).
+    is faster (module docstring).
 
     ``costs`` are (F, B, W) per chunk; ``max_alive`` caps the chunk activations alive per
     rank (default 2pp, the activation memory of 1F1B).
     """
-    _check_sizes(pp, 2, m)
+    check_sizes(pp, 2, m)
     layout = StageLayout(pp, 2, v_shape=True)
     cap = max_alive or 2 * pp
     greedy = greedy_schedule(layout, m, costs, cap)
     phases = [_ZBVRank(pp, rank).order(m) for rank in range(pp)]
-    return phases if _zbv_time(phases, layout, costs, cap) <= _zbv_time(greedy, layout, costs, cap) else greedy
+    return phases if step_time(phases, layout, costs, cap) <= step_time(greedy, layout, costs, cap) else greedy
 
 
-def _zbv_time(order: list[list[Compute]], layout: StageLayout, costs: tuple[float, float, float],
+def step_time(order: list[list[Compute]], layout: StageLayout, costs: tuple[float, float, float],
               max_alive: int) -> float:
-    """Simulated step time of a V order under the executor's semantics (inf: over ``max_alive``)."""
-    from megalite.pipeline.schedules import add_communication
-    from megalite.pipeline.simulate import simulate
+    """Step time of a split-backward compute order under the executor's semantics (inf: over ``max_alive``).
+
+    The executor posts every Comm without blocking and a compute waits only for the receive it
+    reads, whose send is posted as soon as its producer ends. So each compute starts when its rank
+    is free and, when its input comes from another rank, when the producer ended: F(mb, s) after
+    F(mb, s-1), B(mb, s) after B(mb, s+1). Inputs made on the rank itself (F before B, B before W,
+    a V's turn) are ordered by the list. F costs ``costs[0]``, B ``costs[1]``, W ``costs[2]``
+    (B as (B + W) - W, the simulator's arithmetic, so both give the same floats). A rank's
+    activations alive rise at each F and fall at each W.
+    """
     f, b, w = costs
-    r = simulate(add_communication(order, layout.pp, 2, None, layout), layout.pp, 2, layout=layout,
-                 stage_costs=[(f, b + w, w)] * layout.num_stages, mode="executor")
-    return r.makespan if max(r.peak_in_flight) <= max_alive else float("inf")
+    cost = {"F": f, "B": (b + w) - w, "W": w}
+    last = layout.num_stages - 1
+    end: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> time that compute ended
+    free, pc = [0.0] * layout.pp, [0] * layout.pp
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(order):
+            while pc[rank] < len(actions):
+                a = actions[pc[rank]]
+                s, start = layout.stage(rank, a.chunk), free[rank]
+                src = s - 1 if a.kind == "F" else s + 1
+                if a.kind != "W" and 0 <= src <= last and layout.rank_of(src) != rank:
+                    if (a.kind, a.mb, src) not in end:
+                        break  # its producer has not run yet
+                    start = max(start, end[(a.kind, a.mb, src)])
+                free[rank] = end[(a.kind, a.mb, s)] = start + cost[a.kind]
+                pc[rank] += 1
+                progress = True
+    if any(pc[rank] < len(actions) for rank, actions in enumerate(order)):
+        raise RuntimeError(f"a zero-bubble V order deadlocks (pp={layout.pp}); stuck at {pc}")
+    for actions in order:
+        alive = peak = 0
+        for a in actions:
+            alive += 1 if a.kind == "F" else -1 if a.kind == "W" else 0
+            peak = max(peak, alive)
+        if peak > max_alive:
+            return float("inf")
+    return max(free, default=0.0)
 
 
 class _VRank:
@@ -182,7 +250,7 @@ class _ZBVRank(_VRank):
 
 def build_dualpipev(pp: int, m: int) -> list[list[Compute]]:
     """DualPipeV's per-rank order on the V layout (module docstring), whole backwards as B then W."""
-    validate_schedule("dualpipev", pp, 2, m)
+    check_dualpipev(pp, 2, m)
     return [_DualPipeVRank(pp, rank).order(m) for rank in range(pp)]
 
 
@@ -236,7 +304,7 @@ def greedy_schedule(layout: StageLayout, m: int, costs: tuple[float, float, floa
     """List-schedule F, B, W of every (micro-batch, stage) with unit-free ``costs``; see the module doc.
 
     Stages take micro-batches in order (F and B of stage s: 0, 1, ..., m-1). Transfers cost 0
-    here; the simulator times the result with its own costs and placement.
+    here; step_time (or the simulator) times the result with its own costs and placement.
     """
     pp, S = layout.pp, layout.num_stages
     f_end: dict[tuple[int, int], float] = {}  # (mb, stage) -> time its F ends

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
 from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from megalite.data.mock_dataset import MockGPTDataset
+from megalite.data.loading import build_datasets
 from megalite.parallel_state import ParallelState
-from megalite.training import MicroBatches, Trainer, build_datasets
+from megalite.training.mock import train_mock
 
 GPT2_STYLE = dict()
 LLAMA_STYLE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
@@ -32,21 +32,12 @@ def tiny_config(model: Dict = None, gbs: int = 8, mbs: int = 2, num_layers: int 
 
 
 def _train(cfg: Config, ps: ParallelState, steps: int):
-    """``steps`` iterations on mock data; returns the trainer, losses and grad norms."""
-    trainer = Trainer(cfg, ps)
-    if cfg.data.mock_data:
-        ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                            steps * cfg.train.global_batch_size)
-    else:  # real .bin/.idx data: index caches built by rank 0 while the others wait
-        ds = build_datasets(cfg.with_(train=replace(cfg.train, train_iters=steps, eval_iters=0)), ps).train
-    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
-    losses: List[float] = []
-    norms: List[float] = []
-    for _ in range(steps):
-        out = trainer.train_step(data.next() if data is not None else [None] * trainer.m)
-        losses.append(out["loss"])
-        norms.append(out["grad_norm"])
-    return trainer, losses, norms
+    """``steps`` iterations on mock data (or the run's real .bin/.idx data); returns the trainer, losses
+    and grad norms."""
+    dataset = None
+    if not cfg.data.mock_data:  # real data: index caches built by rank 0 while the others wait
+        dataset = build_datasets(cfg.with_(train=replace(cfg.train, train_iters=steps, eval_iters=0)), ps).train
+    return train_mock(cfg, ps, steps, dataset=dataset)
 
 
 def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, torch.Tensor] = None,
@@ -82,12 +73,22 @@ def full_params(trainer) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for c in trainer.chunks for p in c.parameters()])
 
 
+_REFERENCES: Dict[tuple, dict] = {}
+
+
 def reference_run(cfg: Config, steps: int):
-    """The same run in one process; also returns its final full state dict."""
+    """The same run in one process; also returns its final full state dict.
+
+    Cached for the session by (config, steps): parametrized tests of many layouts share one
+    reference (callers must not change what it returns).
+    """
     cfg = cfg.with_(parallel=replace(cfg.parallel, tp=1, pp=1, vp=1, pipeline_schedule=None))
-    trainer, losses, norms = _train(cfg, ParallelState.single(), steps)
-    state = {k: v.detach().clone() for k, v in trainer.chunks[0].state_dict().items()}
-    return {"losses": losses, "norms": norms, "state": state}
+    key = (repr(cfg), steps)
+    if key not in _REFERENCES:
+        trainer, losses, norms = _train(cfg, ParallelState.single(), steps)
+        state = {k: v.detach().clone() for k, v in trainer.chunks[0].state_dict().items()}
+        _REFERENCES[key] = {"losses": losses, "norms": norms, "state": state}
+    return _REFERENCES[key]
 
 
 def assert_close_run(results, ref, rtol: float = 1e-5, param_rtol: float = 1e-5) -> None:

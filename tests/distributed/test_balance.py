@@ -12,11 +12,13 @@ import pytest
 
 from megalite.checkpointing import CheckpointError
 from megalite.config import CheckpointConfig
-from megalite.data.mock_dataset import MockGPTDataset
-from megalite.training import MicroBatches, Trainer
+from megalite.training.mock import MockFeed
+from megalite.training import Trainer
+from megalite.testing import run_distributed
 from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, reference_run, run_steps,
                                       tiny_config)
-from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
 
@@ -59,21 +61,19 @@ def test_measured_split_is_agreed_and_matches_single_process():
 
 def _save(ps, cfg, root, fmt):
     trainer, _, _ = _train(cfg, ps, 2)
-    trainer.iteration, trainer.consumed_samples = 2, 2 * cfg.train.global_batch_size
-    trainer.cfg = trainer.cfg.with_(checkpoint=CheckpointConfig(save=root, ckpt_format=fmt))
-    trainer.save()
+    trainer.state.iteration, trainer.state.consumed_samples = 2, 2 * cfg.train.global_batch_size
+    trainer.checkpointer.cfg = trainer.cfg.with_(checkpoint=CheckpointConfig(save=root, ckpt_format=fmt))
+    trainer.checkpointer.save()
 
 
 def _load_and_continue(ps, cfg, sharded, torch_root):
     trainer = Trainer(cfg.with_(checkpoint=CheckpointConfig(load=sharded)), ps)
-    trainer.load()
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed, 4 * cfg.train.global_batch_size)
-    data = MicroBatches(ds, trainer.consumed_samples, cfg.train.micro_batch_size, trainer.m, ps)
-    losses = [trainer.train_step(data.next() if trainer.needs_data else [None] * trainer.m)["loss"]
-              for _ in range(2)]
+    trainer.checkpointer.load()
+    feed = MockFeed(trainer, 2, consumed=trainer.state.consumed_samples)
+    losses = [trainer.train_step(feed.next())["loss"] for _ in range(2)]
     refused = None
     try:
-        Trainer(cfg.with_(checkpoint=CheckpointConfig(load=torch_root)), ps).load()
+        Trainer(cfg.with_(checkpoint=CheckpointConfig(load=torch_root)), ps).checkpointer.load()
     except CheckpointError as e:
         refused = str(e)
     return {"losses": losses, "last": ps.is_last_stage, "refused": refused}

@@ -21,9 +21,11 @@ from megalite.checkpointing import CheckpointError, read_latest
 from megalite.config import CheckpointConfig
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel_state import ParallelState
-from megalite.training import MicroBatches, Trainer
+from megalite.data.batches import MicroBatches
+from megalite.training.mock import MockFeed
+from megalite.training import Trainer
+from megalite.testing import run_distributed
 from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
-from tests.distributed.harness import run_distributed
 
 STEPS = 4
 
@@ -41,7 +43,7 @@ def _train_losses(ps, cfg, save=None, load=None, fmt="sharded", exit_at=None):
                     train=replace(cfg.train, exit_interval=exit_at))
     trainer = Trainer(cfg, ps)
     if load:
-        trainer.load()
+        trainer.checkpointer.load()
     ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
                         cfg.train.train_iters * cfg.train.global_batch_size)
     return [h["loss"] for h in trainer.train(ds, None)]
@@ -67,6 +69,7 @@ RESUME_CASES = [  # (style, tp, pp, vp, dp, optim overrides, dtype, format)
 @pytest.mark.parametrize("style,tp,pp,vp,dp,optim,dtype,fmt", RESUME_CASES,
                          ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-{c[6]}-{c[7]}"
                               + ("-distopt" if c[5].get("use_distributed_optimizer") else "") for c in RESUME_CASES])
+@pytest.mark.multiprocess
 def test_resume_is_exact(tmp_path, style, tp, pp, vp, dp, optim, dtype, fmt):
     cfg = _cfg(GPT2_STYLE if style == "gpt2" else LLAMA_STYLE, tp, pp, vp, dp, **optim)
     cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
@@ -85,18 +88,15 @@ def _eval_and_continue(ps, cfg, load, save=None, steps=2):
     """Load, evaluate fixed batches, save again (optional), then train ``steps`` more iterations."""
     cfg = cfg.with_(checkpoint=CheckpointConfig(load=load), train=replace(cfg.train, eval_iters=2))
     trainer = Trainer(cfg, ps)
-    assert trainer.load() == STEPS // 2
+    assert trainer.checkpointer.load() == STEPS // 2
     ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, 99, 2 * cfg.train.global_batch_size)
     valid = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
     eval_loss = trainer.evaluate(valid)
     if save:
-        trainer.cfg = trainer.cfg.with_(checkpoint=CheckpointConfig(save=save))
-        trainer.save()
-    train = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                           (STEPS // 2 + steps) * cfg.train.global_batch_size)
-    data = MicroBatches(train, trainer.consumed_samples, cfg.train.micro_batch_size, trainer.m, ps) \
-        if trainer.needs_data else None
-    losses = [trainer.train_step(data.next() if data else [None] * trainer.m)["loss"] for _ in range(steps)]
+        trainer.checkpointer.cfg = trainer.cfg.with_(checkpoint=CheckpointConfig(save=save))
+        trainer.checkpointer.save()
+    feed = MockFeed(trainer, steps, consumed=trainer.state.consumed_samples)  # resumed at iteration STEPS // 2
+    losses = [trainer.train_step(feed.next())["loss"] for _ in range(steps)]
     return {"eval": eval_loss, "losses": losses, "last": ps.is_last_stage}
 
 
@@ -109,6 +109,7 @@ def _close(a, b, tol=1e-5):
     return all(abs(x - y) <= tol * abs(y) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+@pytest.mark.multiprocess
 def test_sharded_checkpoint_loads_into_other_layouts(tmp_path):
     src, one = str(tmp_path / "tp2pp2vp2"), str(tmp_path / "single")
     base = _cfg(GPT2_STYLE, dropout=0.0)
@@ -138,27 +139,27 @@ def _trainer(root, fmt="sharded", **model):
 def test_failed_save_keeps_previous_checkpoint_and_latest(tmp_path, monkeypatch):
     root = str(tmp_path)
     t = _trainer(root)
-    t.iteration = 2
-    t.save()
+    t.state.iteration = 2
+    t.checkpointer.save()
     before = {n: p.detach().clone() for n, p in t.chunks[0].named_parameters()}
-    t.iteration = 4
+    t.state.iteration = 4
     with torch.no_grad():
         for p in t.params:
             p.add_(1.0)
-    import megalite.checkpointing as ck
+    import megalite.checkpointing.sharded as ck
 
     def dying_save(*args, **kwargs):
         raise OSError("disk full (simulated)")
     monkeypatch.setattr(ck.dcp, "save", dying_save)
     with pytest.raises(OSError):
-        t.save()
+        t.checkpointer.save()
     monkeypatch.undo()
     assert read_latest(root) == 2 and not os.path.exists(os.path.join(root, "iter_0000004"))
     fresh = _trainer(root)
-    assert fresh.load() == 2 and fresh.iteration == 2
+    assert fresh.checkpointer.load() == 2 and fresh.state.iteration == 2
     for n, p in fresh.chunks[0].named_parameters():
         assert torch.equal(p, before[n]), n
-    t.save()  # the next save cleans up the half-written directory
+    t.checkpointer.save()  # the next save cleans up the half-written directory
     assert read_latest(root) == 4 and not os.path.exists(os.path.join(root, "iter_0000004.tmp"))
 
 
@@ -171,7 +172,7 @@ class _Evil:
 def test_pickled_code_is_refused_and_never_runs(tmp_path, fmt):
     root = str(tmp_path / "ck")
     t = _trainer(root, fmt)
-    t.save()
+    t.checkpointer.save()
     _Evil.marker = str(tmp_path / "pwned")
     d = os.path.join(root, "iter_0000000")
     if fmt == "torch":
@@ -180,18 +181,19 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path, fmt):
         with open(os.path.join(d, ".metadata"), "wb") as f:
             pickle.dump(_Evil(), f)
     with pytest.raises(CheckpointError, match="refusing to load") as e:
-        _trainer(root, fmt).load()
+        _trainer(root, fmt).checkpointer.load()
     assert "\n" not in str(e.value)
     assert not os.path.exists(_Evil.marker)
 
 
+@pytest.mark.multiprocess
 def test_model_shape_and_layout_mismatch_are_clear_errors(tmp_path):
     root = str(tmp_path / "a")
-    _trainer(root).save()
+    _trainer(root).checkpointer.save()
     with pytest.raises(CheckpointError, match=r"hidden_size 32 \(checkpoint\) vs 64 \(run\)"):
-        _trainer(root, hidden_size=64).load()
+        _trainer(root, hidden_size=64).checkpointer.load()
     legacy = str(tmp_path / "b")
-    _trainer(legacy, "torch").save()
+    _trainer(legacy, "torch").checkpointer.save()
     cfg = _cfg(GPT2_STYLE, dropout=0.0, pp=2).with_(checkpoint=CheckpointConfig(load=legacy))
     errors = run_distributed(_load_error, 2, cfg, pp=2)
     assert all("tp=1 pp=1 vp=1" in e and "--ckpt-format sharded" in e and "\n" not in e for e in errors), errors
@@ -199,7 +201,7 @@ def test_model_shape_and_layout_mismatch_are_clear_errors(tmp_path):
 
 def _load_error(ps, cfg):
     try:
-        Trainer(cfg, ps).load()
+        Trainer(cfg, ps).checkpointer.load()
     except CheckpointError as e:
         return str(e)
     return "loaded"
@@ -208,24 +210,24 @@ def _load_error(ps, cfg):
 def test_keep_last_never_deletes_latest(tmp_path):
     root = str(tmp_path)
     t = _trainer(root)
-    t.cfg = t.cfg.with_(checkpoint=replace(t.cfg.checkpoint, ckpt_keep_last=2))
+    t.checkpointer.cfg = t.cfg.with_(checkpoint=replace(t.cfg.checkpoint, ckpt_keep_last=2))
     for it in (1, 2, 3, 4):
-        t.iteration = it
-        t.save()
+        t.state.iteration = it
+        t.checkpointer.save()
     assert sorted(d for d in os.listdir(root) if d.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
     assert read_latest(root) == 4
-    assert _trainer(root).load() == 4
+    assert _trainer(root).checkpointer.load() == 4
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "torch"])
 def test_finetune_into_bf16_takes_weights_as_fp32_main_weights(tmp_path, fmt):
     root = str(tmp_path)
     t = _trainer(root, fmt)
-    t.iteration = 3
-    t.save()
+    t.state.iteration = 3
+    t.checkpointer.save()
     b = _trainer(root, fmt, params_dtype="bfloat16")
-    b.cfg = b.cfg.with_(checkpoint=replace(b.cfg.checkpoint, finetune=True))
-    assert b.load() == 3 and b.iteration == 0 and b.consumed_samples == 0
+    b.checkpointer.cfg = b.cfg.with_(checkpoint=replace(b.cfg.checkpoint, finetune=True))
+    assert b.checkpointer.load() == 3 and b.state.iteration == 0 and b.state.consumed_samples == 0
     saved = dict(t.chunks[0].named_parameters())
     for pc in b.optimizer.pieces:  # the optimizer continues from the checkpoint, not from the random init
         assert torch.equal(pc.main.detach(), saved[pc.name].detach()), pc.name
@@ -250,18 +252,19 @@ def test_index_unpickler_refuses_dotted_names_and_unlisted_classes(tmp_path):
 def test_damaged_or_missing_checkpoints_are_one_line_errors(tmp_path):
     root = str(tmp_path)
     t = _trainer(root)
-    t.iteration = 2
-    t.save()
-    t.cfg = t.cfg.with_(checkpoint=replace(t.cfg.checkpoint, ckpt_step=7))
+    t.state.iteration = 2
+    t.checkpointer.save()
+    t.checkpointer.cfg = t.cfg.with_(checkpoint=replace(t.cfg.checkpoint, ckpt_step=7))
     with pytest.raises(CheckpointError, match=r"iter_0000007 is not a complete.*iterations in .*: 0000002"):
-        t.load()
+        t.checkpointer.load()
     with open(os.path.join(root, "iter_0000002", "meta.json"), "w") as f:
         f.write("{ truncated")
     with pytest.raises(CheckpointError, match=r"cannot read .*meta.json.*--ckpt-step") as e:
-        _trainer(root).load()
+        _trainer(root).checkpointer.load()
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.multiprocess
 def test_llama_gqa_uneven_stages_load_into_one_process(tmp_path):
     """Fused QKV with 2 query groups and gate/up split by tp=2, uneven stages (1 + 3 layers), untied output."""
     root, ref_root = str(tmp_path / "src"), str(tmp_path / "ref")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import socket
 
 import numpy as np
 import pytest
@@ -20,9 +19,11 @@ import torch
 
 from megalite.checkpointing import save_checkpoint
 from megalite.training import Trainer
+from megalite.testing import free_port, run_distributed
 from tests.distributed.common import tiny_config
-from tests.distributed.harness import run_distributed
 from tests.unit.test_convert import VOCAB, convert, loaded, make_trainer, megalite_logits, state
+
+pytestmark = pytest.mark.multiprocess
 
 STYLES = {"gpt2": dict(normalization="LayerNorm", swiglu=False, pos="learned_absolute", bias=True, groups=None,
                        tied=True),
@@ -66,16 +67,10 @@ def _megatron_args(style: str) -> argparse.Namespace:
         attention_dropout=0.0, init_method_std=0.3, iteration=7)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _megatron_core_oracle(ps, style: str, root: str):
     """In a worker process (megatron-core needs torch.distributed): fixture, conversions, logits."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(3)
@@ -140,7 +135,8 @@ def test_megatron_core_checkpoint_converts_with_its_logits(tmp_path, style):
 
 
 def _save_sharded_run(ps, cfg, root: str, fmt: str) -> bool:
-    save_checkpoint(Trainer(cfg, ps), root, fmt)  # iteration 0
+    t = Trainer(cfg, ps)
+    save_checkpoint(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, root, fmt)  # iteration 0
     return True
 
 

@@ -1,7 +1,7 @@
 """A checkpoint saved at tp=2 x pp=2 (both formats, with virtual stages) generates in one process
 exactly what the same weights generate at tp=1: the loaders place every shard where it belongs.
 
-Initialization does not depend on the layout (DESIGN principle 6), so a run saved at iteration 0 at
+Initialization does not depend on the layout (README, Architecture: design rules), so a run saved at iteration 0 at
 tp 2 x pp 2 holds the same weights as one process building the same config.
 """
 from dataclasses import replace
@@ -13,8 +13,10 @@ from megalite.config import CheckpointConfig
 from megalite.inference import Sampling, build_model, generate, read_checkpoint
 from megalite.parallel_state import ParallelState
 from megalite.training import Trainer
+from megalite.testing import run_distributed
 from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
-from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _cfg(style, tp=1, pp=1, vp=1):
@@ -25,7 +27,7 @@ def _cfg(style, tp=1, pp=1, vp=1):
 
 def _save(ps, cfg, root, fmt):
     trainer = Trainer(cfg.with_(checkpoint=CheckpointConfig(save=root, ckpt_format=fmt)), ps)
-    trainer.save()
+    trainer.checkpointer.save()
     return True
 
 

@@ -13,11 +13,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from megalite.testing import run_distributed
 from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, full_params,
                                       reference_run, run_steps, tiny_config)
-from tests.distributed.harness import run_distributed
 from megalite.parallel_state import ParallelState
 from megalite.training import Trainer
+
+pytestmark = pytest.mark.multiprocess
 
 RECOMPUTE_MODES = {
     "none": {},
@@ -112,7 +114,8 @@ def test_distributed_optimizer_matches_single_process_and_shards_state(emb, tp, 
     assert_close_run(results, ref)
     assert all(r["reloaded_equal"] for r in results)
     if tp == 1:  # the shards, gathered, are the plain optimizer's state of the same run
-        trainer, _, _ = _train(cfg, ParallelState.single(), steps)
+        one = cfg.with_(parallel=replace(cfg.parallel, pp=1))  # the same run in one process
+        trainer, _, _ = _train(one, ParallelState.single(), steps)
         whole = trainer.optimizer.full_state_dict()
         merged = {}
         for r in results:
@@ -122,7 +125,7 @@ def test_distributed_optimizer_matches_single_process_and_shards_state(emb, tp, 
                     assert _rel(torch.from_numpy(entry[key]), whole[name][key]) <= 1e-4, (name, key)
                 merged[name] = {k: torch.from_numpy(v) for k, v in entry.items()}
         # ...and load as a whole into another layout (one process, plain optimizer)
-        fresh = Trainer(cfg, ParallelState.single())
+        fresh = Trainer(one, ParallelState.single())
         fresh.optimizer.load_full_state_dict(merged)
         for name, p in fresh.chunks[0].named_parameters():
             assert _rel(p.detach(), ref["state"][name]) <= 1e-5, name

@@ -11,19 +11,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from megalite.testing import run_distributed
 from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, _train, full_params, reference_run, tiny_config
-from tests.distributed.harness import run_distributed
 from megalite.parallel_state import ParallelState
 
 STEPS = 20
-_REFS = {}
 
 
 def _fp32_reference(style_name, gbs):
-    if (style_name, gbs) not in _REFS:
-        style = GPT2_STYLE if style_name == "gpt2" else LLAMA_STYLE
-        _REFS[(style_name, gbs)] = reference_run(_tiny(style, gbs), STEPS)
-    return _REFS[(style_name, gbs)]
+    return reference_run(_tiny(GPT2_STYLE if style_name == "gpt2" else LLAMA_STYLE, gbs), STEPS)  # cached
 
 
 def _tiny(style, gbs, **layout):
@@ -62,6 +58,7 @@ def _losses(ps, cfg, steps):
 
 
 @pytest.mark.parametrize("style,dtype,tp,pp,dp", [("gpt2", "bfloat16", 2, 2, 2), ("llama", "float16", 1, 2, 2)])
+@pytest.mark.multiprocess
 def test_half_precision_3d_follows_fp32(style, dtype, tp, pp, dp):
     ref = _fp32_reference(style, 2 * dp)
     base = _tiny(GPT2_STYLE if style == "gpt2" else LLAMA_STYLE, 2 * dp, tp=tp, pp=pp)
@@ -76,11 +73,10 @@ def test_half_precision_3d_follows_fp32(style, dtype, tp, pp, dp):
 
 def _overflow_run(ps, cfg, poison_steps, steps):
     """Train with an inf written into one gradient on global rank 0 at ``poison_steps``."""
-    from tests.distributed.common import MicroBatches, MockGPTDataset
     from megalite.training import Trainer
+    from megalite.training.mock import MockFeed
     trainer = Trainer(cfg, ps)
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed, steps * cfg.train.global_batch_size)
-    data = MicroBatches(ds, 0, cfg.train.micro_batch_size, trainer.m, ps) if trainer.needs_data else None
+    feed = MockFeed(trainer, steps)
     finalize, state = trainer.optimizer.finalize_grads, {"step": 0}
 
     def poisoned():
@@ -92,12 +88,13 @@ def _overflow_run(ps, cfg, poison_steps, steps):
     for step in range(steps):
         state["step"] = step
         before = full_params(trainer)
-        out = trainer.train_step(data.next() if data is not None else [None] * trainer.m)
+        out = trainer.train_step(feed.next())
         log.append({"updated": out["updated"], "scale": out["loss_scale"],
                     "changed": bool((full_params(trainer) != before).any()), "norm": out["grad_norm"]})
-    return {"log": log, "skipped": trainer.skipped_iters, "lr_steps": trainer.scheduler.num_steps}
+    return {"log": log, "skipped": trainer.state.skipped_iters, "lr_steps": trainer.scheduler.num_steps}
 
 
+@pytest.mark.multiprocess
 def test_fp16_overflow_skips_that_step_everywhere_and_halves_scale():
     base = _half(tiny_config(GPT2_STYLE, gbs=4, mbs=1, num_layers=4, pp=2), "float16", lr_warmup_iters=0)
     cfg1 = base.with_(optim=replace(base.optim, hysteresis=1, initial_loss_scale=1024.0))

@@ -6,21 +6,19 @@ tied and untied embeddings. Models have 8 layers so pp=4, vp=2 holds one layer p
 """
 import pytest
 
+from megalite.testing import run_distributed
 from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run,
                                       run_steps, tiny_config)
-from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
 LAYERS = 8
-_REFS = {}
 
 
 def _reference(style_name, gbs, mbs, layers):
-    key = (style_name, gbs, mbs, layers)
-    if key not in _REFS:
-        style = GPT2_STYLE if style_name == "tied" else LLAMA_STYLE
-        _REFS[key] = reference_run(tiny_config(style, gbs=gbs, mbs=mbs, num_layers=layers), STEPS)
-    return _REFS[key]
+    style = GPT2_STYLE if style_name == "tied" else LLAMA_STYLE
+    return reference_run(tiny_config(style, gbs=gbs, mbs=mbs, num_layers=layers), STEPS)  # cached
 
 
 # (schedule, tp, pp, vp, dp, m, embeddings)

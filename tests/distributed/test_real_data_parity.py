@@ -9,12 +9,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megalite.config import DataConfig
-from megalite.training import resolve_data
-from tests.distributed.common import GPT2_STYLE, assert_close_run, reference_run, run_steps, tiny_config
-from tests.distributed.harness import run_distributed
+import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from megalite.config import DataConfig
+from megalite.data.loading import resolve_data
+from megalite.testing import run_distributed
+from tests.conftest import REPO
+from tests.distributed.common import GPT2_STYLE, assert_close_run, reference_run, run_steps, tiny_config
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _make_dataset(tmp: Path) -> DataConfig:

@@ -8,7 +8,7 @@ from megalite.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParal
                                       VocabParallelEmbedding, copy_to_tp_region,
                                       gather_from_tp_region, vocab_parallel_cross_entropy)
 from megalite.tensor_parallel.layers import vocab_range
-from tests.distributed.harness import run_distributed
+from megalite.testing import run_distributed
 
 SEED = 3
 
@@ -113,6 +113,7 @@ def _all_checks(ps: ParallelState):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.multiprocess
 def test_layers_match_torch(tp):
     for rank, res in enumerate(run_distributed(_all_checks, tp, tp=tp)):
         same_outside, distinct_inside = res.pop("rng")

@@ -18,21 +18,19 @@ from dataclasses import replace
 
 import pytest
 
+from megalite.testing import run_distributed
 from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run, run_steps,
                                       tiny_config)
-from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
 LAYERS = 8
-_REFS = {}
 
 
 def _reference(emb, gbs, model=None):
-    key = (emb, gbs, tuple(sorted((model or {}).items())))
-    if key not in _REFS:
-        style = {**(GPT2_STYLE if emb == "tied" else LLAMA_STYLE), **(model or {})}
-        _REFS[key] = reference_run(tiny_config(style, gbs=gbs, mbs=1, num_layers=LAYERS), STEPS)
-    return _REFS[key]
+    style = {**(GPT2_STYLE if emb == "tied" else LLAMA_STYLE), **(model or {})}
+    return reference_run(tiny_config(style, gbs=gbs, mbs=1, num_layers=LAYERS), STEPS)  # cached
 
 
 def _check(schedule, tp, pp, vp, dp, m, emb, parallel=None, optim=None, model=None):

@@ -6,6 +6,7 @@ import pytest
 
 from megalite.arguments import parse_args
 from megalite.config import ConfigError
+from tests.conftest import REPO
 
 
 def test_megatron_flags_map_to_config():
@@ -164,14 +165,111 @@ def test_bad_input_is_one_line_error(argv, world, message):
 def test_flag_errors_are_printed_once_per_job(rank, lines):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--lr", "-1e-3"], capture_output=True, text=True,
                           timeout=120, env={"WORLD_SIZE": "2", "RANK": rank, "PATH": ""},
-                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+                          cwd=REPO)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == lines, proc.stderr
 
 
 def test_pretrain_cli_reports_error_before_any_process_group(tmp_path):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--tensor-model-parallel-size", "2"],
                           capture_output=True, text=True, timeout=120, env={"WORLD_SIZE": "3", "PATH": ""},
-                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+                          cwd=REPO)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: world size 3")
+
+
+# -- the parser is built from the flag declarations next to the config fields ------------------------------------
+
+def _declared():
+    from megalite.arguments import declared_fields
+    return list(declared_fields())
+
+
+def test_every_declared_field_is_an_option_with_the_fields_default():
+    import argparse
+    from megalite.arguments import build_parser
+    parser = build_parser()
+    actions = {o: a for a in parser._actions for o in a.option_strings}
+    for _cls, f, _tp, cli in _declared():
+        for flag in cli.flags:
+            assert flag.name in actions, flag.name
+            assert [g.title for g in parser._action_groups if actions[flag.name] in g._group_actions] \
+                == [flag.group], flag.name
+        if cli.own is None:
+            continue
+        action = actions[cli.own.name]
+        assert action.dest == f.name and action.help == cli.own.help
+        if "parser_default" in cli.own.options:  # e.g. --vocab-size: None, worked out by the field's value
+            assert action.default == cli.own.options["parser_default"] and cli.value is not None
+        elif f.default == ():  # list flags: absent is None, read back as ()
+            assert action.default is None and action.nargs == "*"
+        else:
+            assert action.default == f.default, cli.own.name
+        if isinstance(f.default, bool):
+            assert isinstance(action, argparse._StoreTrueAction if not f.default else argparse._StoreFalseAction)
+
+
+def test_every_option_is_declared_once_by_a_field():
+    from megalite.arguments import NOT_IMPLEMENTED, build_parser
+    declared = [flag.name for *_, cli in _declared() for flag in cli.flags]
+    assert len(declared) == len(set(declared))  # each flag declared in exactly one place
+    options = [o for a in build_parser()._actions for o in a.option_strings if o not in ("-h", "--help")]
+    assert sorted(options) == sorted(declared + list(NOT_IMPLEMENTED))
+
+
+def test_only_log_timers_has_no_flag():
+    from dataclasses import fields
+    from megalite.config import Config
+    with_flags = {f.name for _c, f, _t, _cli in _declared()}
+    every = {f.name for s in fields(Config) for f in fields(s.default_factory)}
+    assert every - with_flags == {"log_timers"}
+
+
+def test_schedule_choices_come_from_the_registry():
+    from megalite.arguments import build_parser
+    from megalite.pipeline.registry import SCHEDULES
+    action = next(a for a in build_parser()._actions if "--pipeline-schedule" in a.option_strings)
+    assert tuple(action.choices) == tuple(SCHEDULES)
+
+
+def test_declared_ranges_give_one_line_with_the_flag():
+    from dataclasses import replace
+    from megalite.config import Config, ModelConfig
+    from megalite.validate import check_ranges
+    with pytest.raises(ConfigError, match=r"^--norm-epsilon must be > 0, got -1$"):
+        check_ranges(Config(model=ModelConfig(layernorm_epsilon=-1.0)))
+    with pytest.raises(ConfigError, match=r"^--recompute-num-layers must be >= 1, got 0$"):
+        check_ranges(Config(model=replace(ModelConfig(), recompute_num_layers=0)))
+    check_ranges(Config())  # the defaults are in range
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    ([], 1, (1, 2, "no_pipelining", False, (4,))),
+    (["--global-batch-size", "32", "--micro-batch-size", "2"], 4, (4, 4, "no_pipelining", False, (4,))),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--virtual-pipeline-model-parallel-size", "2",
+      "--global-batch-size", "32", "--micro-batch-size", "2"], 4, (2, 8, "interleaved_1f1b", False, (2, 2, 2, 2))),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--pipeline-stage-layers", "1,2,2,1",
+      "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"], 2,
+     (1, 2, "zbv", True, (1, 2, 2, 1))),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--decoder-first-pipeline-num-layers", "2"], 2,
+     (1, 2, "1f1b", False, (2, 4))),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-balance", "measured"], 2, (1, 2, "1f1b", False, None)),
+])
+def test_resolve_settings(argv, world, expected):
+    from megalite.settings import resolve_settings
+    cfg = parse_args(argv, world_size=world)
+    s = resolve_settings(cfg, world)
+    assert (s.dp, s.num_microbatches, s.schedule, s.layout.v_shape, s.stage_layers) == expected
+    assert s.spec.name == s.schedule and s.layout.pp == cfg.parallel.pp and s.layout.vp == cfg.parallel.vp
+
+
+def test_resolve_settings_refuses_what_it_cannot_derive():
+    from megalite.config import Config, ParallelConfig, TrainConfig
+    from megalite.settings import resolve_settings
+    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+        resolve_settings(Config(parallel=ParallelConfig(tp=2)), 3)
+    with pytest.raises(ConfigError, match="--global-batch-size 16 is not divisible by --micro-batch-size 8 x "
+                                          "data-parallel size 4"):
+        resolve_settings(Config(train=TrainConfig(micro_batch_size=8, global_batch_size=16)), 4)
+    with pytest.raises(ConfigError, match="interleaved_1f1b needs vp > 1"):
+        resolve_settings(Config(parallel=ParallelConfig(pipeline_schedule="interleaved_1f1b")), 1)

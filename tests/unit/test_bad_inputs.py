@@ -3,11 +3,10 @@ the flag or file at fault, and no traceback.
 
 Flags, data files (missing, corrupt, truncated, foreign dtype, out-of-vocabulary ids, damaged caches)
 and output paths. Most cases call ``main()`` in this process (an exception escaping it fails the
-test just as a traceback would); a subset runs as real processes, and two under torchrun, where the
-line must appear once for the whole job.
+test just as a traceback would); a subset runs as real processes. The two torchrun cases (the line appears
+once for the whole job) are in tests/distributed/test_launch.py.
 """
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -17,12 +16,11 @@ import pytest
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-import pretrain_gpt  # noqa: E402
+import pretrain_gpt
+from tests.conftest import REPO, TINY_MODEL
 
-TINY = ["--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+# the tiny model with vocabulary 100 (the data files' ids are checked against it) and global batch 4
+TINY = ["--vocab-size", "100", *TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
         "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1"]
 MOCK = ["--mock-data"] + TINY
 DATA = TINY + ["--tokenizer-type", "NullTokenizer", "--split", "80,20,0"]
@@ -109,8 +107,11 @@ def _write(prefix, docs):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """A good dataset (ids < 100), damaged copies, one with out-of-vocabulary ids, a damaged cache."""
-    t = tmp_path_factory.mktemp("bad_inputs")
+    return write_data_dir(tmp_path_factory.mktemp("bad_inputs"))
+
+
+def write_data_dir(t):
+    """A good dataset (ids < 100), damaged copies, one with out-of-vocabulary ids, a damaged cache, in ``t``."""
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 100, size=int(rng.integers(5, 40))) for _ in range(60)]
     _write(t / "good", docs)
@@ -158,6 +159,7 @@ SUBPROCESS = [(MOCK, "--lr -1e-3", 2), (DATA, "--data-path $T/magic", 2), (DATA,
               (DATA, "--data-path $T/good --save $T/afile/ckpt", 2)]
 
 
+@pytest.mark.slow
 def test_bad_input_as_a_process_has_no_traceback(data_dir):
     for base, extra, code in SUBPROCESS:
         proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + _argv(base, extra, data_dir), cwd=REPO,
@@ -166,26 +168,3 @@ def test_bad_input_as_a_process_has_no_traceback(data_dir):
         assert proc.returncode == code, (extra, proc.stderr)
         assert len(err) == 1 and err[0].startswith("pretrain_gpt.py: error: "), (extra, proc.stderr)
         assert "Traceback" not in proc.stdout + proc.stderr
-
-
-def _torchrun(nproc, argv):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "pretrain_gpt.py", "--num-threads", "1"] + argv,
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
-def test_bad_flag_under_torchrun_is_said_once():
-    proc = _torchrun(2, MOCK + ["--hidden-dropout", "1.5"])
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py:")]
-    assert ours == ["pretrain_gpt.py: error: --hidden-dropout must be in [0, 1), got 1.5"]
-    assert "[rank" not in proc.stderr  # no per-rank traceback
-
-
-def test_out_of_vocabulary_ids_stop_every_rank_the_same_way_at_tp2(data_dir):
-    """tp=2 pads the vocabulary to 256, so id 150 has a row; unchecked it trained on an infinite loss."""
-    proc = _torchrun(2, _argv(DATA, "--data-path $T/oov --tensor-model-parallel-size 2", data_dir))
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py:")]
-    assert len(ours) == 1 and "holds token id 150, outside the model's vocabulary [0, 101)" in ours[0], proc.stderr
-    assert "[rank" not in proc.stderr and " iteration        3/" not in proc.stdout

@@ -1,11 +1,7 @@
 """Balanced stages: general per-stage splits, the split search, the measurement, the flags."""
 from dataclasses import replace
 import itertools
-import pathlib
 import random
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,17 +9,19 @@ import torch
 from megalite.arguments import parse_args
 from megalite.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.balance import LayerCosts, _simulator_options, choose_split, even_split, stage_costs
-from megalite.pipeline.measure import measure_layer_costs, plan_for
-from megalite.pipeline.partition import layers_for_stage, stage_layer_counts, validate_partition
-from megalite.pipeline.schedules import SCHEDULES, build_schedule
-from megalite.pipeline.simulate import simulate
+from megalite.analysis.balance import LayerCosts, _simulator_options, choose_split, even_split, stage_costs
+from megalite.analysis.measure import measure_layer_costs, plan_for
+from megalite.settings import resolve_settings
+from megalite.analysis.simulate import simulate
+from megalite.pipeline.partition import stage_layer_counts, validate_partition
+from megalite.pipeline.registry import SCHEDULES, build_schedule
+from megalite.pipeline.stage_layout import StageLayout
 
 
 # -- partition: a general split --------------------------------------------------------------------
 def test_stage_layers_fill_stages_in_stage_order():
     # pp=2, vp=2: stage s = chunk * pp + rank holds the s-th run of layers
-    layout = {(r, c): list(layers_for_stage(8, 2, 2, r, c, stage_layers=(3, 1, 2, 2)))
+    layout = {(r, c): list(StageLayout(2, 2).layers(8, r, c, stage_layers=(3, 1, 2, 2)))
               for r in range(2) for c in range(2)}
     assert layout == {(0, 0): [0, 1, 2], (1, 0): [3], (0, 1): [4, 5], (1, 1): [6, 7]}
     assert stage_layer_counts(10, 4, 1, first=1, last=3) == [1, 3, 3, 3]
@@ -64,6 +62,7 @@ def _simulated(schedule, pp, vp, m, counts, costs, overlap=False):
                     stage_costs=stage_costs(counts, costs), **_simulator_options(schedule, pp, vp)).makespan
 
 
+@pytest.mark.slow
 def test_balanced_split_is_never_slower_than_even_and_deterministic():
     rng = random.Random(12)
     improved = cases = 0
@@ -164,10 +163,10 @@ def test_measurement_times_every_kind_and_leaves_random_state_alone(model):
     cfg = _tiny(**model)
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    costs = measure_layer_costs(cfg, ParallelState.single(), warmup=1, reps=2)
+    costs = measure_layer_costs(cfg, ParallelState.single(), resolve_settings(cfg, 2), warmup=1, reps=2)
     assert torch.equal(torch.get_rng_state(), before)  # dropout masks of the run are untouched
     assert all(c > 0 for c in costs.as_list())
-    plan = plan_for(cfg, pp=2, dp=1, costs=costs)
+    plan = plan_for(cfg, resolve_settings(cfg, 2), costs)
     assert plan.m == 4 and plan.schedule == "1f1b" and sum(plan.chosen.counts) == 4
     assert costs.weight is None  # a whole backward: no W part
 
@@ -175,11 +174,11 @@ def test_measurement_times_every_kind_and_leaves_random_state_alone(model):
 def test_split_backward_schedules_measure_the_weight_part():
     cfg = _tiny()
     cfg = cfg.with_(parallel=replace(cfg.parallel, pipeline_schedule="zb_h1"))
-    costs = measure_layer_costs(cfg, ParallelState.single(), warmup=1, reps=2)
+    costs = measure_layer_costs(cfg, ParallelState.single(), resolve_settings(cfg, 2), warmup=1, reps=2)
     w_emb, w_layer, w_head = costs.weight
     assert 0 < w_layer < costs.layer[1] and 0 < w_head < costs.head[1]  # the weight GEMMs, run in W
     assert w_emb < w_layer  # the embedding's gradient stays in B
-    assert plan_for(cfg, pp=2, dp=1, costs=costs).schedule == "zb_h1"
+    assert plan_for(cfg, resolve_settings(cfg, 2), costs).schedule == "zb_h1"
 
 
 # -- flags ------------------------------------------------------------------------------------------
@@ -211,32 +210,11 @@ def test_bad_balance_flags_are_one_line_errors(extra, world, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-# -- the command line -------------------------------------------------------------------------------
-def test_pretrain_gpt_measured_balance_on_two_pipeline_ranks_prints_the_split_and_trains():
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    # vocabulary 8000 at hidden 32: the output layer + loss cost well over a layer
-    args = ["--mock-data", "--vocab-size", "8000", "--num-layers", "4", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "1", "--log-interval", "1",
-            "--train-iters", "3", "--eval-iters", "0", "--num-threads", "1",
-            "--pipeline-model-parallel-size", "2", "--pipeline-balance", "measured"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "pretrain_gpt.py"] + args, cwd=repo, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    assert "pipeline balance: 1f1b, pp 2 x vp 1, 4 micro-batches" in out
-    even = re.search(r"even +2,2 layers per stage: predicted step ([0-9.e+]+) ms, bubble ([0-9.]+)%", out)
-    chosen = re.search(r"balanced +(\d+),(\d+) layers per stage: predicted step ([0-9.e+]+) ms, bubble", out)
-    assert even and chosen, out
-    assert int(chosen[1]) + int(chosen[2]) == 4 and float(chosen[3]) <= float(even[1])
-    assert f"training with --pipeline-stage-layers {chosen[1]},{chosen[2]}" in out
-    assert len(re.findall(r"\| lm loss: [0-9.E+-]+ \|", out)) == 3
-
-
+# -- resuming a balanced run ------------------------------------------------------------------------
 def test_resume_keeps_the_checkpoints_split_and_torch_format_compares_resolved_splits(tmp_path):
     """--pipeline-balance measured must not measure again on resume (noise could pick another split)."""
     import json
-    from megalite.checkpointing import _stage_counts, saved_stage_layers
+    from megalite.checkpointing import saved_stage_layers, stage_counts
     d = tmp_path / "iter_0000007"
     d.mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
@@ -247,5 +225,5 @@ def test_resume_keeps_the_checkpoints_split_and_torch_format_compares_resolved_s
     assert saved_stage_layers(str(tmp_path / "none"), None, 2, 1) is None
     even_by_default = {"pp": 2, "vp": 1, "first": 0, "last": 0, "stage_layers": []}
     even_as_list = {**even_by_default, "stage_layers": [4, 4]}
-    assert _stage_counts(even_by_default, 8) == _stage_counts(even_as_list, 8) == "4,4"
-    assert _stage_counts(layout, 8) == "6,2"
+    assert stage_counts(even_by_default, 8) == stage_counts(even_as_list, 8) == "4,4"
+    assert stage_counts(layout, 8) == "6,2"

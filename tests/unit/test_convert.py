@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ import torch
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.parallel_state import ParallelState
 from megalite.training import Trainer
+from tests.conftest import REPO
 from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("convert_cli", ROOT / "tools" / "checkpoint" / "convert.py")
+_spec = importlib.util.spec_from_file_location("convert_cli", REPO / "tools" / "checkpoint" / "convert.py")
 convert_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert_cli)
 VOCAB = 250
@@ -39,13 +38,18 @@ def make_trainer(style: str, **model) -> Trainer:
     return Trainer(cfg.with_(model=replace(cfg.model, **model)), ParallelState.single())
 
 
+def parts(t: Trainer) -> tuple:
+    """The explicit state objects save_checkpoint and load_checkpoint take."""
+    return t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker
+
+
 def state(trainer: Trainer) -> dict:
     return {k: v.clone() for k, v in trainer.chunks[0].state_dict().items()}
 
 
 def loaded(style: str, root, **model) -> Trainer:
     t = make_trainer(style, **{"init_method_std": 0.01, **model})  # other weights: the load must replace them all
-    load_checkpoint(t, str(root), finetune=True)
+    load_checkpoint(*parts(t), str(root), finetune=True)
     return t
 
 
@@ -66,7 +70,7 @@ def test_hf_export_matches_transformers_and_round_trips(tmp_path, style):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     t = make_trainer(style)
-    save_checkpoint(t, str(tmp_path / "ml"))
+    save_checkpoint(*parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "hf", tmp_path / "ml", tmp_path / "hf") == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[style]]
@@ -93,7 +97,7 @@ def test_hf_export_matches_transformers_and_round_trips(tmp_path, style):
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_megatron_round_trip_through_sharded_files_is_lossless(tmp_path, style):
     t = make_trainer(style, num_layers=4)
-    save_checkpoint(t, str(tmp_path / "ml"))
+    save_checkpoint(*parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "megatron", tmp_path / "ml", tmp_path / "mt", "--target-tensor-parallel-size", 2,
                    "--target-pipeline-parallel-size", 2, "--target-num-layers-per-virtual-pipeline-stage", 1) == 0
     files = sorted(str(p.relative_to(tmp_path / "mt")) for p in (tmp_path / "mt").rglob("*.pt"))
@@ -117,7 +121,7 @@ def test_megatron_round_trip_through_sharded_files_is_lossless(tmp_path, style):
 
 def test_reshard_to_torch_format_and_back(tmp_path):
     t = make_trainer("gpt2", num_layers=4)  # tied embeddings: the last stage keeps its own copy
-    save_checkpoint(t, str(tmp_path / "ml"))
+    save_checkpoint(*parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "megalite", tmp_path / "ml", tmp_path / "tp2pp2", "--ckpt-format", "torch",
                    "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2,
                    "--target-virtual-pipeline-model-parallel-size", 2) == 0
@@ -130,12 +134,12 @@ def test_reshard_to_torch_format_and_back(tmp_path):
 
 def _run_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     t = make_trainer("llama")  # 4 heads, 2 query groups, 2 layers
-    save_checkpoint(t, str(tmp_path / "ml"))
+    save_checkpoint(*parts(t), str(tmp_path / "ml"))
     cases = [
         (["--loader", "megatron", "--saver", "hf"], "not a Megatron-LM"),
         (["--loader", "hf", "--saver", "megalite"], "no config.json"),
@@ -173,7 +177,7 @@ class _Boom:
 
 def test_megatron_file_with_pickled_code_is_refused(tmp_path):
     t = make_trainer("gpt2")
-    save_checkpoint(t, str(tmp_path / "ml"))
+    save_checkpoint(*parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "megatron", tmp_path / "ml", tmp_path / "mt") == 0
     path = tmp_path / "mt" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
     sd = torch.load(path, weights_only=False)

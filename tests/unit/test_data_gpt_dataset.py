@@ -229,8 +229,7 @@ def test_megatron_num_samples():
 def test_damaged_cache_through_pretrain_gpt_is_one_line(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
-    repo = Path(__file__).resolve().parents[2]
+    from tests.conftest import REPO
     b = IndexedDatasetBuilder(tmp_path / "d", np.uint16)
     rng = np.random.RandomState(0)
     for _ in range(200):
@@ -242,12 +241,12 @@ def test_damaged_cache_through_pretrain_gpt_is_one_line(tmp_path):
            "2", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
            "--train-iters", "1", "--eval-iters", "0", "--data-path", str(tmp_path / "d"),
            "--data-cache-path", str(tmp_path / "cache"), "--split", "90,10,0"]
-    ok = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
     [path] = [str(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")
               if f.endswith("sample_index.npy")]
     _damage_truncate(path)
-    bad = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1, bad.stderr[-2000:]
     assert path in lines[0] and "delete it" in lines[0] and "Traceback" not in bad.stdout

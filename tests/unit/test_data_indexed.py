@@ -229,14 +229,13 @@ def test_open_is_lazy_memory_map(tmp_path):
 def test_merge_tool_on_a_directory(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
+    from tests.conftest import REPO
     shards = tmp_path / "shards"
     shards.mkdir()
     _build(shards / "b", [[3], [4, 5]])
     _build(shards / "a", [[1, 2]])
-    repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "tools/merge_datasets.py", "--input", str(shards),
-                          "--output-prefix", str(tmp_path / "all")], cwd=repo,
+                          "--output-prefix", str(tmp_path / "all")], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     m = IndexedDataset(tmp_path / "all")

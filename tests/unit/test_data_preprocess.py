@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from megalite.data.indexed_dataset import IndexedDataset, dataset_exists
 from megalite.data.preprocess import PreprocessError, PreprocessOptions, preprocess
 from megalite.data.tokenizers import build_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 NULL = DataConfig(tokenizer_type="NullTokenizer")
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import pathlib
 import re
-import sys
 from dataclasses import replace
 
 import pytest
@@ -29,8 +27,7 @@ from megalite.model.kv_cache import KVCache
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from tests.conftest import REPO
 
 GPT2 = dict()
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,

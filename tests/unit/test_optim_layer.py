@@ -115,6 +115,7 @@ def test_checkpoint_reproduces_dropout_masks_of_both_rng_streams():
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
                     reason="torch.compile on CPU needs a C compiler (CI has gcc)")
+@pytest.mark.slow
 def test_torch_compile_layers_match_eager():
     from megalite.model.gpt import GPTModel
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,

@@ -1,12 +1,11 @@
 """Rank grid membership (Megatron's documented layout) and the one-place-for-groups rule."""
-import pathlib
 import re
 
 import pytest
 
 from megalite.parallel_state import ConfigError, ParallelState, grid_groups
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def test_world16_tp2_pp4_matches_megatron_example():

@@ -1,17 +1,12 @@
-"""Layer partition over (pipeline rank, virtual chunk), Megatron layout."""
+"""Layer partition over virtual stages, placed on (pipeline rank, chunk) by StageLayout (Megatron layout)."""
 import pytest
 
-from megalite.pipeline.partition import (
-    layers_for_stage,
-    num_stages,
-    rank_of_stage,
-    stage_of,
-    validate_partition,
-)
+from megalite.pipeline.partition import layers_of_stage, num_stages, validate_partition
+from megalite.pipeline.stage_layout import StageLayout
 
 
 def _layout(num_layers, pp, vp, first=None, last=None):
-    return {(r, c): list(layers_for_stage(num_layers, pp, vp, r, c, first, last))
+    return {(r, c): list(StageLayout(pp, vp).layers(num_layers, r, c, first, last))
             for r in range(pp) for c in range(vp)}
 
 
@@ -24,10 +19,14 @@ def test_megatron_interleaved_example():
 
 def test_stage_helpers():
     assert num_stages(4, 2) == 8
-    assert stage_of(4, 2, 1, 1) == 5
-    assert rank_of_stage(4, 5) == 1
+    layout = StageLayout(4, 2)
+    assert layout.stage(1, 1) == 5
+    assert layout.rank_of(5) == 1 and layout.chunk_of(5) == 1
     with pytest.raises(ValueError):
-        stage_of(4, 2, 4, 0)
+        layout.stage(4, 0)
+    assert list(layers_of_stage(16, 4, 2, 5)) == [10, 11]
+    with pytest.raises(ValueError, match="out of range"):
+        layers_of_stage(16, 4, 2, 8)
 
 
 def test_uneven_first_last_vp1():
@@ -91,7 +90,7 @@ def test_every_layer_exactly_once_in_stage_order():
     for num_layers, pp, vp, first, last in _all_layouts():
         count += 1
         by_stage = sorted(
-            (stage_of(pp, vp, r, c), layers_for_stage(num_layers, pp, vp, r, c, first, last))
+            (StageLayout(pp, vp).stage(r, c), StageLayout(pp, vp).layers(num_layers, r, c, first, last))
             for r in range(pp) for c in range(vp)
         )
         flat = [layer for _, rng in by_stage for layer in rng]

@@ -8,17 +8,18 @@ import pytest
 from benchmarks.bench_plan import GPT2, LLAMA, compare
 from megalite.arguments import parse_args
 from megalite.config import ModelConfig
-from megalite.pipeline.simulate import simulate_schedule
-from megalite.planner import (GiB, Layout, _in_flight_pattern, _simulate, activation_bytes_per_rank,
-                              estimate_memory, plan)
+from megalite.analysis.planner import (GiB, Layout, _in_flight_pattern, _simulate, activation_bytes_per_rank,
+                                       estimate_memory, plan)
+from megalite.analysis.simulate import simulate_schedule
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 
 
 @pytest.mark.parametrize("name,layout,gbs", [
     ("gpt2", Layout(1, 1, 1, mbs=2, recompute="selective"), 4),
-    ("llama", Layout(1, 2, 1, vp=2, mbs=1), 4),
+    pytest.param("llama", Layout(1, 2, 1, vp=2, mbs=1), 4, marks=pytest.mark.multiprocess),  # 2 gloo ranks
 ])
+@pytest.mark.slow
 def test_memory_estimate_within_10_percent_of_measured(name, layout, gbs):
     """Measured: saved-tensor bytes replayed in schedule order + weights, grad buffer, Adam state."""
     got, est = compare(name, layout, gbs)
@@ -51,6 +52,7 @@ def test_long_schedules_are_simulated_short_but_exactly():
         assert peaks == full.peak_in_flight
 
 
+@pytest.mark.slow
 def test_plan_fits_is_sorted_and_its_flags_parse():
     cfg = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50257,
                       params_dtype="bfloat16")
@@ -68,6 +70,7 @@ def test_plan_fits_is_sorted_and_its_flags_parse():
         assert got.optim.use_distributed_optimizer == p.layout.dist_opt
 
 
+@pytest.mark.slow
 def test_plan_cli_prints_flags_that_pretrain_gpt_accepts(capsys):
     from tools.plan import main
     assert main(["--num-gpus", "16", "--gpu-memory", "80", "--model-size", "llama2-7b", "--global-batch-size", "64",

@@ -1,28 +1,32 @@
-"""Schedules as data: builders, communication insertion, validation, text form."""
+"""Schedules as data: builders, the registry, communication insertion, validation, text form."""
 from collections import Counter
 
 import pytest
 
-from megalite.pipeline.schedules import (
+from megalite.analysis.simulate import DeadlockError, simulate
+from megalite.pipeline.actions import Comm, Compute, P2POp, format_schedule
+from megalite.pipeline.communication import add_communication
+from megalite.pipeline.registry import (
     SCHEDULES,
-    SPLIT_BACKWARD,
-    Comm,
-    Compute,
-    P2POp,
-    add_communication,
+    ScheduleSpec,
+    build_compute,
+    build_schedule,
+    default_schedule_name,
+    get_schedule,
+    layout_for,
+    validate_schedule,
+)
+from megalite.pipeline.schedules import (
     build_1f1b,
     build_gpipe,
     build_interleaved_1f1b,
     build_no_pipelining,
-    build_schedule,
-    default_schedule_name,
-    format_schedule,
     interleaved_warmup,
-    validate_schedule,
 )
-from megalite.pipeline.schedules import build_compute
-from megalite.pipeline.simulate import DeadlockError, simulate
-from megalite.pipeline.stage_layout import StageLayout, layout_for
+from megalite.pipeline.stage_layout import StageLayout
+from megalite.pipeline.zero_bubble import greedy_schedule, step_time
+
+SPLIT_BACKWARD = tuple(name for name, spec in SCHEDULES.items() if spec.split_backward)
 
 
 def _ms(name, pp, vp):
@@ -125,6 +129,19 @@ def test_add_communication_rules():
     assert add_communication(build_1f1b(1, 2), 1, 1) == build_1f1b(1, 2)
     with pytest.raises(ValueError, match="expected compute lists for 2"):
         add_communication(build_1f1b(3, 2), 2, 1)
+
+
+def test_registry_describes_every_schedule_once():
+    assert list(SCHEDULES) == ["no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]
+    for name, spec in SCHEDULES.items():
+        assert isinstance(spec, ScheduleSpec) and spec.name == name and get_schedule(name) is spec
+        assert spec.description and "\n" not in spec.description
+        assert layout_for(name, 4, 2 if spec.v_shape else 1).v_shape == spec.v_shape
+    assert [n for n, s in SCHEDULES.items() if s.v_shape] == ["zbv", "dualpipev"]
+    assert SPLIT_BACKWARD == ("zb_h1", "zbv", "dualpipev")
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'nope'; valid: no_pipelining, gpipe"):
+        get_schedule("nope")
+    assert layout_for(default_schedule_name(4, 2), 4, 2) == StageLayout(4, 2)  # the default: never a V
 
 
 def test_default_schedule_name():
@@ -255,23 +272,49 @@ def _torch_zbv_order(pp, m):
              for a in oracle._calculate_single_rank_operations(rank) if a is not None] for rank in range(pp)]
 
 
+def _simulated_zbv_time(order, layout, costs, max_alive):
+    """The analysis simulator's step time of a V compute order, executor semantics (inf: over max_alive)."""
+    f, b, w = costs
+    r = simulate(add_communication(order, layout.pp, 2, None, layout), layout.pp, 2, layout=layout,
+                 stage_costs=[(f, b + w, w)] * layout.num_stages, mode="executor")
+    return r.makespan if max(r.peak_in_flight) <= max_alive else float("inf")
+
+
+@pytest.mark.slow
 def test_zbv_is_the_papers_phase_order_unless_the_greedy_one_is_faster():
-    from megalite.pipeline.zero_bubble import _zbv_time, greedy_schedule
-    chosen_phases = 0
+    """The builder's own timer (zero_bubble.step_time) never drifts from the analysis simulator.
+
+    For pp 2..8 and m 1..4pp both candidate orders get the same step time from both, and the
+    builder picks exactly the order the simulator's executor mode picks.
+    """
+    unit, chosen_phases = (1.0, 1.0, 1.0), 0
     for pp in range(2, 9):
-        for m in range(1, 3 * pp + 1):
-            layout = layout_for("zbv", pp, 2)
-            phases, greedy = _torch_zbv_order(pp, m), greedy_schedule(layout, m, (1.0, 1.0, 1.0), 2 * pp)
+        layout = layout_for("zbv", pp, 2)
+        for m in range(1, 4 * pp + 1):
+            phases, greedy = _torch_zbv_order(pp, m), greedy_schedule(layout, m, unit, 2 * pp)
+            t_phases, t_greedy = (_simulated_zbv_time(o, layout, unit, 2 * pp) for o in (phases, greedy))
+            assert (step_time(phases, layout, unit, 2 * pp), step_time(greedy, layout, unit, 2 * pp)) == \
+                (t_phases, t_greedy), (pp, m)
             got = build_compute("zbv", pp, 2, m)
-            t_phases, t_greedy = (_zbv_time(o, layout, (1.0, 1.0, 1.0), 2 * pp) for o in (phases, greedy))
             assert got == (phases if t_phases <= t_greedy else greedy), (pp, m)
-            chosen_phases += got == phases
-            if pp < 8 and m > pp:
-                assert got == phases, (pp, m)
-    assert chosen_phases == 69  # of 105: all but m <= pp (35) and pp 8, m 11
+            if m <= 3 * pp:
+                chosen_phases += got == phases
+                if pp < 8 and m > pp:
+                    assert got == phases, (pp, m)
+    assert chosen_phases == 69  # of 105 with m <= 3pp: all but m <= pp (35) and pp 8, m 11
     # e.g. pp 6, m 12: bubble 6.9% with the phases, 11.1% with the greedy order
     r = simulate(build_schedule("zbv", 6, 2, 12), 6, 2, layout=layout_for("zbv", 6, 2), mode="executor")
     assert max(r.bubble_fraction) == pytest.approx(2.5 / 36)
+
+
+def test_zbv_step_time_with_unequal_costs_and_the_activation_cap():
+    costs = (1.0, 1.3, 0.7)
+    for pp in range(2, 6):
+        layout = layout_for("zbv", pp, 2)
+        for m in range(1, 4 * pp + 1, 3):
+            for order in (_torch_zbv_order(pp, m), greedy_schedule(layout, m, costs, 2 * pp)):
+                assert step_time(order, layout, costs, 2 * pp) == _simulated_zbv_time(order, layout, costs, 2 * pp)
+    assert step_time(_torch_zbv_order(4, 8), layout_for("zbv", 4, 2), (1.0, 1.0, 1.0), 2) == float("inf")
 
 
 def test_dualpipev_bubble_equals_zbv_for_one_more_activation():

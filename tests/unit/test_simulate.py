@@ -7,24 +7,19 @@ import sys
 
 import pytest
 
-from megalite.pipeline.schedules import (
-    Comm,
-    Compute,
-    P2POp,
-    add_communication,
-    build_1f1b,
-    build_schedule,
-    interleaved_warmup,
-)
-from megalite.pipeline.simulate import (
+from megalite.analysis.simulate import (
     DeadlockError,
     ScheduleError,
     simulate,
     simulate_schedule,
     timeline_bubble,
 )
+from megalite.pipeline.actions import Comm, Compute, P2POp
+from megalite.pipeline.communication import add_communication
+from megalite.pipeline.registry import build_schedule
+from megalite.pipeline.schedules import build_1f1b, interleaved_warmup
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import REPO
 
 
 def _approx_all(values, expected):
@@ -173,8 +168,6 @@ def test_plot_tool_rejects_bad_schedule(tmp_path):
 
 
 def test_stage_costs_model_a_heavier_last_stage():
-    from megalite.pipeline.simulate import simulate_schedule
-
     even = simulate_schedule("1f1b", 2, 1, 8)
     same = simulate_schedule("1f1b", 2, 1, 8, stage_costs=[(1.0, 2.0), (1.0, 2.0)])
     assert same.makespan == even.makespan and same.bubble_fraction == even.bubble_fraction

@@ -179,7 +179,8 @@ def test_log_line_and_tensorboard_of_a_run(tmp_path, capsys):
 
     from megalite.arguments import parse_args
     from megalite.logging import setup_logging
-    from megalite.training import Trainer, build_datasets
+    from megalite.data.loading import build_datasets
+    from megalite.training import Trainer
     cfg = parse_args(["--mock-data", "--vocab-size", "256", "--num-layers", "2", "--hidden-size", "32",
                       "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
                       "--global-batch-size", "4", "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",

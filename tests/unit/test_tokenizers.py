@@ -122,13 +122,12 @@ def test_huggingface_tokenizer_from_json(tmp_path, data_bpe_files):
 def test_train_tokenizer_tool_bpe(tmp_path, data_texts):
     import subprocess
     import sys
-    from pathlib import Path
+    from tests.conftest import REPO
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in data_texts) + "not json\n")
-    repo = Path(__file__).resolve().parents[1].parent
     out = subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(corpus),
                           "--vocab-size", "400", "--output-dir", str(tmp_path / "tok")],
-                         cwd=repo, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     tok = _gpt2((str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt")))
     assert tok.vocab_size == 400 and tok.detokenize(tok.tokenize(data_texts[0])) == data_texts[0]

@@ -21,7 +21,7 @@ import pytest
 from megalite.data.tokenizers.bpe_trainer import train_bpe
 from megalite.data.tokenizers.sentencepiece import SP_MAX_SENTENCE_BYTES, split_for_sentencepiece
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -115,7 +115,7 @@ def test_sampler_resumed_at_consumed_samples_reads_what_the_run_would_have(dp_ra
 def test_validation_follows_megatrons_plan():
     """Each evaluation reads the next eval_iters batches; the split is sized for all of them plus one."""
     from megalite.config import TrainConfig
-    from megalite.training import validation_plan, valid_samples_before
+    from megalite.data.loading import validation_plan, valid_samples_before
     t = TrainConfig(train_iters=10, global_batch_size=4, eval_interval=3, eval_iters=2)
     assert validation_plan(t) == (40, (10 // 3 + 1) * 2 * 4, 2 * 4)
     # evaluations at 3, 6, 9 and at the end (10): each starts after the ones before

@@ -6,10 +6,10 @@ split's extra passes; its B must compute nothing and its W the whole backward.
 """
 import torch
 
-from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.schedules import Compute
-from megalite.training import MicroBatches, Trainer
+from megalite.pipeline.actions import Compute
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 from tests.distributed.common import tiny_config
 
 
@@ -21,8 +21,7 @@ def _trainer_and_batches(schedule: str):
     cfg = tiny_config(gbs=4, mbs=2, schedule=schedule)
     torch.manual_seed(0)
     trainer = Trainer(cfg, ParallelState.single())
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed, 4)
-    return trainer, MicroBatches(ds, 0, 2, trainer.m, ParallelState.single()).next()
+    return trainer, MockFeed(trainer, 1).next()
 
 
 def test_first_stage_backward_runs_whole_in_w_and_matches_a_plain_backward():

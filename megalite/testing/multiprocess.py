@@ -1,9 +1,12 @@
-"""Run a function on N gloo processes, each with its own ParallelState.
+"""Run a function on N gloo processes, each with its own ParallelState: the launcher of the
+multi-process tests (tests/distributed) and of the benchmarks.
 
 Workers are forked from a fork server that imported torch once and ran no
 torch op (about 2 s for 8 ranks instead of ~15 s with spawn), so tests can use
 many small process groups. The function must be importable (module level);
 it receives (ps, *args) and its return value comes back, one per rank.
+It lives in the package, not under tests/, because the benchmarks (run as plain
+scripts) use it too; it imports no test framework.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "megalite.parallel_state", "megalite.training"])
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's init_method)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -42,8 +46,13 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, fn: Callable, ar
 
 def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int = 1,
                     timeout: float = 300.0) -> List[Any]:
-    """Run ``fn(ps, *args)`` on ``world`` ranks; return the results ordered by rank."""
-    port = _free_port()
+    """Run ``fn(ps, *args)`` on ``world`` ranks; return the results ordered by rank.
+
+    Each rank is a forked process with one thread and a gloo ParallelState of the given tp and pp
+    (dp = world / (tp * pp)). A rank that raises fails the call with an AssertionError carrying its
+    traceback; ``timeout`` bounds the wait for each rank's result.
+    """
+    port = free_port()
     queue = _CTX.Queue()
     procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, fn, args, queue))
              for r in range(world)]

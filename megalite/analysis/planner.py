@@ -28,8 +28,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from megalite.analysis.simulate import simulate_schedule
 from megalite.config import ModelConfig
-from megalite.pipeline.schedules import build_compute, default_schedule_name, validate_schedule
+from megalite.pipeline.registry import build_compute, default_schedule_name, validate_schedule
 from megalite.throughput import flops_per_iteration, recompute_flops_per_iteration
 
 RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
@@ -259,7 +260,6 @@ def _simulate(name: str, pp: int, vp: int, m: int, recompute_ratio: float) -> Tu
 
     Long schedules are simulated with fewer micro-batches (_short_m); the rest run in steady state.
     """
-    from megalite.pipeline.simulate import simulate_schedule
     short = _short_m(pp, m)
     res = simulate_schedule(name, pp, vp, short, f_cost=1.0, b_cost=2.0 + recompute_ratio)
     makespan = res.makespan + (m - short) * (3.0 + recompute_ratio)

@@ -1,6 +1,7 @@
 """Simulate a pipeline schedule: prove it deadlock-free, time it, measure it.
 
-The simulator runs the per-rank action lists of ``schedules.py`` under
+The simulator runs the per-rank action lists built by megalite.pipeline's
+registry (or any hand-written list of its actions) under
 conservative rendezvous semantics, valid for both NCCL and gloo: a rank that
 reaches a ``Comm`` blocks until, for every op in it, the peer has posted the
 matching op (reached the Comm holding it). Ops are matched per directed
@@ -28,8 +29,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional, Sequence
 
-from megalite.pipeline.schedules import Action, Comm, Compute, P2POp, build_schedule, format_action
-from megalite.pipeline.stage_layout import StageLayout, layout_for
+from megalite.pipeline.actions import Action, Comm, Compute, P2POp, format_action
+from megalite.pipeline.registry import build_schedule, layout_for
+from megalite.pipeline.stage_layout import StageLayout
 
 Pos = tuple[int, int]  # (rank, index into that rank's action list)
 

@@ -3,20 +3,18 @@ a time limit. Real torchrun jobs; the slow one (a stopped rank waits out a one-m
 while the others are tried, so the file costs about two minutes.
 """
 import os
-import pathlib
 import re
 import signal
 import subprocess
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-import pretrain_gpt  # noqa: E402
+import pytest
 
-RUN = ["--mock-data", "--vocab-size", "200", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
-       "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0",
-       "--num-threads", "1"]
+import pretrain_gpt
+from tests.conftest import REPO, TINY_RUN
+
+RUN = TINY_RUN + ["--eval-iters", "0", "--num-threads", "1"]
 FOREVER = RUN + ["--train-iters", "1000000", "--log-interval", "20"]
 
 
@@ -64,6 +62,8 @@ def _alive(pids):
             "pretrain_gpt" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path):
     # A stopped rank: the other waits out --distributed-timeout-minutes 1, then the job ends (torchrun
     # needs up to 30 s more to SIGKILL the stopped one, which cannot act on SIGTERM).
@@ -123,6 +123,7 @@ def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path):
         stopped.err.read_text()
 
 
+@pytest.mark.slow
 def test_sigint_to_a_single_process_is_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "pretrain_gpt.py"] + FOREVER, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -29,11 +29,11 @@ from typing import Callable, List, Tuple
 import torch
 import torch.distributed as dist
 
+from megalite.analysis.balance import BalancePlan, LayerCosts, choose_split
 from megalite.config import Config
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.balance import BalancePlan, LayerCosts, choose_split
-from megalite.pipeline.schedules import SPLIT_BACKWARD, default_schedule_name
+from megalite.settings import RunSettings
 from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_split
 from megalite.tensor_parallel.random import RNGTracker
 
@@ -118,10 +118,11 @@ def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int, split: 
     return out
 
 
-def measure_layer_costs(cfg: Config, ps: ParallelState, warmup: int = 2, reps: int = 5) -> LayerCosts:
+def measure_layer_costs(cfg: Config, ps: ParallelState, settings: RunSettings, warmup: int = 2,
+                        reps: int = 5) -> LayerCosts:
     """Forward/backward seconds per micro-batch of each layer kind, max over every rank (collective);
     for a schedule with a split backward (ZB-H1, ZB-V, DualPipeV) also the W part of each."""
-    split = _schedule(cfg, ps.pp_size) in SPLIT_BACKWARD
+    split = settings.spec.split_backward
     cpu_state = torch.get_rng_state()
     dev_state = torch.cuda.get_rng_state(ps.device) if ps.device.type == "cuda" else None
     try:
@@ -136,26 +137,21 @@ def measure_layer_costs(cfg: Config, ps: ParallelState, warmup: int = 2, reps: i
     return LayerCosts.from_list(costs.tolist())
 
 
-def _schedule(cfg: Config, pp: int) -> str:
-    return cfg.parallel.pipeline_schedule or default_schedule_name(pp, cfg.parallel.vp)
-
-
-def plan_for(cfg: Config, pp: int, dp: int, costs: LayerCosts) -> BalancePlan:
+def plan_for(cfg: Config, settings: RunSettings, costs: LayerCosts) -> BalancePlan:
     """The balanced split of this run's layers for its schedule and micro-batch count."""
-    par, t = cfg.parallel, cfg.train
-    m = t.global_batch_size // (t.micro_batch_size * dp)
-    schedule = _schedule(cfg, pp)
-    return choose_split(cfg.model.num_layers, pp, par.vp, m, schedule, costs, overlap_p2p=par.overlap_p2p_comm)
+    par = cfg.parallel
+    return choose_split(cfg.model.num_layers, par.pp, par.vp, settings.num_microbatches, settings.schedule, costs,
+                        overlap_p2p=par.overlap_p2p_comm)
 
 
-def balance_stages(cfg: Config, ps: ParallelState) -> Config:
+def balance_stages(cfg: Config, ps: ParallelState, settings: RunSettings) -> Config:
     """``cfg`` with ``pipeline_stage_layers`` set to the measured balanced split (collective).
 
     Logged once: the measured costs, the even and the balanced split with their
     predicted step time and bubble.
     """
-    costs = measure_layer_costs(cfg, ps)
-    plan = plan_for(cfg, ps.pp_size, ps.dp_size, costs)
+    costs = measure_layer_costs(cfg, ps, settings)
+    plan = plan_for(cfg, settings, costs)
     if ps.is_logging_rank:
         logger.info(plan.describe())
     return cfg.with_(parallel=replace(cfg.parallel, pipeline_stage_layers=plan.chosen.counts))

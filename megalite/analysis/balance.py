@@ -7,7 +7,7 @@ of each layer kind, virtual stage s of a split ``counts`` costs::
 
     f_s = counts[s] * layer.f + (s == 0) * embedding.f + (s == S-1) * head.f    (b alike)
 
-and the schedule's own action lists, run by ``simulate.simulate`` with those
+and the schedule's own action lists, run by ``analysis.simulate.simulate`` with those
 per-stage costs (its executor-semantics mode, the schedule's stage placement),
 give the step time (makespan) and the bubble. The search:
 
@@ -26,10 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megalite.analysis.simulate import simulate
 from megalite.pipeline.partition import stage_layer_counts
-from megalite.pipeline.schedules import build_schedule
-from megalite.pipeline.simulate import simulate
-from megalite.pipeline.stage_layout import layout_for
+from megalite.pipeline.registry import build_schedule, layout_for
 
 
 def _simulator_options(schedule: str, pp: int, vp: int) -> dict:

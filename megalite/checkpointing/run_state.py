@@ -1,0 +1,134 @@
+"""What a checkpoint stores about the run besides tensors: ``meta.json`` and the random states.
+
+``meta.json`` (one per checkpoint, both formats; written by rank 0)::
+
+    format_version  iteration consumed_samples skipped_iters nan_iters   (the TrainState counters)
+    scheduler       the LR schedule's state_dict
+    scaler adam_step group_steps   (the optimizer's step_state(): fp16 loss scale, Adam step counts)
+    layout          world tp pp vp dp first last stage_layers   (the parallel layout it was saved in)
+    config          the whole Config; model_shape: the fields a model must share to load it
+    format          sharded | torch
+
+:class:`RandomStates` captures and restores every generator a rank draws from
+(Python, NumPy, torch CPU, this rank's CUDA device and the tensor-parallel
+tracker's), so a resumed run draws the same dropout masks as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from megalite.checkpointing.protocol import iteration_dir, read_json, read_latest
+from megalite.checkpointing.safe_load import CheckpointError
+from megalite.config import Config, ModelConfig
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.partition import stage_layer_counts
+from megalite.tensor_parallel.random import RNGTracker
+
+if TYPE_CHECKING:  # the training package imports this one: no runtime import back
+    from megalite.training.state import TrainState
+
+FORMAT_VERSION = 1
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
+                "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
+                "max_positions")
+
+__all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_model_shape",
+           "stage_counts", "saved_stage_layers"]
+
+
+class RandomStates:
+    """Every random generator of this rank, as one plain-data state (``rng_<rank>.pt``'s content).
+
+    ``state_dict()`` holds Python's, NumPy's (its key array as an int64 tensor, so the file
+    loads with ``weights_only``), torch's CPU state, this rank's CUDA state (a list, empty
+    without CUDA) and the tracker's tensor-parallel states.
+    """
+
+    def __init__(self, tracker: RNGTracker):
+        self.tracker = tracker
+
+    def state_dict(self) -> dict:
+        np_state = np.random.get_state()
+        return {"python": random.getstate(),
+                "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+                "torch": torch.get_rng_state(),
+                "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],  # this rank's device
+                "tracker": self.tracker.get_states()}
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+        n = state["numpy"]
+        np.random.set_state((n[0], n[1].numpy().astype(np.uint32), int(n[2]), int(n[3]), float(n[4])))
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"][0])
+        self.tracker.set_states(state["tracker"])
+
+
+def layout_of(cfg: Config, ps: ParallelState) -> Dict[str, object]:
+    """The parallel layout of this run as ``meta.json`` records it (``first``/``last`` 0 when unset)."""
+    par = cfg.parallel
+    return {"world": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": par.vp,
+            "dp": ps.dp_size, "first": par.decoder_first_pipeline_num_layers or 0,
+            "last": par.decoder_last_pipeline_num_layers or 0,
+            "stage_layers": list(par.pipeline_stage_layers or ())}
+
+
+def run_meta(cfg: Config, ps: ParallelState, optimizer, scheduler, train_state: "TrainState") -> dict:
+    """``meta.json``'s content without ``format`` (the keys in the order they are written).
+
+    ``optimizer`` is anything with ``step_state()`` (MegatronOptimizer), ``scheduler`` and
+    ``train_state`` anything with ``state_dict()`` and TrainState's counters.
+    """
+    steps = optimizer.step_state()
+    counters = train_state.state_dict()
+    return {"format_version": FORMAT_VERSION, "iteration": counters["iteration"],
+            "consumed_samples": counters["consumed_samples"], "skipped_iters": counters["skipped_iters"],
+            "nan_iters": counters["nan_iters"], "scheduler": scheduler.state_dict(),
+            "scaler": steps["scaler"], "adam_step": steps["adam_step"], "group_steps": steps["group_steps"],
+            "layout": layout_of(cfg, ps), "config": json.loads(json.dumps(asdict(cfg), default=str)),
+            "model_shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS}}
+
+
+def check_model_shape(saved: dict, model: ModelConfig, where: str) -> None:
+    """One line naming every model-shape field that differs between a checkpoint and the run."""
+    fields = [f for f in SHAPE_FIELDS if f != "max_positions" or model.position_embedding_type == "learned_absolute"]
+    diffs = [f"{f} {saved[f]} (checkpoint) vs {getattr(model, f)} (run)"
+             for f in fields if f in saved and saved[f] != getattr(model, f)]
+    if diffs:
+        raise CheckpointError(f"{where} does not fit this model: {'; '.join(diffs)}; pass the model flags it was "
+                              f"saved with")
+
+
+def stage_counts(layout: dict, num_layers: int) -> str:
+    """Layers of every virtual stage, resolved (``2,2``), so an even split given as a list and the
+    same split given by default compare equal; older files lack the list."""
+    try:
+        counts = stage_layer_counts(num_layers, layout["pp"], layout["vp"], layout["first"] or None,
+                                    layout["last"] or None, layout.get("stage_layers") or None)
+    except ValueError:  # a layout this model cannot have: show it as saved
+        return f"first {layout['first']} last {layout['last']} list {layout.get('stage_layers')}"
+    return ",".join(map(str, counts))
+
+
+def saved_stage_layers(root: str, step: Optional[int], pp: int, vp: int) -> Optional[Tuple[int, ...]]:
+    """The per-stage layer split the checkpoint to load was trained with, when its pp and vp match.
+
+    ``--pipeline-balance measured`` resumes with it instead of measuring again: timing noise could
+    choose another split, which a torch-format checkpoint refuses and which changes the RNG layout.
+    """
+    it = step if step is not None else read_latest(root)
+    path = os.path.join(iteration_dir(root, it), "meta.json") if it is not None else None
+    if path is None or not os.path.exists(path):
+        return None
+    layout = read_json(path).get("layout", {})
+    if layout.get("pp") == pp and layout.get("vp") == vp and layout.get("stage_layers"):
+        return tuple(int(n) for n in layout["stage_layers"])
+    return None

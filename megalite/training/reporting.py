@@ -1,0 +1,147 @@
+"""What a run says: Megatron's iteration log line and timers, validation lines, TensorBoard, the summary.
+
+The logging rank (the last global rank) prints; every rank takes part in the few collectives
+a log interval needs (the bubble mean over the pipeline, the one-time GPU memory report).
+Time spent evaluating or saving is not counted as iteration time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Dict, List, Optional
+
+from megalite.config import Config
+from megalite.data.builder import default_cache_dir
+from megalite.logging import TensorBoard, format_duration, format_log_line, format_timers, mean_over_pipeline
+from megalite.parallel_state import ParallelState
+from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report, memory_scalars, memory_stats
+from megalite.training.evaluation import EvalResult
+from megalite.training.state import TrainState
+
+logger = logging.getLogger("megalite")
+_TIMERS = (("forward", "forward-compute"), ("backward", "backward-compute"), ("p2p", "p2p-wait"),
+           ("grads_sync", "grads-all-reduce"), ("optimizer", "optimizer"))
+
+
+class Reporter:
+    """Collects each iteration's scalars and logs them every --log-interval (and at the last iteration)."""
+
+    def __init__(self, cfg: Config, ps: ParallelState, state: TrainState, padded_vocab: int, has_scaler: bool):
+        self.cfg, self.ps, self.state, self.has_scaler = cfg, ps, state, has_scaler
+        t = cfg.train
+        self.tb = TensorBoard(cfg.logging.tensorboard_dir if ps.is_logging_rank else None)
+        self.flops = Throughput(cfg.model, t.global_batch_size, padded_vocab, ps.world_size,
+                                num_chunks=ps.pp_size * cfg.parallel.vp,
+                                peak_tflops=device_peak_tflops(ps.device, cfg.logging.peak_tflops))
+        self.memory_reported = False  # Megatron reports GPU memory once, after the first logged iterations
+        self.history: List[Dict[str, float]] = []
+        self.window: List[Dict[str, float]] = []
+        self.run_start = self.t_last = time.perf_counter()
+        self.first_iteration = state.iteration
+        self.last_logged = (state.iteration, None)  # (iteration, lm loss) of the last log line
+        self.valid_loss: Optional[float] = None
+        self.test_loss: Optional[float] = None
+
+    def due(self, iteration: int) -> bool:
+        return iteration % self.cfg.logging.log_interval == 0 or iteration == self.cfg.train.train_iters
+
+    def step(self, out: Dict[str, float]) -> None:
+        """Record the iteration just done; log the window when the interval is due (collective then)."""
+        self.history.append(out)
+        self.window.append(out)
+        if self.due(self.state.iteration):
+            self._log((time.perf_counter() - self.t_last) / len(self.window))
+            self.window = []
+            self.pause()
+
+    def pause(self) -> None:
+        """Evaluation or a save just ran: the next interval's time starts now."""
+        self.t_last = time.perf_counter()
+
+    def _log(self, sec_per_iter: float) -> None:
+        t, it, window = self.cfg.train, self.state.iteration, self.window
+        losses = [w["loss"] for w in window if w["loss"] is not None]
+        loss = sum(losses) / len(losses) if losses else None
+        bubble = mean_over_pipeline(sum(w["bubble"] for w in window) / len(window), self.ps)
+        memory_lines = [] if self.memory_reported else gather_memory_report(self.ps, it)  # collective
+        self.memory_reported = True
+        if not self.ps.is_logging_rank:
+            return
+        self.last_logged = (it, loss)
+        figures = self.flops.figures(sec_per_iter)
+        last = window[-1]
+        run_time = time.perf_counter() - self.run_start
+        eta = run_time / (it - self.first_iteration) * (t.train_iters - it)
+        logger.info(format_log_line(it, t.train_iters, self.state.consumed_samples, sec_per_iter * 1e3,
+                                    figures["tflops"], last["lr"], t.global_batch_size, loss, last["grad_norm"],
+                                    self.state.skipped_iters, self.state.nan_iters, figures["tokens_per_s"],
+                                    last["loss_scale"])
+                    + self.flops.log_fields(figures)
+                    + f" elapsed: {format_duration(run_time)} | ETA: {format_duration(eta)} |")
+        for line in memory_lines:
+            logger.info(line)
+        if self.cfg.logging.log_timers:
+            times = {name: 1e3 * sum(w[k] for w in window) / len(window) for k, name in _TIMERS}
+            logger.info(format_timers(times) + f" | pipeline bubble: {100 * float(bubble):.1f}%")
+        scalars = {"loss-scale": last["loss_scale"]} if self.has_scaler else {}
+        self.tb.scalars({**scalars, "lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
+                         "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
+                         **self.flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device))}, it)
+
+    def evaluation(self, result: Optional[EvalResult]) -> None:
+        """Megatron's validation lines (and TensorBoard points) for an evaluation's result."""
+        self.pause()
+        if result is None or result.loss is None or not self.ps.is_logging_rank:
+            return
+        loss = result.loss
+        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
+        if result.split == "validation":
+            self.valid_loss = loss
+            where = "the end of training for val data" if result.at_end else f"iteration {self.state.iteration}"
+        else:
+            self.test_loss, where = loss, "the end of training for test data"
+        line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        logger.info("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        key = "lm loss validation" if result.split == "validation" else "lm loss test"
+        if not self.cfg.train.skip_train:  # as Megatron: an evaluation-only run adds no point to the curves
+            self.tb.scalars({key: loss, key + " ppl": ppl}, self.state.iteration)
+
+    def summary(self, stop_reason: Optional[str], saved_at: Optional[int], timeline: Optional[str]) -> None:
+        """The last lines of a run: what was done and where its outputs went."""
+        self.tb.close()
+        if not self.ps.is_logging_rank:
+            return
+        cfg, t, it = self.cfg, self.cfg.train, self.state.iteration
+        iters = it - self.first_iteration
+        # the number the last log line printed; iterations after it (an early stop) are averaged instead
+        logged_at, logged = self.last_logged
+        unlogged = self.history[len(self.history) - (it - logged_at):] if logged_at < it else []
+        losses = [h["loss"] for h in unlogged if h["loss"] is not None] or ([logged] if logged is not None else [])
+        tokens = iters * t.global_batch_size * cfg.model.seq_length
+        status = ("skipped (--skip-train)" if t.skip_train else
+                  f"stopped ({stop_reason})" if stop_reason else "done")
+        lines = [f"training {status}: {iters} iterations ({it} in all), {tokens:,} tokens in "
+                 f"{format_duration(time.perf_counter() - self.run_start)}"
+                 + (f"; final lm loss {sum(losses) / len(losses):.4f}" if losses else "")
+                 + (f", validation lm loss {self.valid_loss:.4f}" if self.valid_loss is not None else "")
+                 + (f", test lm loss {self.test_loss:.4f}" if self.test_loss is not None else "")]
+        if cfg.checkpoint.save and saved_at is not None:
+            lines.append(f"  checkpoint: {cfg.checkpoint.save} (iteration {saved_at})")
+        if cfg.logging.tensorboard_dir:
+            lines.append(f"  tensorboard: {cfg.logging.tensorboard_dir}")
+        if timeline:
+            lines.append(f"  pipeline timeline: {timeline}")
+        lines += self._cache_line()
+        logger.info("\n".join(lines))
+
+    def _cache_line(self) -> List[str]:
+        data = self.cfg.data
+        if data.mock_data:
+            return []
+        paths = data.data_path or data.train_data_path
+        prefix = next((p for p in paths if not p.replace(".", "", 1).isdigit()), None)
+        if not (data.data_cache_path or prefix):
+            return []
+        return [f"  data index cache: {data.data_cache_path or os.path.dirname(default_cache_dir(prefix, 'x'))}"]

@@ -1,0 +1,218 @@
+"""Build one rank's part of a run from a Config and a ParallelState, then sequence its iterations.
+
+::
+
+    Trainer
+      chunks        this rank's model chunks (one per virtual pipeline stage)
+      executor      runs the schedule's actions for one global batch
+      optimizer     MegatronOptimizer: grad buffer, main weights, finalize, clip, loss scale, step
+      scheduler     LRScheduler
+      state         TrainState: iteration, consumed samples, skipped and nan iterations
+      checkpointer  Checkpointer: when to save, save, load (explicit state objects)
+      evaluator     Evaluator: when to evaluate, the forward-only schedule
+      stops         StopRules: non-finite values, --exit-interval, signals and time limit
+
+One iteration: zero grads -> run the schedule over m micro-batches ->
+optimizer.finalize_grads() -> optimizer.step() (skipped on overflow or a
+non-finite norm; then the LR schedule does not advance, as Megatron) -> log.
+The Trainer only sequences: each component owns its own interval rule, the
+collectives live in the optimizer layer, logging.py and agreement.py.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+import torch
+
+from megalite.analysis.measure import balance_stages  # the composition root may use analysis
+from megalite.checkpointing import Checkpointer, saved_stage_layers
+from megalite.config import Config, ConfigError
+from megalite.data.batches import MicroBatches
+from megalite.faults import ExitConditions
+from megalite.logging import logged_loss, write_timeline
+from megalite.model.gpt import GPTModel
+from megalite.optim.lr_scheduler import LRScheduler
+from megalite.optim.optimizer import MegatronOptimizer
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.executor import PipelineExecutor, StepStats
+from megalite.pipeline.registry import build_schedule
+from megalite.pipeline.stage_layout import StageLayout
+from megalite.settings import RunSettings, resolve_settings
+from megalite.tensor_parallel.random import RNGTracker
+from megalite.training.evaluation import Evaluator
+from megalite.training.reporting import Reporter
+from megalite.training.state import TrainState
+from megalite.training.stops import StopRules, TrainingStopped, check_tokens
+
+logger = logging.getLogger("megalite")
+__all__ = ["Trainer", "TrainingStopped", "build_model_chunks"]
+
+
+def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker, layout: StageLayout) -> List[GPTModel]:
+    """This rank's chunks: chunk c runs the global stage ``layout`` gives it
+    (c*pp + pp_rank interleaved; pp_rank and 2pp-1-pp_rank in a V)."""
+    par, chunks = cfg.parallel, []
+    for c in range(par.vp):
+        stage = layout.stage(ps.pp_rank, c)
+        layers = layout.layers(cfg.model.num_layers, ps.pp_rank, c, par.decoder_first_pipeline_num_layers,
+                               par.decoder_last_pipeline_num_layers, par.pipeline_stage_layers)
+        chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
+                               pre_process=stage == 0, post_process=stage == layout.num_stages - 1,
+                               sequence_parallel=par.sequence_parallel)
+                      .to(ps.device))
+    first = [c for c in chunks if c.pre_process]
+    last = [c for c in chunks if c.post_process and not c.pre_process]
+    if cfg.model.tied_embeddings and first and last:  # first and last stage on this rank (a V)
+        last[0].tie_output_to(first[0])
+    return chunks
+
+
+def resolve_stage_split(cfg: Config, ps: ParallelState, settings: RunSettings) -> Config:
+    """--pipeline-balance measured: the split of layers to train with, in the config (checkpoints store it).
+
+    A resumed run keeps the split its checkpoint was balanced with (timing noise could choose
+    another, which a torch-format checkpoint refuses); otherwise the layer kinds are timed on
+    this device and the simulator picks the split (a collective).
+    """
+    par, ck = cfg.parallel, cfg.checkpoint
+    if par.pipeline_balance != "measured" or par.pipeline_stage_layers is not None:
+        return cfg
+    saved = saved_stage_layers(ck.load, ck.ckpt_step, ps.pp_size, par.vp) if ck.load and not ck.finetune else None
+    if saved is None:
+        return balance_stages(cfg, ps, settings)
+    if ps.is_logging_rank:
+        logger.info(f"--pipeline-balance measured: resuming with the checkpoint's split {','.join(map(str, saved))}")
+    return cfg.with_(parallel=replace(par, pipeline_stage_layers=saved))
+
+
+class Trainer:
+    """Everything one rank needs to train: model chunks, optimizer, schedule, counters, and the
+    components that decide when to log, evaluate, save and stop."""
+
+    def __init__(self, cfg: Config, ps: ParallelState):
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        if (cfg.parallel.tp, cfg.parallel.pp) != (ps.tp_size, ps.pp_size):
+            raise ConfigError(f"the config asks for tp {cfg.parallel.tp} x pp {cfg.parallel.pp} but the ParallelState "
+                              f"has tp {ps.tp_size} x pp {ps.pp_size}; build both from the same flags")
+        settings = resolve_settings(cfg, ps.world_size)
+        balanced = resolve_stage_split(cfg, ps, settings)
+        if balanced is not cfg:
+            cfg, settings = balanced, resolve_settings(balanced, ps.world_size)
+        self.cfg, self.settings, self.ps, t, par = cfg, settings, ps, cfg.train, cfg.parallel
+        self.m, self.schedule_name, layout = settings.num_microbatches, settings.schedule, settings.layout
+        self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        self.chunks = build_model_chunks(cfg, ps, self.tracker, layout)
+        named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.params = [p for _, p in named]
+        shared = [w for w in (c.shared_embedding_weight() for c in self.chunks) if w is not None]
+        self.optimizer = MegatronOptimizer(
+            named, cfg.optim, ps, shared=shared,
+            sequence_parallel_params=[p for p in self.params if getattr(p, "sequence_parallel", False)])
+        self.optimizer.install_param_gather_hooks(self.chunks)
+        self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)
+        self.actions, self.eval_actions = (
+            build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m, forward_only=fwd,
+                           overlap_p2p=par.overlap_p2p_comm)[ps.pp_rank] for fwd in (False, True))
+        s = cfg.model.seq_length // (ps.tp_size if par.sequence_parallel else 1)
+        self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
+                                         dtype=cfg.model.torch_dtype, layout=layout)
+        self.needs_data = any(c.pre_process or c.post_process for c in self.chunks)
+        self.state = TrainState()
+        self.last_stats: Optional[StepStats] = None
+        self.checkpointer = Checkpointer(cfg, ps, self.chunks, self.optimizer, self.scheduler, self.state,
+                                         self.tracker)
+        self.evaluator = Evaluator(cfg, ps, self.chunks, self.m, self.needs_data, self._forward_only, self._loss)
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def train_step(self, batches: List[Optional[Dict[str, torch.Tensor]]]) -> Dict[str, float]:
+        """Forward/backward over all micro-batches, finalize, clip and update. Returns scalars."""
+        for c in self.chunks:
+            c.train()
+        self.optimizer.zero_grad(self.m)
+        stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m,
+                                  loss_scale=self.optimizer.loss_scale)
+        t0 = time.perf_counter()
+        self.optimizer.finalize_grads()
+        t1 = time.perf_counter()
+        updated, grad_norm = self.optimizer.step()
+        if updated:
+            self.scheduler.step()
+        else:
+            self.state.skipped_iters += 1
+        t2 = time.perf_counter()
+        self.last_stats = stats
+        loss = self._loss(stats.losses)
+        if loss is not None and not math.isfinite(loss):
+            self.state.nan_iters += 1
+        return {"loss": loss, "grad_norm": grad_norm, "forward": stats.forward, "backward": stats.backward,
+                "p2p": stats.p2p, "grads_sync": t1 - t0, "optimizer": t2 - t1,
+                "bubble": stats.bubble, "loss_scale": self.optimizer.loss_scale, "updated": updated}
+
+    def _forward_only(self, batches: list) -> list:
+        return self.executor.run(self.eval_actions, lambda mb: batches[mb], self.m, forward_only=True).losses
+
+    def _loss(self, losses: list) -> Optional[float]:
+        return logged_loss(losses, self.ps, self.executor.layout.v_shape)
+
+    def evaluate(self, data: Optional[MicroBatches]) -> Optional[float]:
+        """Mean loss over ``eval_iters`` global batches of ``data`` (tools/evaluate.py's entry)."""
+        return self.evaluator.evaluate(data, self.state.iteration)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self, train_ds, valid_ds, exits: Optional[ExitConditions] = None,
+              test_ds=None) -> List[Dict[str, float]]:
+        """Run up to ``train_iters`` iterations with logging, evaluation and saving; return per-iteration scalars.
+
+        Stops early, after saving, at --exit-interval or when ``exits`` asks (a signal under
+        --exit-signal-handler, --exit-duration-in-mins). A completed run evaluates once more at
+        the end when the last iteration was not an evaluation one, then once on the test split
+        (as Megatron). --skip-train runs no iteration: only those two evaluations, no save.
+        """
+        t, state = self.cfg.train, self.state
+        training = not t.skip_train and state.iteration < t.train_iters
+        data = MicroBatches(train_ds, state.consumed_samples, t.micro_batch_size, self.m, self.ps,
+                            self.cfg.data.num_workers) if self.needs_data and training else None
+        self.evaluator.warn_if_missing(valid_ds)
+        report = Reporter(self.cfg, self.ps, state, self.chunks[0].padded_vocab, self.optimizer.scaler is not None)
+        stops, stop = StopRules(t, self.ps, exits), None
+        while training and state.iteration < t.train_iters and stop is None:
+            lr = self.scheduler.get_lr()
+            batches = data.next() if data is not None else [None] * self.m
+            check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, f"iteration {state.iteration + 1}")
+            out = self.train_step(batches)
+            state.advance(t.global_batch_size)
+            stop = stops.after_step(out, state)
+            report.step({**out, "lr": lr})
+            if self.evaluator.due(state.iteration):
+                report.evaluation(self.evaluator.validate(valid_ds, state.iteration))
+            if stop is None and self.checkpointer.due(state.iteration):
+                self.checkpointer.save()
+                report.pause()
+        self._finish(report, stop, valid_ds, test_ds)
+        return report.history
+
+    def _finish(self, report: Reporter, stop: Optional[str], valid_ds, test_ds) -> None:
+        """After the loop: the final save, the end-of-training evaluations, the timeline, the summary."""
+        t, it = self.cfg.train, self.state.iteration
+        if self.cfg.checkpoint.save and self.checkpointer.saved_at != it and not t.skip_train:
+            self.checkpointer.save()
+        self.optimizer.finish_param_gather()
+        if self.evaluator.enabled and stop is None and (it > report.first_iteration or t.skip_train):
+            if self.evaluator.evaluated_at != it:
+                report.evaluation(self.evaluator.validate(valid_ds, it, at_end=True))
+            report.evaluation(self.evaluator.test(test_ds, it))
+        timeline = self.cfg.logging.timeline_out if self.last_stats is not None else None
+        if timeline:
+            self.write_timeline(timeline)
+        report.summary(stop, self.checkpointer.saved_at, timeline)
+
+    def write_timeline(self, path: str) -> None:
+        """Gather the last iteration's measured events of this pipeline and write the timeline JSON."""
+        write_timeline(path, self.last_stats.events, self.ps, schedule=self.schedule_name,
+                       vp=self.cfg.parallel.vp, m=self.m, iteration=self.state.iteration)
+
