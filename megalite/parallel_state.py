@@ -148,7 +148,7 @@ class ParallelState:
     @classmethod
     def init_for_test(cls, rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
                       timeout_s: float = 120.0) -> "ParallelState":
-        """Start a gloo process group on an explicit rendezvous (used by the test harness)."""
+        """Start a gloo process group on an explicit rendezvous (used by megalite.testing.run_distributed)."""
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
@@ -159,7 +159,7 @@ class ParallelState:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # -- axis accessors (principle 8 names) ----------------------------------------------------
+    # -- axis accessors (tp_*, pp_*, dp_* names; README, Architecture) -------------------------
     @property
     def tp(self) -> AxisGroup:
         return self.axes["tp"]

@@ -59,7 +59,9 @@ class Evaluator:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             batches = data.next() if data is not None else [None] * self.m
-            check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, f"evaluation at iteration {iteration}")
+            where = f"iteration {iteration + 1}" if data is not None and data.name == "train" else \
+                f"evaluation at iteration {iteration}"  # tools/evaluate.py --split-name train reads training batches
+            check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, where)
             losses += self.run_forward(batches)
         return self.reduce(losses)
 

@@ -27,7 +27,6 @@ from megalite.model.kv_cache import KVCache
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
-from tests.conftest import REPO
 
 GPT2 = dict()
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
