@@ -102,6 +102,9 @@ class ModelConfig:
                                  choices=("LayerNorm", "RMSNorm"))
     layernorm_epsilon: float = NETWORK("--norm-epsilon", 1e-5, "epsilon of the norms", gt=0)
     swiglu: bool = NETWORK("--swiglu", False, "SwiGLU MLP (gated, SiLU) instead of GeLU")
+    openai_gelu: bool = NETWORK(
+        "--openai-gelu", False, "GeLU's tanh approximation instead of the exact (erf) GeLU in the MLP (what "
+        "Megatron-LM's default --bias-gelu-fusion and HF GPT-2's gelu_new compute)")
     position_embedding_type: str = NETWORK("--position-embedding-type", "learned_absolute", "position embedding",
                                            choices=("learned_absolute", "rope"))
     rotary_base: int = NETWORK("--rotary-base", 10000, "RoPE base period", gt=0)
@@ -287,7 +290,9 @@ class TrainConfig:
     seed: int = INITIALIZATION("--seed", 1234, "random seed of weights, data order and dropout (the same for every "
                                "layout)", ge=0)
     eval_interval: int = VALIDATION("--eval-interval", 50, "iterations between evaluations on the validation split "
-                                    "(and once at the end)", ge=0)
+                                    "(and once at the end); 0 is refused while --eval-iters > 0 (Megatron reads it "
+                                    "as 'no periodic evaluation'): turn evaluation off with --eval-iters 0, or give "
+                                    "--eval-interval >= --train-iters to evaluate only at the end", ge=0)
     eval_iters: int = VALIDATION("--eval-iters", 5, "global batches per evaluation (0: none); the test split is "
                                  "evaluated once, at the end", ge=0)
     exit_interval: Optional[int] = TRAINING(

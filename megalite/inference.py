@@ -88,16 +88,22 @@ def load_full_weights(model: GPTModel, full: Dict[str, torch.Tensor]) -> None:
 def run_tokenizer(cfg: Config, overrides: Optional[dict] = None) -> Tokenizer:
     """The run's tokenizer: the checkpoint's tokenizer flags, each replaced by one given in ``overrides``.
 
-    A --mock-data run has none: its ids are written as numbers (NullTokenizer).
+    A run without one (--mock-data, a converted HF folder without tokenizer files) has its ids
+    written as numbers (NullTokenizer). ``overrides["vocab_size"]`` is NullTokenizer's --vocab-size N
+    (ids 0..N-1, eod N), at most the model's vocabulary; other tokenizers ignore it, as Megatron's do.
     """
+    overrides = dict(overrides or {})
+    given = overrides.pop("vocab_size", None)
     data = resolve_default_corpus(cfg.data)
-    data = replace(data, **{k: v for k, v in (overrides or {}).items() if v is not None})
+    data = replace(data, **{k: v for k, v in overrides.items() if v is not None})
     vocab = cfg.model.vocab_size
+    if given is not None and not 0 < given <= vocab:
+        raise ValueError(f"--vocab-size {given} must be in [1, {vocab}]: the model has {vocab} ids")
     if not data.tokenizer_type:
         data = replace(data, tokenizer_type="NullTokenizer")
-        return build_tokenizer(data, vocab)  # ids 0..vocab-1 (its eod, vocab, is never generated)
-    # the run's vocabulary counts NullTokenizer's eod: its --vocab-size was one less
-    return build_tokenizer(data, vocab - 1 if data.tokenizer_type == "NullTokenizer" else vocab)
+        return build_tokenizer(data, given or vocab)  # ids 0..vocab-1 (its eod, vocab, is never generated)
+    # the run's vocabulary counts NullTokenizer's eod (Megatron's: --vocab-size N ids, eod N): N is one less
+    return build_tokenizer(data, (given or vocab - 1) if data.tokenizer_type == "NullTokenizer" else vocab)
 
 
 # -- sampling and generation ---------------------------------------------------------------------

@@ -60,6 +60,10 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
         raise ConfigError(f"--min-lr {o.min_lr:g} is above --lr {o.lr:g}; the schedule decays from --lr to --min-lr")
     if t.skip_train and (t.eval_iters <= 0 or t.eval_interval <= 0):
         raise ConfigError("--skip-train only evaluates, but --eval-iters or --eval-interval is 0; give both > 0")
+    if t.eval_interval == 0 and t.eval_iters > 0:  # Megatron divides by it (ZeroDivisionError): no meaning here
+        raise ConfigError(f"--eval-interval 0 with --eval-iters {t.eval_iters}: give --eval-interval N > 0 to "
+                          "evaluate every N iterations (N >= --train-iters: only at the end), or --eval-iters 0 "
+                          "for no evaluation")
     if t.skip_train and not cfg.checkpoint.load:
         raise ConfigError("--skip-train evaluates a trained model: give its checkpoint with --load DIR")
     grid_groups(world_size, par.tp, par.pp)
@@ -81,6 +85,8 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
                           f"{par.tp}; set --ffn-hidden-size")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"rope needs an even head dim, got {m.head_dim}; change --hidden-size")
+    if m.openai_gelu and m.swiglu:
+        raise ConfigError("--openai-gelu selects the GeLU of the plain MLP, but --swiglu uses SiLU; drop one of them")
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_positions:
         raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                           f"{m.max_positions}")

@@ -34,3 +34,15 @@ def _torch_threads_restored():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _megalite_logger_reset():
+    """pretrain_gpt.main() configures the process-wide "megalite" logger for a run (its own handler,
+    no propagation); tests that call it in-process must not change what later tests' caplog sees."""
+    import logging
+    yield
+    logger = logging.getLogger("megalite")
+    logger.handlers.clear()
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)

@@ -68,9 +68,13 @@ def eval_config(cfg: Config, args) -> Config:
     train = replace(cfg.train, **{k: getattr(args, k) for k in ("eval_iters", "micro_batch_size",
                                                                  "global_batch_size", "seed")
                                   if getattr(args, k) is not None})
-    if train.eval_iters < 1 or train.micro_batch_size < 1 or train.global_batch_size % train.micro_batch_size:
-        raise ConfigError(f"--eval-iters {train.eval_iters} must be >= 1 and --global-batch-size "
-                          f"{train.global_batch_size} a multiple of --micro-batch-size {train.micro_batch_size}")
+    for flag, value in (("--eval-iters", train.eval_iters), ("--micro-batch-size", train.micro_batch_size),
+                        ("--global-batch-size", train.global_batch_size)):
+        if value < 1:  # checked before any data is read, which would blame the data instead
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    if train.global_batch_size % train.micro_batch_size:
+        raise ConfigError(f"--global-batch-size {train.global_batch_size} is not a multiple of "
+                          f"--micro-batch-size {train.micro_batch_size}")
     return cfg.with_(data=data, train=train, parallel=ParallelConfig(), optim=OptimConfig(),
                      model=replace(cfg.model, recompute_granularity=None, torch_compile=False))
 

@@ -44,6 +44,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
     g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1 and eod N (default: the model's "
+                                                  "vocabulary less one, or all of it when no tokenizer is recorded)")
     return p.parse_args(argv)
 
 
@@ -78,7 +80,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         cfg, iteration, full = read_checkpoint(args.load, args.ckpt_step)
         tokenizer = run_tokenizer(cfg, {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
-                                        "merge_file": args.merge_file, "tokenizer_model": args.tokenizer_model})
+                                        "merge_file": args.merge_file, "tokenizer_model": args.tokenizer_model,
+                                        "vocab_size": args.vocab_size})
+        if not cfg.data.tokenizer_type and not args.tokenizer_type:
+            print(f"note: the checkpoint records no tokenizer: the prompt and the output are token ids "
+                  f"(0..{cfg.model.vocab_size - 1}); for text give --tokenizer-type and its files", file=sys.stderr)
         prompt = _prompt_ids(args.prompt, tokenizer, cfg.model.vocab_size, cfg.model.max_positions,
                              args.max_new_tokens)
         model = build_model(cfg, full, args.device, args.dtype)

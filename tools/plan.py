@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.analysis.planner import GiB, Hardware, plan  # noqa: E402
+from megalite.analysis.planner import GiB, Hardware, plan, why_no_plan  # noqa: E402
 from megalite.throughput import peak_tflops_for  # noqa: E402
 
 _LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
@@ -133,10 +133,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{f' (groups {cfg.num_query_groups})' if cfg.num_query_groups else ''}, ffn {cfg.ffn_size}, seq "
           f"{cfg.seq_length}, vocab {cfg.vocab_size}; {a.num_gpus} x {a.gpu_memory:g} GiB at {peak:g} TFLOP/s "
           f"(x {a.efficiency:g}), global batch {a.global_batch_size}")
-    if not plans:
-        print(f"no layout fits in {a.gpu_memory * (1 - a.headroom):.1f} GiB per device: add devices, lower "
-              f"--seq-length, or raise --gpu-memory", file=sys.stderr)
-        return 1
+    if not plans:  # the batch (a flag to fix: exit 2) or memory (no answer: exit 1), whichever rules them out
+        why, bad_batch = why_no_plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom)
+        print(f"tools/plan.py: error: {why}" if bad_batch else why, file=sys.stderr)
+        return 2 if bad_batch else 1
     print(f"{len(plans)} layouts fit; the best {min(a.top, len(plans))} (GiB per device, most loaded rank):")
     print(f"{'#':>3} {'layout':<42} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
           f"{'step s':>8} {'bubble':>7} {'tok/s/GPU':>10}")

@@ -20,6 +20,8 @@ from megalite.config import DataConfig  # noqa: E402
 from megalite.data.preprocess import PreprocessError, PreprocessOptions, preprocess  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 
+PROG = "preprocess_data.py"
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -53,11 +55,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _error(message: str) -> int:
+    """Bad input: one line on stderr, exit status 2, no traceback (outputs stay under temporary names)."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.split_sentences:
-        sys.exit("error: --split-sentences is not supported; give each document as a JSON list "
-                 "of sentences (one sequence each, as Megatron writes split sentences)")
+        return _error("--split-sentences is not supported; give each document as a JSON list "
+                      "of sentences (one sequence each, as Megatron writes split sentences)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     tok = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
@@ -69,8 +77,8 @@ def main(argv=None) -> int:
                              vocab_size=args.vocab_size)
     try:
         stats = preprocess(opts)
-    except (PreprocessError, ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, no traceback
+    except (PreprocessError, ValueError, OSError) as e:  # OSError: a disk that filled up, a file gone
+        return _error(" ".join(str(e).split()) or type(e).__name__)
     print(f"summary: {stats.summary()}")
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megalite.data.preprocess import iter_json_texts  # noqa: E402
+from megalite.data.preprocess import open_binary  # noqa: E402
 
 PROG = "train_tokenizer.py"
 # Smallest vocabularies that can work: byte-level BPE needs its 256 byte tokens
@@ -33,7 +34,10 @@ MIN_VOCAB = {"bpe": 256 + 1, "sentencepiece": 3 + 256 + 1}
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help=".jsonl, .jsonl.gz or .txt files")
-    p.add_argument("--json-key", default="text")
+    p.add_argument("--json-key", default="text",
+                   help="the key holding each document's text (a string or a list of strings).\n"
+                        "A .jsonl line without one is skipped and counted; when more than half of\n"
+                        "the non-blank lines are invalid, nothing is trained (exit code 2)")
     p.add_argument("--type", choices=("bpe", "sentencepiece"), default="bpe")
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="total vocabulary including special tokens")
@@ -75,18 +79,91 @@ def _check_args(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def _read(path: str, key: str) -> Iterator[str]:
-    """iter_json_texts, with a read failure (bad gzip, I/O error) naming the file."""
+def _json_text(line: str, key: str):
+    """The text(s) under ``key`` of one jsonl line, or the reason the line is invalid (a str)."""
     try:
-        yield from iter_json_texts(path, key)
-    except (OSError, EOFError) as e:
-        raise ValueError(f"cannot read --input {path}: {e}") from None
+        obj = json.loads(line)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(obj, dict):
+        return f"a JSON {type(obj).__name__}, not an object"
+    if key not in obj:
+        return f"no key {key!r} (keys: {', '.join(sorted(obj)[:5])})"
+    value = obj[key]
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value  # a document of sentences, as preprocess_data.py reads it
+    return f"{key!r} holds a {type(value).__name__}, not a string"
 
 
-def _texts(args: argparse.Namespace) -> Optional[Iterator[str]]:
-    """The documents to train on, or None when the input holds no text at all."""
-    texts = itertools.chain.from_iterable(_read(f, args.json_key) for f in args.input)
-    texts = (t for t in itertools.islice(texts, args.max_documents) if t and not t.isspace())
+class Corpus:
+    """The --input files' documents, counting the .jsonl lines that are skipped as invalid.
+
+    A .txt file is one document a line. A .jsonl line that is not a JSON object with a string
+    (or list of strings) under --json-key is skipped and counted; when more than half of the
+    non-blank lines read are invalid, reading stops with a ValueError instead (wrong file or key).
+    """
+
+    def __init__(self, paths: list[str], key: str):
+        self.paths, self.key = paths, key
+        self.lines = self.invalid = 0
+        self.first_invalid = ""
+
+    def _read(self, path: str) -> Iterator[str]:
+        plain = not path.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz"))
+        try:
+            with open_binary(path) as f:
+                for lineno, raw in enumerate(f, 1):
+                    line = raw.decode("utf-8", errors="replace")
+                    if plain:
+                        yield line
+                        continue
+                    if not line.strip():
+                        continue
+                    self.lines += 1
+                    got = _json_text(line, self.key)
+                    if isinstance(got, str):
+                        self.invalid += 1
+                        self.first_invalid = self.first_invalid or f"{path}:{lineno}: {got}"
+                        continue
+                    yield from got
+        except (OSError, EOFError) as e:  # a bad gzip, an I/O error
+            raise ValueError(f"cannot read --input {path}: {e}") from None
+
+    def texts(self) -> Iterator[str]:
+        yield from itertools.chain.from_iterable(self._read(p) for p in self.paths)
+
+    def _what(self) -> str:
+        return (f"not a JSON object with a string under --json-key {self.key!r} "
+                f"(first: {self.first_invalid})")
+
+    def skipped(self) -> str:
+        """What was skipped, for the log (empty when nothing was)."""
+        return f"skipped {self.invalid} of {self.lines} .jsonl lines: {self._what()}" if self.invalid else ""
+
+    def refusal(self) -> str:
+        """Why a corpus of mostly invalid lines (more than half of those read) is refused; empty if it is not."""
+        if self.invalid * 2 <= self.lines:
+            return ""
+        return (f"{self.invalid} of {self.lines} .jsonl lines are {self._what()}; more than half are invalid, "
+                f"so nothing is trained: check --input and --json-key")
+
+    def check(self) -> None:
+        if self.refusal():
+            raise ValueError(self.refusal())
+
+
+def _texts(args: argparse.Namespace, corpus: Corpus) -> Optional[Iterator[str]]:
+    """The documents to train on, or None when the input holds no text at all.
+
+    The corpus is checked when the trainer has read it all (or --max-documents), before training.
+    """
+    def checked(texts: Iterator[str]) -> Iterator[str]:
+        yield from texts
+        corpus.check()
+    texts = checked(itertools.islice(corpus.texts(), args.max_documents))
+    texts = (t for t in texts if t and not t.isspace())
     first = next(texts, None)
     return None if first is None else itertools.chain([first], texts)
 
@@ -112,8 +189,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     problem = _check_args(args)
+    corpus = Corpus(args.input, args.json_key)
     try:
-        texts = None if problem else _texts(args)
+        texts = None if problem else _texts(args, corpus)
         if not problem and texts is None:
             problem = (f"no text in {' '.join(args.input)}: every document is empty (a .jsonl "
                        f"line must be a JSON object with a string under --json-key "
@@ -121,11 +199,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not problem:
             _train(args, texts)
     except (ValueError, RuntimeError, OSError, EOFError) as e:
-        # bad vocabulary for this corpus, a gzip cut short, a disk that filled up
-        problem = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # bad vocabulary for this corpus, a gzip cut short, a disk that filled up; SentencePiece
+        # reports the corpus's refusal (raised in its reading loop) as its own RuntimeError
+        problem = corpus.refusal() or (str(e).splitlines()[0] if str(e) else type(e).__name__)
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
+    if corpus.invalid:
+        print(f"{PROG}: warning: {corpus.skipped()}", file=sys.stderr)
     return 0
 
 

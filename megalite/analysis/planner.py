@@ -301,15 +301,20 @@ def _divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch_size: int, gpus_per_node: int = 8,
-                      micro_batches: Sequence[int] = (1, 2, 4, 8), max_vp: int = 4) -> Iterator[Layout]:
-    """Every layout pretrain_gpt.py accepts for this model on ``num_gpus`` devices (tp within a node)."""
+def model_splits(cfg: ModelConfig, num_gpus: int, gpus_per_node: int = 8) -> Iterator[Tuple[int, int, int]]:
+    """(tp, pp, dp) for every split of ``num_gpus`` this model allows (tp within a node), batch aside."""
     for tp, pp in itertools.product(_divisors(num_gpus), repeat=2):
         if num_gpus % (tp * pp) or tp > gpus_per_node or cfg.num_layers % pp:
             continue
         if cfg.num_attention_heads % tp or cfg.query_groups % tp or cfg.ffn_size % tp:
             continue
-        dp = num_gpus // (tp * pp)
+        yield tp, pp, num_gpus // (tp * pp)
+
+
+def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch_size: int, gpus_per_node: int = 8,
+                      micro_batches: Sequence[int] = (1, 2, 4, 8), max_vp: int = 4) -> Iterator[Layout]:
+    """Every layout pretrain_gpt.py accepts for this model on ``num_gpus`` devices (tp within a node)."""
+    for tp, pp, dp in model_splits(cfg, num_gpus, gpus_per_node):
         vps = [v for v in (1, 2, 3, 4, 6, 8) if v <= max_vp and (cfg.num_layers // pp) % v == 0] if pp > 1 else [1]
         for vp, mbs, rec, dist_opt in itertools.product(vps, micro_batches, RECOMPUTE, (False, True)):
             layout = Layout(tp, pp, dp, vp, mbs, rec, sp=tp > 1 and cfg.seq_length % tp == 0,
@@ -350,3 +355,38 @@ def plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_batch_si
     fastest = min((p.step_s for p in out), default=1.0)
     return sorted(out, key=lambda p: (int(math.log(p.step_s / fastest) / math.log(1.02)), p.layout.pp * p.layout.vp,
                                       p.layout.tp, rec[p.layout.recompute], p.memory.total))
+
+
+def why_no_plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_batch_size: int,
+                hw: Optional[Hardware] = None, headroom: float = 0.15, **search) -> Tuple[str, bool]:
+    """Why ``plan`` found nothing, as one line naming what to change; True when no layout at all takes the batch.
+
+    The global batch must be a multiple of micro-batch x dp and give each pipeline enough micro-batches;
+    when it rules out every split (or every split that would fit in memory), it is named, with the
+    nearest batch that works, rather than memory.
+    """
+    hw = hw or Hardware()
+    budget = gpu_memory_gib * GiB * (1.0 - headroom)
+    dps = sorted({dp for _, _, dp in model_splits(cfg, num_gpus, hw.gpus_per_node)})
+
+    def works(gbs: int, memory: bool) -> bool:
+        return any(not memory or estimate_memory(cfg, layout, gbs).total <= budget
+                   for layout in candidate_layouts(cfg, num_gpus, gbs, hw.gpus_per_node, **search))
+
+    def nearest(memory: bool) -> Optional[int]:  # the smallest larger batch some data-parallel size divides
+        tries = sorted({-(-global_batch_size // dp) * dp for dp in dps} | {global_batch_size * 2})
+        return next((g for g in tries if g > global_batch_size and works(g, memory)), None)
+
+    fits = f"no layout fits in {gpu_memory_gib * (1 - headroom):.1f} GiB per device"
+    sizes = f"the data-parallel sizes this model allows on {num_gpus} GPUs are {', '.join(map(str, dps))}"
+    if not works(global_batch_size, memory=False):
+        better = nearest(memory=False)
+        why = ("is not divisible by any data-parallel size" if all(global_batch_size % dp for dp in dps)
+               else "gives too few micro-batches for every pipeline split")
+        return (f"--global-batch-size {global_batch_size} {why} ({sizes}); "
+                + (f"use e.g. {better}" if better else "change it or --num-gpus")), True
+    better = nearest(memory=True)
+    if better:
+        return (f"{fits} with --global-batch-size {global_batch_size}, one does with {better} ({sizes}); or "
+                f"add devices, lower --seq-length, or raise --gpu-memory"), False
+    return f"{fits}: add devices, lower --seq-length, or raise --gpu-memory", False

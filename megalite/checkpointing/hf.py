@@ -30,11 +30,18 @@ from megalite.checkpointing.safe_load import CheckpointError
 from megalite.config import ModelConfig
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
+# a tokenizer's files; generation_config.json (which every save_pretrained writes) is not one of them
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+# the files that hold a vocabulary: without one of these sets there is no tokenizer to record
+_VOCAB_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# GPT-2's activation_function names (transformers' ACT2FN): the exact (erf) GeLU, and those that compute
+# 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), megalite's --openai-gelu; GPT2Config's default is "gelu_new"
+_GELU_EXACT = ("gelu", "gelu_python")
+_GELU_TANH = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_accurate")
 
 
 def architecture_for(cfg: ModelConfig) -> str:
@@ -116,7 +123,7 @@ def from_hf_layer(cfg: ModelConfig, arch: str, i: int, get) -> Dict[str, torch.T
 
 # -- config.json ----------------------------------------------------------------------------------
 def hf_config(cfg: ModelConfig, arch: str) -> dict:
-    """config.json for ``cfg`` (the unpadded vocabulary; exact GELU for GPT-2, as megalite computes)."""
+    """config.json for ``cfg`` (the unpadded vocabulary; GPT-2's GeLU as megalite computes it)."""
     common = {"architectures": [arch], "vocab_size": cfg.vocab_size, "dtype": cfg.params_dtype,
               "tie_word_embeddings": cfg.tied_embeddings, "initializer_range": cfg.init_method_std,
               "use_cache": True,
@@ -126,8 +133,8 @@ def hf_config(cfg: ModelConfig, arch: str) -> dict:
         return {**common, "model_type": "gpt2", "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
                 "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_size, "n_positions": cfg.max_positions,
                 "n_ctx": cfg.max_positions, "layer_norm_epsilon": cfg.layernorm_epsilon,
-                "activation_function": "gelu", "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
-                "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True}
+                "activation_function": "gelu_new" if cfg.openai_gelu else "gelu", "resid_pdrop": cfg.hidden_dropout,
+                "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True}
     return {**common, "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
@@ -150,6 +157,8 @@ def config_from_hf(c: dict, where: str, divisible_by: int) -> Tuple[ModelConfig,
     if arch == GPT2 or (not arch and c.get("model_type") == "gpt2"):
         _require(not c.get("scale_attn_by_inverse_layer_idx"), where, "scale_attn_by_inverse_layer_idx is set")
         _require(c.get("scale_attn_weights", True), where, "attention scores are not scaled")
+        act = c.get("activation_function", "gelu_new")
+        _require(act in _GELU_EXACT + _GELU_TANH, where, f"activation {act!r} is used")
         h = c["n_embd"]
         cfg = ModelConfig(num_layers=c["n_layer"], hidden_size=h, ffn_hidden_size=c.get("n_inner") or 4 * h,
                           num_attention_heads=c["n_head"], seq_length=c["n_positions"],
@@ -159,7 +168,7 @@ def config_from_hf(c: dict, where: str, divisible_by: int) -> Tuple[ModelConfig,
                           hidden_dropout=c.get("resid_pdrop", 0.1), attention_dropout=c.get("attn_pdrop", 0.1),
                           layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5),
                           untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
-                          params_dtype=dtype)
+                          openai_gelu=act in _GELU_TANH, params_dtype=dtype)
         return cfg, GPT2
     if arch == LLAMA or (not arch and c.get("model_type") == "llama"):
         h, heads = c["hidden_size"], c["num_attention_heads"]
@@ -188,7 +197,47 @@ def config_from_hf(c: dict, where: str, divisible_by: int) -> Tuple[ModelConfig,
                           f"reads {GPT2} and {LLAMA}")
 
 
+# -- tokenizer files ------------------------------------------------------------------------------
+def find_tokenizer(root: str) -> List[str]:
+    """The tokenizer files in an HF folder, or [] when none holds a vocabulary (a config alone is no tokenizer)."""
+    present = {n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(root, n))}
+    if not any(all(n in present for n in group) for group in _VOCAB_SETS):
+        return []
+    return [os.path.join(root, n) for n in TOKENIZER_FILES if n in present]
+
+
+def tokenizer_fields(files: List[str], where: str) -> Dict[str, str]:
+    """The tokenizer flags a megalite/Megatron run records for ``files`` (from :func:`find_tokenizer`) in ``where``.
+
+    tokenizer.json -> HuggingFaceTokenizer (the ``tokenizers`` library reads it); vocab.json + merges.txt
+    -> GPT2BPETokenizer when ``<|endoftext|>`` is its eod; tokenizer.model -> Llama2Tokenizer.
+    """
+    names = {os.path.basename(f) for f in files}
+    if "tokenizer.json" not in names and {"vocab.json", "merges.txt"} <= names:
+        try:
+            with open(os.path.join(os.path.dirname(files[0]), "vocab.json"), encoding="utf-8") as f:
+                gpt2 = "<|endoftext|>" in json.load(f)
+        except (OSError, ValueError):
+            gpt2 = False
+        if gpt2:
+            return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.join(where, "vocab.json"),
+                    "merge_file": os.path.join(where, "merges.txt")}
+    if "tokenizer.json" not in names and "tokenizer.model" in names:
+        return {"tokenizer_type": "Llama2Tokenizer", "tokenizer_model": os.path.join(where, "tokenizer.model")}
+    return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": where}
+
+
 # -- reading --------------------------------------------------------------------------------------
+def _safe_open(safe_open, path: str):
+    """``safe_open(path)``, with a damaged file (truncated, not safetensors) as one CheckpointError line."""
+    from safetensors import SafetensorError
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:  # the library's message names neither the file nor a remedy
+        raise CheckpointError(f"{path} is not a complete safetensors file ({str(e).splitlines()[0]}); it may be "
+                              f"truncated (an interrupted download or copy): fetch it again") from None
+
+
 class HFSource(ModelSource):
     """An HF model folder read tensor by tensor through ``safetensors.safe_open``."""
 
@@ -205,7 +254,6 @@ class HFSource(ModelSource):
         except ValueError as e:
             raise CheckpointError(f"cannot read {path}: {e}") from None
         self.cfg, self.arch = config_from_hf(raw, path, divisible_by)
-        self.gelu_approx = raw.get("activation_function", "gelu") if self.arch == GPT2 else "gelu"
         index = os.path.join(root, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
@@ -216,15 +264,15 @@ class HFSource(ModelSource):
             raise CheckpointError(f"{root} has no model.safetensors (nor an index of shards); convert .bin "
                                   f"weights to safetensors first")
         self._handles: Dict[str, object] = {}
-        self._open = lambda fn: self._handles.setdefault(fn, safe_open(fn, framework="pt"))
+        self._open = lambda fn: self._handles[fn] if fn in self._handles else \
+            self._handles.setdefault(fn, _safe_open(safe_open, fn))  # each file opened once
         if files is None:
             single = os.path.join(root, "model.safetensors")
             files = {n: single for n in self._open(single).keys()}
         # GPT-2 files from the hub name tensors without the "transformer." prefix
         self._files = {("transformer." + n if self.arch == GPT2 and not n.startswith(("transformer.", "lm_head"))
                         else n): (fn, n) for n, fn in files.items()}
-        self.info = SourceInfo(kind="hf", tokenizer_files=[os.path.join(root, n) for n in TOKENIZER_FILES
-                                                           if os.path.exists(os.path.join(root, n))])
+        self.info = SourceInfo(kind="hf", tokenizer_files=find_tokenizer(root))
 
     def _get(self, name: str) -> torch.Tensor:
         if name not in self._files:

@@ -18,11 +18,14 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from torch import nn
 
+from megalite.agreement import flag_on_any_rank
 from megalite.checkpointing.protocol import LATEST, begin_save, iteration_dir, publish_save, read_json, read_latest, \
     saved_iterations, write_json
 from megalite.checkpointing.run_state import RandomStates, check_model_shape, layout_of, run_meta
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.checkpointing.sharded import read_sharded, write_sharded
+from megalite.checkpointing.torch_dist import load_torch_dist_weights, torch_dist_dir
+from megalite.checkpointing.torch_dist_optim import load_torch_dist_optimizer
 from megalite.checkpointing.torch_format import read_torch, write_torch
 from megalite.config import Config
 from megalite.parallel_state import ParallelState
@@ -71,9 +74,10 @@ def _read_meta(root: str, it: int) -> tuple:
     d = iteration_dir(root, it)
     meta_path = os.path.join(d, "meta.json")
     if not os.path.exists(meta_path):
-        have = saved_iterations(root)
-        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json); iterations in {root}: "
-                              f"{', '.join(have) or 'none'}; pick one with --ckpt-step or check --load")
+        have = [x for x in saved_iterations(root) if int(x) != it]  # never the one just refused
+        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json; a Megatron-LM torch-format "
+                              f"one converts with tools/checkpoint/convert.py --loader megatron); other iterations "
+                              f"in {root}: {', '.join(have) or 'none'}; pick one with --ckpt-step or check --load")
     return d, read_json(meta_path)
 
 
@@ -87,11 +91,16 @@ def load_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Mod
     as Megatron does). ``finetune`` loads the weights only and leaves the counters,
     optimizer state, schedule and random states as they are (collective).
     """
+    td = torch_dist_dir(root, step)
+    if td is not None:  # Megatron-LM's default --ckpt-format: read in place
+        return _load_torch_dist(td, cfg, ps, model_parts, optimizer, scheduler, train_state, finetune,
+                                load_optim and not finetune)
     it = step if step is not None else read_latest(root)
     if it is None:
         if finetune:
             raise CheckpointError(f"--finetune: no checkpoint in {root} (no {LATEST}); check --load")
-        logger.warning(f"no {LATEST} in {root}: starting from scratch")
+        if ps.is_logging_rank:  # every rank finds the same: say it once per job
+            logger.warning(f"no {LATEST} in {root}: starting from scratch")
         return None
     d, meta = _read_meta(root, it)
     check_model_shape(meta["model_shape"], cfg.model, d)
@@ -115,6 +124,37 @@ def load_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Mod
             logger.warning("checkpoint saved in another layout: random states are not restored")
     logger.info(f"loaded checkpoint {d} (iteration {meta['iteration']}, {meta.get('format')} format)")
     return it
+
+
+def _load_torch_dist(d: str, cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Module],
+                     optimizer: "MegatronOptimizer", scheduler: "LRScheduler", train_state: "TrainState",
+                     finetune: bool, load_optim: bool = False) -> int:
+    """Weights from a Megatron-Core torch_dist directory, its distributed-optimizer state when it can be
+    mapped (``load_optim``); counters unless ``finetune`` (collective)."""
+    optimizer.finish_param_gather()
+    error, counters, skipped = None, {}, "--no-load-optim" if not finetune else "--finetune"
+    try:
+        counters = load_torch_dist_weights(d, cfg.model, model_parts, optimizer)
+        if load_optim:  # the same answer on every rank: the layout is the file's, not the rank's
+            skipped = load_torch_dist_optimizer(d, cfg.model, model_parts, optimizer)
+    except CheckpointError as e:
+        error = e
+    failed = flag_on_any_rank(error is not None, ps)  # no rank goes on to train while another failed
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"another rank could not read {d} (its error is printed above)")
+    if not finetune:
+        train_state.load_state_dict(counters)
+        scheduler.load_state_dict({"num_steps": counters["iteration"]})  # the LR schedule follows the iteration
+    if ps.is_logging_rank and skipped is None:
+        logger.warning(f"loaded Megatron-Core torch_dist checkpoint {d} (iteration {counters['iteration']}): "
+                       f"weights and distributed-optimizer state; its random states are not restored")
+    elif ps.is_logging_rank:
+        logger.warning(f"loaded the weights of Megatron-Core torch_dist checkpoint {d} (iteration "
+                       f"{counters['iteration']}); its optimizer state is not restored ({skipped}) nor its random "
+                       f"states: Adam starts fresh, as with --no-load-optim --no-load-rng")
+    return counters["iteration"]
 
 
 class Checkpointer:

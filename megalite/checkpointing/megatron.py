@@ -13,88 +13,30 @@ Megatron-Core's tensors differ from megalite's full ones in two places::
                       transformer_engine spec: linear_qkv.layer_norm_* / linear_fc1.layer_norm_*
 
 SwiGLU's ``linear_fc1`` is [gate_r; up_r] on each tp rank, exactly as megalite.
-Files are read with ``weights_only`` plus an allow-list (Namespace, numpy's
-array reconstruction, and inert stand-ins for Megatron's own enum classes);
-nothing in them runs. Optimizer and RNG state are not converted (as Megatron's
+Files are read with ``weights_only`` plus the allow-list of ``safe_load.py``
+(Namespace, signal enums, numpy arrays and dtypes, inert stand-ins for
+Megatron's own enums); nothing in them runs. Optimizer and RNG state are not converted (as Megatron's
 own converter): load the result with ``--finetune`` or ``--no-load-optim --no-load-rng``.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import pickle
 from typing import Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors,
                                                 layer_names, merge_tp, post_names, pre_names, split_tp,
                                                 stream_to_ranks)
 from megalite.checkpointing.torch_format import legacy_dir  # Megatron's mp_rank_TT[_PPP] naming, which ours is
-from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
+# load_megatron_file is imported from here by the torch_dist reader too
+from megalite.checkpointing.safe_load import CheckpointError, MegatronValue, load_megatron_file
+from megalite.checkpointing.tokenizer_vocab import megatron_vocab, vocab_size_arg, with_tokenizer_files
 from megalite.config import ModelConfig
 
 _TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-
-
-class _Opaque:
-    """Stands in for a Megatron class found in ``args`` (an enum): keeps its arguments, runs nothing."""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"<megatron value {self.args!r}>"
-
-
-def _allowed(name: str):
-    """What an allowed global is replaced with when unpickling, or None when it is refused."""
-    if name == "argparse.Namespace":
-        return argparse.Namespace
-    if name in ("numpy.ndarray", "numpy.dtype"):
-        return getattr(np, name.split(".")[1])
-    if name in ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct"):
-        return (_np_reconstruct(), name)  # numpy 1 and 2 spell the module differently
-    if name.startswith("numpy.dtypes.") and isinstance(getattr(np.dtypes, name[13:], None), type):
-        return (getattr(np.dtypes, name[13:]), name)
-    if name.startswith("megatron."):
-        return (_Opaque, name)
-    return None
-
-
-def _np_reconstruct():
-    try:
-        from numpy._core.multiarray import _reconstruct  # numpy >= 2
-    except ImportError:  # numpy 1.x
-        from numpy.core.multiarray import _reconstruct
-    return _reconstruct
-
-
-def load_megatron_file(path: str) -> dict:
-    """One Megatron-LM checkpoint file, unpickled only as far as the allow-list permits (memory-mapped)."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except pickle.UnpicklingError as e:  # opcodes the inspector does not know: nothing can be vouched for
-        raise CheckpointError(f"refusing to load {path}: its pickle cannot be checked against the allow-list "
-                              f"({e})") from None
-    except Exception as e:  # noqa: BLE001 - any failure means the file is not a torch zip file
-        raise CheckpointError(f"cannot read {path} ({type(e).__name__}): not a torch checkpoint file") from None
-    allow = []
-    for n in names:
-        sub = _allowed(n)
-        if sub is None:
-            raise CheckpointError(f"refusing to load {path}: it holds the pickled object {n}, outside the "
-                                  f"allow-list for Megatron checkpoints; only load checkpoints you trust")
-        allow.append(sub)
-    with torch.serialization.safe_globals(allow):
-        return safe_torch_load(path, mmap=True)
 
 
 # -- shapes from the stored arguments -------------------------------------------------------------
@@ -104,6 +46,19 @@ def _arg(ns, *names, default=None):
         if v is not None:
             return v
     return default
+
+
+def tanh_gelu(ns: argparse.Namespace) -> bool:
+    """Whether a Megatron-Core GPT of these args computes GeLU's tanh approximation (README, conversion).
+
+    Its MLP calls the fused bias-GeLU kernel, which is the tanh form, when ``bias_gelu_fusion`` (on
+    by default; validate_args turns it off without biases) and biases are on; otherwise ``F.gelu``,
+    the exact one. ``--openai-gelu`` only reaches the legacy (non-Core) models, whose files megalite
+    does not read. Args without the key were not written by Megatron's parser but by an older
+    megalite, whose model was exact.
+    """
+    return (bool(getattr(ns, "bias_gelu_fusion", False)) and bool(_arg(ns, "add_bias_linear", default=True))
+            and not getattr(ns, "swiglu", False))
 
 
 def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: str) -> Tuple[ModelConfig, Layout]:
@@ -116,12 +71,15 @@ def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: s
                                     ("kv_channels != hidden/heads",
                                      _arg(ns, "kv_channels", default=hidden // heads) != hidden // heads),
                                     ("add_qkv_bias without add_bias_linear",
-                                     getattr(ns, "add_qkv_bias", False) and not getattr(ns, "add_bias_linear", True)))
+                                     getattr(ns, "add_qkv_bias", False) and not getattr(ns, "add_bias_linear", True)),
+                                    ("squared_relu", getattr(ns, "squared_relu", False)),
+                                    ("quick_geglu", getattr(ns, "quick_geglu", False)))
                    if bad]
     if unsupported:
         raise CheckpointError(f"{where} uses {', '.join(unsupported)}, which megalite's model does not have")
     bf16, fp16 = getattr(ns, "bf16", False), getattr(ns, "fp16", False)
-    vocab = true_vocab or _arg(ns, "vocab_size", "padded_vocab_size")
+    # the tokenizer's vocabulary as Megatron builds it (README, conversion); else the whole padded table
+    vocab = true_vocab or megatron_vocab(ns, None)[0] or _arg(ns, "padded_vocab_size", "vocab_size")
     cfg = ModelConfig(
         num_layers=ns.num_layers, hidden_size=hidden, ffn_hidden_size=_arg(ns, "ffn_hidden_size"),
         num_attention_heads=heads,
@@ -133,7 +91,7 @@ def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: s
                                                                                         default=0.1),
         normalization=_arg(ns, "normalization", default="LayerNorm"),
         layernorm_epsilon=_arg(ns, "norm_epsilon", "layernorm_epsilon", default=1e-5),
-        swiglu=bool(getattr(ns, "swiglu", False)),
+        swiglu=bool(getattr(ns, "swiglu", False)), openai_gelu=tanh_gelu(ns),
         position_embedding_type=_arg(ns, "position_embedding_type", default="learned_absolute"),
         rotary_base=int(_arg(ns, "rotary_base", default=10000)),
         untie_embeddings_and_output_weights=bool(getattr(ns, "untie_embeddings_and_output_weights", False)),
@@ -149,10 +107,15 @@ def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: s
 def args_for(cfg: ModelConfig, layout: Layout, tokenizer: Dict[str, Optional[str]],
              base: Optional[argparse.Namespace] = None) -> argparse.Namespace:
     """The ``args`` Namespace a Megatron-LM run of this model and layout would store."""
+    if cfg.openai_gelu and not cfg.add_bias_linear and not cfg.swiglu:
+        raise CheckpointError("this model uses --openai-gelu without biases: Megatron-Core computes GeLU's tanh "
+                              "form only in its bias-GeLU fusion, which needs biases, so it would compute another "
+                              "function; convert to --saver hf or megalite instead")
     # a Megatron source's other flags are kept (as Megatron's saver does), but not our inert stand-ins
-    kept = {k: v for k, v in vars(base).items() if not isinstance(v, _Opaque)} if base is not None else {}
+    kept = {k: v for k, v in vars(base).items() if not isinstance(v, MegatronValue)} if base is not None else {}
     ns = argparse.Namespace(**kept)
     vp = layout.vp if layout.vp > 1 else None
+    kind = tokenizer.get("tokenizer_type") or getattr(ns, "tokenizer_type", None)
     vals = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_size,
         num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.head_dim,
@@ -160,8 +123,11 @@ def args_for(cfg: ModelConfig, layout: Layout, tokenizer: Dict[str, Optional[str
         seq_length=cfg.seq_length, max_position_embeddings=cfg.max_positions,
         position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base, rotary_percent=1.0,
         normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, swiglu=cfg.swiglu,
+        # Megatron-Core's MLP computes the tanh GeLU exactly when its bias-GeLU fusion is on (tanh_gelu)
+        bias_gelu_fusion=cfg.openai_gelu and cfg.add_bias_linear and not cfg.swiglu, openai_gelu=cfg.openai_gelu,
         untie_embeddings_and_output_weights=not cfg.tied_embeddings, add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_bias_linear, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size(layout.tp),
+        add_qkv_bias=cfg.add_bias_linear, vocab_size=vocab_size_arg(kind, cfg.vocab_size),
+        padded_vocab_size=cfg.padded_vocab_size(layout.tp),
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, init_method_std=cfg.init_method_std,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         params_dtype=cfg.torch_dtype, bf16=cfg.params_dtype == "bfloat16", fp16=cfg.params_dtype == "float16",
@@ -248,11 +214,12 @@ def find_megatron_iteration(root: str) -> Tuple[str, int]:
 class MegatronSource(ModelSource):
     """A Megatron-LM legacy checkpoint, one pipeline rank's files mapped at a time."""
 
-    def __init__(self, root: str, true_vocab: Optional[int] = None):
+    def __init__(self, root: str, true_vocab: Optional[int] = None, tokenizer_files: Optional[dict] = None):
         self.dir, it = find_megatron_iteration(root)
         if not any(n.startswith("mp_rank_") for n in os.listdir(self.dir)):
-            raise CheckpointError(f"{self.dir} holds no mp_rank_* folders: it is not a Megatron-LM torch-format "
-                                  f"checkpoint (megalite's sharded checkpoints load with --loader megalite)")
+            raise CheckpointError(f"{self.dir} holds no mp_rank_* folders (torch format) nor metadata.json + "
+                                  f"common.pt (torch_dist format): it is not a Megatron-LM checkpoint (megalite's "
+                                  f"checkpoints convert with --loader megalite)")
         single = os.path.join(self.dir, "mp_rank_00", "model_optim_rng.pt")
         first = single if os.path.exists(single) else os.path.join(self.dir, "mp_rank_00_000", "model_optim_rng.pt")
         state = load_megatron_file(first)
@@ -260,10 +227,16 @@ class MegatronSource(ModelSource):
         if not isinstance(ns, argparse.Namespace):
             raise CheckpointError(f"{first} stores no argparse Namespace 'args': it was not written by Megatron-LM "
                                   f"(megalite's torch-format checkpoints load with --loader megalite)")
-        self.args = ns
-        self.cfg, self.layout = config_from_args(ns, true_vocab, first)
-        self.vocab_guessed = not (true_vocab or getattr(ns, "vocab_size", None))
+        self.args = ns = with_tokenizer_files(ns, tokenizer_files)
         model = state.get("model", state.get("model0", {}))
+        table = model.get(WORD)
+        rows = table.shape[0] * ns.tensor_model_parallel_size if table is not None else _arg(ns, "padded_vocab_size")
+        vocab, self.vocab_note = megatron_vocab(ns, rows, true_vocab)
+        if vocab and rows and vocab > rows:
+            raise CheckpointError(f"{first}: the vocabulary ({self.vocab_note}) has {vocab} ids but the embedding "
+                                  f"table holds {rows} rows; pass --true-vocab-size")
+        self.vocab_guessed = not vocab  # nothing says which rows are padding: all are kept
+        self.cfg, self.layout = config_from_args(ns, vocab or rows, first)
         self.te = any(k.endswith("layer_norm_weight") for k in model)
         self.where = self.layout.stage_of_layer(self.cfg.num_layers)
         for t in range(self.layout.tp):  # every file present before anything is converted

@@ -29,6 +29,7 @@ from megalite.checkpointing.protocol import iteration_dir, read_json, read_lates
 from megalite.checkpointing.run_state import FORMAT_VERSION, SHAPE_FIELDS
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
 from megalite.checkpointing.sharded import dcp_read, quiet_single_process, read_index
+from megalite.checkpointing.torch_dist import is_torch_dist
 from megalite.checkpointing.torch_format import legacy_dir
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig
 
@@ -58,6 +59,9 @@ class MegaliteSource(ModelSource):
         self.dir = find_iteration(root, "megalite", step, flag)
         meta_path = os.path.join(self.dir, "meta.json")
         if not os.path.exists(meta_path):
+            if is_torch_dist(self.dir):
+                raise CheckpointError(f"{self.dir} is a Megatron-Core torch_dist checkpoint, not a megalite one: "
+                                      f"convert it with --loader megatron (pretrain_gpt.py --load reads it directly)")
             raise CheckpointError(f"{self.dir} has no meta.json: it is not a complete megalite checkpoint (a "
                                   f"Megatron-LM one converts with --loader megatron)")
         self.meta = read_json(meta_path)

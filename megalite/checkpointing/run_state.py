@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the training package imports this one: no runtime import ba
 FORMAT_VERSION = 1
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
                 "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
-                "max_positions")
+                "max_positions", "openai_gelu")  # checkpoints older than a field lack it: not compared
 
 __all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_model_shape",
            "stage_counts", "saved_stage_layers"]

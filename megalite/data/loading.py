@@ -40,11 +40,15 @@ def resolve_default_corpus(data: DataConfig) -> DataConfig:
 
 
 def resolve_data(cfg: Config) -> Config:
-    """Fill in the default corpus (when no data is given) and the vocabulary size from the tokenizer."""
+    """Fill in the default corpus (when no data is given) and the vocabulary size from the tokenizer.
+
+    Mock data without a tokenizer has ``--vocab-size`` ids; with ``--tokenizer-type`` the vocabulary is
+    the tokenizer's, as in Megatron (``NullTokenizer --vocab-size N``: N + 1 ids, eod = N).
+    """
     data = cfg.data
-    if data.mock_data:
+    if data.mock_data and not data.tokenizer_type:
         return cfg
-    if not (data.data_path or data.train_data_path):
+    if not (data.mock_data or data.data_path or data.train_data_path):
         data = _with_default_corpus(data)
     if not data.tokenizer_type:
         raise ConfigError("--data-path needs --tokenizer-type (e.g. GPT2BPETokenizer with --vocab-file "

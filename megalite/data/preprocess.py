@@ -39,6 +39,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -132,27 +133,6 @@ def iter_lines(f: IO[bytes]) -> Iterator[bytes]:
             yield from raw.splitlines(keepends=True)
         else:
             yield raw
-
-
-def iter_json_texts(path: str, key: str = "text") -> Iterator[str]:
-    """Yield ``obj[key]`` of each valid line of a jsonl file (bad lines silently skipped).
-
-    For tokenizer training, where a stray bad line is not worth stopping for;
-    a plain .txt file yields one text per line.
-    """
-    plain = not (path.endswith(".jsonl") or path.endswith(".json") or path.endswith(".jsonl.gz"))
-    with open_binary(path) as f:
-        for raw in f:
-            line = raw.decode("utf-8", errors="replace")
-            if plain:
-                yield line
-                continue
-            try:
-                value = json.loads(line)[key]
-            except (ValueError, KeyError, TypeError, IndexError):
-                continue
-            if isinstance(value, str):
-                yield value
 
 
 # ---------------------------------------------------------------- worker side
@@ -434,12 +414,30 @@ def _error_line(message: str) -> float:
     return int(number) if number.isdigit() else math.inf
 
 
+def check_output_prefix(prefix: str) -> None:
+    """A one-line ValueError unless ``prefix``'s directory is or can become writable (checked before any work)."""
+    directory = os.path.dirname(os.path.abspath(prefix))
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output-prefix {prefix}: {existing} is a file, not a directory; give a prefix "
+                         "in a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()  # also catches what os.access misjudges (root, ro mounts)
+    except OSError as e:
+        raise ValueError(f"--output-prefix {prefix}: cannot write in {directory} ({e.strerror or e}); give a "
+                         "prefix in a writable directory") from None
+
+
 def preprocess(opts: PreprocessOptions) -> PreprocessStats:
     """Run preprocessing; return the final counters (see module docstring for policy)."""
     if not os.path.isfile(opts.input):
         raise FileNotFoundError(f"--input {opts.input}: file not found")
     if opts.partitions < 1 or opts.workers < 1:
         raise ValueError("--workers and --partitions must be at least 1")
+    check_output_prefix(opts.output_prefix)
     t0 = time.time()
     if opts.partitions > 1:
         stats = _run_partitioned(opts)

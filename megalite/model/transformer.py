@@ -179,6 +179,8 @@ class MLP(nn.Module):
         super().__init__()
         ffn = cfg.ffn_size
         self.swiglu = cfg.swiglu
+        # "tanh": Megatron-LM's fused bias-GeLU and HF GPT-2's "gelu_new" (README, conversion)
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, [ffn, ffn] if cfg.swiglu else ffn, tp, bias=cfg.add_bias_linear,
             init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_fc1",
@@ -194,7 +196,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)
 
 

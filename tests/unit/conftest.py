@@ -59,15 +59,3 @@ def data_random_id_docs():
         docs = [[rng.randrange(vocab) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
         return docs, [" ".join(map(str, d)) for d in docs]
     return make
-
-
-@pytest.fixture(autouse=True)
-def _megalite_logger_reset():
-    """pretrain_gpt.main() configures the process-wide "megalite" logger for a run (its own handler,
-    no propagation); tests that call it in-process must not change what later tests' caplog sees."""
-    import logging
-    yield
-    logger = logging.getLogger("megalite")
-    logger.handlers.clear()
-    logger.propagate = True
-    logger.setLevel(logging.NOTSET)

@@ -43,6 +43,8 @@ CASES = [
     (MOCK, "--lr-warmup-iters -1", 2, "--lr-warmup-iters must be >= 0"),
     (MOCK, "--clip-grad -1", 2, "--clip-grad must be >= 0"),
     (MOCK, "--eval-interval -1", 2, "--eval-interval must be >= 0"),
+    (MOCK, "--eval-interval 0", 2, "--eval-interval 0 with --eval-iters 1: give --eval-interval N > 0 to evaluate "
+     "every N iterations (N >= --train-iters: only at the end), or --eval-iters 0 for no evaluation"),
     (MOCK, "--lr -1e-3", 2, "--lr must be > 0, got -0.001"),
     (MOCK, "--lr -1", 2, "--lr must be > 0, got -1"),
     (MOCK, "--lr abc", 2, "argument --lr: invalid float value: 'abc'"),
@@ -64,6 +66,7 @@ CASES = [
     (MOCK, "--max-position-embeddings 8", 2, "--seq-length 16 exceeds --max-position-embeddings 8"),
     (MOCK, "--pipeline-schedule interleaved_1f1b", 2, "interleaved_1f1b needs vp > 1"),
     (MOCK, "--position-embedding-type rope --hidden-size 36", 2, "rope needs an even head dim"),
+    (MOCK, "--swiglu --openai-gelu", 2, "--openai-gelu selects the GeLU of the plain MLP, but --swiglu uses SiLU"),
     (MOCK, "--ckpt-format foo", 2, "argument --ckpt-format: invalid choice: 'foo'"),
     (MOCK, "--num-layers-per-virtual-pipeline-stage 3", 2, "--num-layers-per-virtual-pipeline-stage 3 must divide"),
     (MOCK, "--data-path $T/good", 2, "--mock-data and --data-path/--train-data-path are exclusive"),
@@ -85,6 +88,23 @@ CASES = [
     (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/none.json --merge-file $T/m",
      2, "--vocab-file $T/none.json: file not found"),
     (DATA, "--data-path $T/good --tokenizer-type FooTokenizer", 2, "unknown --tokenizer-type 'FooTokenizer'"),
+    # tokenizer files that are not what the flag names: the flag, the file and what to give instead
+    (DATA, "--data-path $T/good --tokenizer-type SentencePieceTokenizer --tokenizer-model $T/afile", 2,
+     "--tokenizer-model $T/afile is not a SentencePiece model (could not parse ModelProto); give the .model file "
+     "written by SentencePiece's trainer (e.g. tools/train_tokenizer.py --type sentencepiece)"),
+    (DATA, "--data-path $T/good --tokenizer-type Llama2Tokenizer --tokenizer-model $T", 2,
+     "--tokenizer-model $T is a directory, not a file"),
+    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/afile --merge-file $T/merges.txt",
+     2, "--vocab-file $T/afile is not JSON (Expecting value at line 1 column 1); give GPT-2's vocab.json (an object "
+     "mapping each token to its id)"),
+    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/list.json --merge-file "
+     "$T/merges.txt", 2, "--vocab-file $T/list.json is JSON but not a vocabulary"),
+    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/vocab.json --merge-file "
+     "$T/bad_merges.txt", 2, "--merge-file $T/bad_merges.txt line 2: expected two symbols separated by one space, "
+     "got 'a b c'; give GPT-2's merges.txt"),
+    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/vocab.json --merge-file "
+     "$T/latin1.txt", 2, "--merge-file $T/latin1.txt is not UTF-8 text; give GPT-2's merges.txt (one 'a b' pair "
+     "a line)"),
     (DATA, "--data-path $T/good --data-cache-path $T/badcache", 2, "$T/badcache/"),
     # -- output paths ------------------------------------------------------------------------------
     (DATA, "--data-path $T/good --data-cache-path $T/afile", 2, "--data-cache-path $T/afile is a file"),
@@ -129,6 +149,11 @@ def write_data_dir(t):
         f.seek(17)
         f.write(bytes([42]))
     (t / "afile").write_text("x")
+    (t / "list.json").write_text("[1, 2]")
+    (t / "vocab.json").write_text('{"<|endoftext|>": 0, "a": 1}')
+    (t / "merges.txt").write_text("#version: 0.2\n")
+    (t / "bad_merges.txt").write_text("#version: 0.2\na b c\n")
+    (t / "latin1.txt").write_bytes("#version: 0.2\né e\n".encode("latin-1"))
     # A cache built by a good run, then damaged: every .npy cut short.
     assert pretrain_gpt.main(DATA + ["--data-path", str(t / "good"), "--data-cache-path", str(t / "badcache")]) == 0
     for npy in (t / "badcache").rglob("*.npy"):
@@ -168,3 +193,25 @@ def test_bad_input_as_a_process_has_no_traceback(data_dir):
         assert proc.returncode == code, (extra, proc.stderr)
         assert len(err) == 1 and err[0].startswith("pretrain_gpt.py: error: "), (extra, proc.stderr)
         assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_eval_interval_0_is_accepted_when_evaluation_is_off():
+    from megalite.arguments import parse_args
+    cfg = parse_args(MOCK + ["--eval-interval", "0", "--eval-iters", "0"])
+    assert (cfg.train.eval_interval, cfg.train.eval_iters) == (0, 0)
+
+
+@pytest.mark.parametrize("logging_rank", [True, False])
+def test_starting_from_scratch_is_said_once_per_job(tmp_path, caplog, monkeypatch, logging_rank):
+    """Every rank finds no checkpoint under --load; only the logging rank says so (one line per job)."""
+    import logging
+    from types import SimpleNamespace
+    monkeypatch.setattr(logging.getLogger("megalite"), "propagate", True)  # a run's setup_logging turned it off
+    from megalite.checkpointing.manager import load_checkpoint
+    from megalite.config import Config
+    caplog.set_level("WARNING", logger="megalite")
+    ps = SimpleNamespace(is_logging_rank=logging_rank, rank=0 if logging_rank else 1)
+    assert load_checkpoint(Config(), ps, [], None, None, None, None, str(tmp_path / "none")) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ([f"no latest_checkpointed_iteration.txt in {tmp_path / 'none'}: starting from scratch"]
+                    if logging_rank else [])

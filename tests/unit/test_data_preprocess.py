@@ -145,7 +145,7 @@ def test_missing_input_and_tool_error_exit(tmp_path):
     out = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", "x.jsonl",
                           "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
                           "GPT2BPETokenizer"], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 1 and "error:" in out.stderr
+    assert out.returncode == 2 and "preprocess_data.py: error:" in out.stderr
 
 
 def test_partitioned_error_reports_true_line_number(tmp_path):
@@ -297,5 +297,5 @@ def test_split_sentences_is_refused_in_one_line(tmp_path):
                           "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
                           "NullTokenizer", "--split-sentences"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "JSON list of sentences" in out.stderr

@@ -7,8 +7,11 @@ tools end with one line on stderr, exit code 2 and no traceback.
 from __future__ import annotations
 
 import gzip
+import importlib
+import importlib.util
 import json
 import logging
+import os
 import random
 import re
 import subprocess
@@ -17,6 +20,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalite.data.tokenizers.bpe_trainer import train_bpe
 from megalite.data.tokenizers.sentencepiece import SP_MAX_SENTENCE_BYTES, split_for_sentencepiece
@@ -160,10 +164,12 @@ def bad_inputs(tmp_path_factory):
     (d / "a_file").write_text("x")
     (d / "not_json.json").write_text("{")
     (d / "not_timeline.json").write_text(json.dumps({"pp": 2}))
+    (d / "mostly_invalid.jsonl").write_text(json.dumps({"text": "hello"}) + "\n" + "{not json\n" * 99)
     return d
 
 
-TT, PP = "tools/train_tokenizer.py", "tools/plot_pipeline.py"
+TT, PP, PD = "tools/train_tokenizer.py", "tools/plot_pipeline.py", "tools/preprocess_data.py"
+NULL = "--tokenizer-type NullTokenizer --vocab-size 10"
 # (tool, arguments with {d} for the fixture dir, words the one-line error must hold)
 _BAD_INPUTS = [
     (TT, "--input {d}/missing.jsonl --output-dir {d}/o", "--input file not found: {d}/missing"),
@@ -182,6 +188,15 @@ _BAD_INPUTS = [
     (TT, "--input {d}/ok.jsonl --max-documents 0 --output-dir {d}/o", "--max-documents must be"),
     (TT, "--input {d}/ok.jsonl --output-dir {d}/a_file", "--output-dir {d}/a_file is not a writ"),
     (TT, "--input {d}/ok.jsonl --output-dir {d}/a_file/sub", "(Not a directory)"),
+    (TT, "--input {d}/mostly_invalid.jsonl --output-dir {d}/o",
+     "99 of 100 .jsonl lines are not a JSON object with a string under --json-key 'text' (first: "
+     "{d}/mostly_invalid.jsonl:2: not JSON); more than half are invalid, so nothing is trained: check --input "
+     "and --json-key"),
+    (PD, "--input {d}/ok.jsonl --output-prefix {d}/a_file/sub/o " + NULL,
+     "--output-prefix {d}/a_file/sub/o: {d}/a_file is a file, not a directory; give a prefix in a directory"),
+    (PD, "--input {d}/ok.jsonl --output-prefix /proc/megalite-test/o " + NULL,
+     "--output-prefix /proc/megalite-test/o: cannot write in /proc/megalite-test ("),
+    (PD, "--input {d}/missing.jsonl --output-prefix {d}/o " + NULL, "--input {d}/missing.jsonl: file not found"),
     (PP, "--timeline {d}/missing.json --out {d}/t.png", "cannot read --timeline {d}/missing"),
     (PP, "--timeline {d}/not_json.json --out {d}/t.png", "is not JSON"),
     (PP, "--timeline {d}/not_timeline.json --out {d}/t.png", "is not a TIMELINE (no schedule"),
@@ -195,3 +210,113 @@ _BAD_INPUTS = [
 def test_bad_tool_input_is_one_line_and_exit_2(bad_inputs, tool, args, expected):
     out = _run(tool, *args.format(d=bad_inputs).split())
     _assert_one_line_error(out, Path(tool).name, expected.format(d=bad_inputs))
+
+
+def test_train_tokenizer_says_how_many_invalid_lines_it_skipped(tmp_path):
+    lines = [json.dumps({"text": f"the quick brown fox {i}"}) for i in range(9)] + [json.dumps({"body": "x"})]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n\n")  # a blank line is not counted
+    out = _run(TT, "--input", str(tmp_path / "c.jsonl"), "--vocab-size", "300", "--output-dir", str(tmp_path / "o"))
+    assert out.returncode == 0 and (tmp_path / "o" / "vocab.json").is_file(), out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"train_tokenizer.py: warning: skipped 1 of 10 .jsonl lines: not a JSON object with a string under "
+        f"--json-key 'text' (first: {tmp_path}/c.jsonl:10: no key 'text' (keys: body))"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_preprocess_into_a_read_only_directory_is_one_line(bad_inputs, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    out = _run(PD, "--input", str(bad_inputs / "ok.jsonl"), "--output-prefix", str(ro / "o"), *NULL.split())
+    _assert_one_line_error(out, "preprocess_data.py", f"--output-prefix {ro}/o: cannot write in {ro} (Permission "
+                                                      "denied); give a prefix in a writable directory")
+
+
+# -- in one process: the tools' main(), bad flags refused before any work --------------------------------------
+def _main_error(main, argv, capsys) -> tuple:
+    """(exit code, stderr lines) of a tool's main(), whether it returns or argparse exits."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("tool", ["generate", "evaluate"])
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "'cuda' needs CUDA, which this machine lacks (no GPU visible, or torch built without CUDA); use "
+             "--device cpu"),
+    ("cuda:1", "'cuda:1' needs CUDA, which this machine lacks (no GPU visible, or torch built without CUDA); use "
+               "--device cpu"),
+    ("gpu", "unknown device 'gpu'; give cpu, cuda or cuda:N"),
+])
+def test_device_the_machine_lacks_is_one_line(tool, device, message, tmp_path, capsys):
+    main = importlib.import_module(f"tools.{tool}").main
+    code, err = _main_error(main, ["--load", str(tmp_path), "--device", device], capsys)
+    assert (code, err) == (2, [f"{tool}.py: error: argument --device: {message}"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+    (["--micro-batch-size", "-1"], "--micro-batch-size -1 must be >= 1"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6 is not a multiple of "
+                                                               "--micro-batch-size 4"),
+])
+def test_evaluate_blames_the_batch_flag_not_the_data(flags, message, monkeypatch, capsys):
+    from megalite.config import Config, DataConfig
+    from tools import evaluate
+    stored = Config(data=DataConfig(mock_data=True))  # the run's config, as read_checkpoint returns it
+    monkeypatch.setattr(evaluate, "read_checkpoint", lambda load, step: (stored, 1, {}))
+    code, err = _main_error(evaluate.main, ["--load", "ckpt", "--device", "cpu", *flags], capsys)
+    assert (code, err) == (2, [f"evaluate.py: error: {message}"])
+
+
+def test_plan_names_the_global_batch_when_no_data_parallel_size_divides_it(capsys):
+    from tools import plan
+    argv = ["--num-gpus", "5", "--gpu-memory", "80", "--model-size", "gpt3-125m", "--seq-length", "1024"]
+    code, err = _main_error(plan.main, argv + ["--global-batch-size", "8"], capsys)
+    assert (code, err) == (2, ["tools/plan.py: error: --global-batch-size 8 is not divisible by any data-parallel "
+                               "size (the data-parallel sizes this model allows on 5 GPUs are 5); use e.g. 10"])
+    assert plan.main(argv + ["--global-batch-size", "10"]) == 0  # the suggestion plans
+
+
+_spec = importlib.util.spec_from_file_location("convert_cli", REPO / "tools" / "checkpoint" / "convert.py")
+convert_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(convert_cli)
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """A GPT-2 style HF folder (its weights never read: the flags are refused first), and a truncated copy."""
+    from safetensors.torch import save_file
+    d = tmp_path_factory.mktemp("hf")
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2,
+              "n_positions": 16, "vocab_size": 64, "activation_function": "gelu", "tie_word_embeddings": True}
+    for name in ("ok", "truncated"):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(config))
+        save_file({"wte.weight": torch.zeros(64, 16)}, str(d / name / "model.safetensors"))
+    with open(d / "truncated" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)  # an interrupted download
+    return d
+
+
+@pytest.mark.parametrize("folder, flags, message", [
+    ("truncated", [], "{d}/truncated/model.safetensors is not a complete safetensors file (Error while "
+                      "deserializing header: incomplete metadata, file not fully covered); it may be truncated (an "
+                      "interrupted download or copy): fetch it again"),
+    ("ok", ["--target-tensor-parallel-size", "0"], "--target-tensor-parallel-size must be >= 1, got 0"),
+    ("ok", ["--target-pipeline-parallel-size", "0"], "--target-pipeline-parallel-size must be >= 1, got 0"),
+    ("ok", ["--target-tensor-parallel-size", "-2"], "--target-tensor-parallel-size must be >= 1, got -2"),
+    ("ok", ["--target-virtual-pipeline-model-parallel-size", "0"],
+     "--target-virtual-pipeline-model-parallel-size must be >= 1, got 0"),
+    ("ok", ["--target-decoder-last-pipeline-num-layers", "-1"],
+     "--target-decoder-last-pipeline-num-layers must be >= 0, got -1"),
+])
+def test_convert_refuses_bad_files_and_sizes_in_one_line(hf_folders, folder, flags, message, tmp_path, capsys):
+    # convert.py's exit status for bad input is 1 (tests/unit/test_convert.py)
+    code, err = _main_error(convert_cli.main, ["--model-type", "GPT", "--loader", "hf", "--saver", "megalite",
+                                               "--load-dir", str(hf_folders / folder),
+                                               "--save-dir", str(tmp_path / "out"), *flags], capsys)
+    assert (code, err) == (1, [f"convert.py: error: {message.format(d=hf_folders)}"])
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp-convert").exists()

@@ -121,3 +121,12 @@ def test_validation_follows_megatrons_plan():
     # evaluations at 3, 6, 9 and at the end (10): each starts after the ones before
     assert [valid_samples_before(i, t) for i in (3, 6, 9, 10)] == [0, 8, 16, 24]
     assert validation_plan(TrainConfig(eval_iters=0)) == (TrainConfig().train_iters * 16, 0, 0)
+
+
+def test_mock_data_vocabulary_is_the_tokenizers_when_one_is_given():
+    """--mock-data --vocab-size N: N ids; with --tokenizer-type NullTokenizer, Megatron's N + 1 (eod = N)."""
+    from megalite.arguments import parse_args
+    from megalite.data.loading import resolve_data
+    assert resolve_data(parse_args(["--mock-data", "--vocab-size", "100"])).model.vocab_size == 100
+    cfg = resolve_data(parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]))
+    assert cfg.model.vocab_size == 101

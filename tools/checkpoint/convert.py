@@ -1,4 +1,4 @@
-"""Convert GPT checkpoints between megalite, Megatron-LM (legacy torch format) and Hugging Face.
+"""Convert GPT checkpoints between megalite, Megatron-LM (legacy torch and torch_dist formats) and Hugging Face.
 
 Megatron-LM's interface::
 
@@ -26,9 +26,12 @@ from typing import Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megalite.checkpointing.hf import GPT2, TOKENIZER_FILES, HFSource, architecture_for, save_hf  # noqa: E402
+from megalite.checkpointing.hf import (TOKENIZER_FILES, HFSource, architecture_for, save_hf,  # noqa: E402
+                                       tokenizer_fields)
 from megalite.checkpointing.interchange import Layout, ModelSource, check_fits  # noqa: E402
 from megalite.checkpointing.megatron import MegatronSource, save_megatron  # noqa: E402
+from megalite.checkpointing.torch_dist import TorchDistSource, torch_dist_dir  # noqa: E402
+from megalite.checkpointing.torch_dist_save import save_torch_dist  # noqa: E402
 from megalite.checkpointing.native_io import MegaliteSource, save_sharded, save_torch  # noqa: E402
 from megalite.checkpointing.safe_load import CheckpointError  # noqa: E402
 
@@ -52,8 +55,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-decoder-last-pipeline-num-layers", type=int)
     p.add_argument("--ckpt-format", choices=["sharded", "torch"], default="sharded",
                    help="megalite saver: layout-free sharded (default) or the per-rank torch format")
+    p.add_argument("--target-format", choices=["torch", "torch_dist"], default="torch",
+                   help="megatron saver: Megatron-LM's legacy per-rank torch files (default) or Megatron-Core's "
+                        "torch_dist (layout-free; Megatron-LM's default --ckpt-format)")
     p.add_argument("--true-vocab-size", type=int, help="megatron loader: the unpadded vocabulary size, when the "
                                                        "stored args do not say")
+    g = p.add_argument_group("megatron loader: the run's tokenizer files where they are now (the args store "
+                             "the paths of the machine that saved it)")
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
+    g.add_argument("--tokenizer-model", help="a SentencePiece .model or a Hugging Face tokenizer directory")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="hf loader: vocabulary padding of the megalite/Megatron model (default 128)")
     return p.parse_args(argv)
@@ -64,21 +75,36 @@ def load_source(a: argparse.Namespace) -> ModelSource:
     if a.loader == "megalite":
         return MegaliteSource(a.load_dir)
     if a.loader == "megatron":
-        src = MegatronSource(a.load_dir, a.true_vocab_size)
+        # torch_dist (metadata.json + common.pt) or the legacy torch format (mp_rank_* folders)
+        torch_dist = torch_dist_dir(a.load_dir) is not None
+        files = {"vocab_file": a.vocab_file, "merge_file": a.merge_file, "tokenizer_model": a.tokenizer_model}
+        src = (TorchDistSource if torch_dist else MegatronSource)(a.load_dir, a.true_vocab_size,
+                                                                  tokenizer_files=files)
+        if torch_dist:
+            print("reading a Megatron-Core torch_dist checkpoint: weights only (optimizer state is not converted)",
+                  flush=True)
+        note = getattr(src, "vocab_note", "")
         if src.vocab_guessed:
-            print(f"warning: the Megatron args store no vocab_size: keeping all {src.cfg.vocab_size} (padded) rows; "
-                  f"pass --true-vocab-size to drop the padding", file=sys.stderr)
+            print(f"warning: the Megatron args do not tell the vocabulary ({note}): keeping all "
+                  f"{src.cfg.vocab_size} (padded) rows; pass --true-vocab-size to drop the padding", file=sys.stderr)
+        elif note:
+            print(f"vocabulary: {src.cfg.vocab_size} ids ({note})", flush=True)
         return src
-    src = HFSource(a.load_dir, a.make_vocab_size_divisible_by)
-    if src.arch == GPT2 and src.gelu_approx != "gelu":
-        print(f"warning: this GPT-2 uses activation {src.gelu_approx!r}; megalite computes the exact GELU, so "
-              f"logits will differ slightly from the HF model's", file=sys.stderr)
-    return src
+    return HFSource(a.load_dir, a.make_vocab_size_divisible_by)
 
 
 def target_layout(a: argparse.Namespace, src: ModelSource) -> Layout:
     """The target layout from the flags, defaulting to the source's own (tp = pp = 1 for hf)."""
     base = getattr(src, "layout", Layout())
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "num_layers_per_virtual_pipeline_stage"):  # 0 would silently mean "the source's"
+        v = getattr(a, "target_" + flag)
+        if v is not None and v < 1:
+            raise CheckpointError(f"--target-{flag.replace('_', '-')} must be >= 1, got {v}")
+    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        v = getattr(a, "target_" + flag)
+        if v is not None and v < 0:
+            raise CheckpointError(f"--target-{flag.replace('_', '-')} must be >= 0, got {v}")
     tp = a.target_tensor_parallel_size or base.tp
     pp = a.target_pipeline_parallel_size or base.pp
     explicit = a.target_tensor_parallel_size or a.target_pipeline_parallel_size
@@ -109,8 +135,7 @@ def tokenizer_for_target(a: argparse.Namespace, src: ModelSource, final: str, tm
         os.makedirs(os.path.join(tmp, "tokenizer"))
         for path in src.info.tokenizer_files:
             shutil.copy(path, os.path.join(tmp, "tokenizer", os.path.basename(path)))
-        return {"tokenizer_type": "HuggingFaceTokenizer",
-                "tokenizer_model": os.path.abspath(os.path.join(final, "tokenizer"))}
+        return tokenizer_fields(src.info.tokenizer_files, os.path.abspath(os.path.join(final, "tokenizer")))
     return {k: v for k, v in src.info.tokenizer.items() if v}
 
 
@@ -157,6 +182,9 @@ def prepare_target(save_dir: str) -> str:
 def convert(a: argparse.Namespace) -> None:
     """Check everything, then stream the source into a temporary target and rename it into place."""
     started = time.time()
+    if a.target_format == "torch_dist" and a.saver != "megatron":
+        raise CheckpointError("--target-format torch_dist is a format of --saver megatron (megalite's own are "
+                              "--ckpt-format sharded/torch)")
     src = load_source(a)
     layout = target_layout(a, src) if a.saver != "hf" else Layout()
     if a.saver == "hf":
@@ -181,12 +209,16 @@ def convert(a: argparse.Namespace) -> None:
             os.makedirs(tmp)
             tok = tokenizer_for_target(a, src, a.save_dir, tmp)
             if a.saver == "megatron":
-                save_megatron(src, tmp, layout, tok, progress, getattr(src, "args", None))
+                save = save_torch_dist if a.target_format == "torch_dist" else save_megatron
+                save(src, tmp, layout, tok, progress, getattr(src, "args", None))
             elif a.ckpt_format == "torch":
                 save_torch(src, tmp, layout, tok, progress)
             else:
                 save_sharded(src, tmp, layout, tok, progress)
-            note = f"{tok.get('tokenizer_type')} recorded" if tok else "none recorded"
+            note = f"{tok.get('tokenizer_type')} recorded" if tok else (
+                f"none found in {a.load_dir}, none recorded; tools/generate.py then reads and writes token ids "
+                f"(as --tokenizer-type NullTokenizer --vocab-size {cfg.vocab_size}); for text give it "
+                f"--tokenizer-type with its files (e.g. HuggingFaceTokenizer --tokenizer-model DIR)")
         src.close()
         if os.path.isdir(a.save_dir):
             os.rmdir(a.save_dir)  # empty, checked above

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from typing import Optional, Sequence
 
 import regex
@@ -43,19 +44,56 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def _open_text(path: str, flag: str):
+    """Open a UTF-8 text file, or raise a one-line ValueError naming ``flag`` and the file."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory, not a file")
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+
+
 def read_merges(merge_file: str) -> list[tuple[str, str]]:
-    """Read merges.txt (optional ``#version`` header line, one ``a b`` pair a line)."""
+    """Read merges.txt (optional ``#version`` header line, one ``a b`` pair a line).
+
+    A malformed file raises a one-line ValueError naming ``--merge-file``, the line and the fix.
+    """
     merges = []
-    with open(merge_file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if (lineno == 1 and line.startswith("#version")) or not line:
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"{merge_file}:{lineno}: expected two symbols, got {line!r}")
-            merges.append((parts[0], parts[1]))
+    with _open_text(merge_file, "--merge-file") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError:
+            raise ValueError(f"--merge-file {merge_file} is not UTF-8 text; give GPT-2's "
+                             "merges.txt (one 'a b' pair a line)") from None
+    for lineno, line in enumerate(lines, 1):
+        line = line.rstrip("\r\n")
+        if (lineno == 1 and line.startswith("#version")) or not line:
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise ValueError(f"--merge-file {merge_file} line {lineno}: expected two symbols "
+                             f"separated by one space, got {line[:60]!r}; give GPT-2's merges.txt")
+        merges.append((parts[0], parts[1]))
     return merges
+
+
+def read_vocab(vocab_file: str) -> dict[str, int]:
+    """Read vocab.json (a JSON object token -> id); a bad file is a one-line ValueError naming it."""
+    with _open_text(vocab_file, "--vocab-file") as f:
+        try:
+            encoder = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            # json's own message ("Expecting value: line 1 column 1") names no file
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
+            where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise ValueError(f"--vocab-file {vocab_file} is not JSON ({reason}{where}); give "
+                             "GPT-2's vocab.json (an object mapping each token to its id)") from None
+    if not isinstance(encoder, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()):
+        raise ValueError(f"--vocab-file {vocab_file} is JSON but not a vocabulary; give GPT-2's "
+                         "vocab.json (an object mapping each token to its integer id)")
+    return encoder
 
 
 class GPT2BPETokenizer(Tokenizer):
@@ -67,10 +105,10 @@ class GPT2BPETokenizer(Tokenizer):
     """
 
     def __init__(self, vocab_file: str, merge_file: str):
-        with open(vocab_file, encoding="utf-8") as f:
-            self.encoder: dict[str, int] = json.load(f)
+        self.encoder: dict[str, int] = read_vocab(vocab_file)
         if EOT_TOKEN not in self.encoder:
-            raise ValueError(f"{vocab_file}: vocabulary has no {EOT_TOKEN} token")
+            raise ValueError(f"--vocab-file {vocab_file}: vocabulary has no {EOT_TOKEN} token "
+                             "(GPT2BPETokenizer's end-of-document)")
         self.decoder = {v: k for k, v in self.encoder.items()}
         self.bpe_ranks = {pair: i for i, pair in enumerate(read_merges(merge_file))}
         self.byte_encoder = bytes_to_unicode()

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 from megalite.data.tokenizers.base import Tokenizer
 
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")  # a folder without them has none
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 
 
@@ -25,6 +26,10 @@ class HuggingFaceTokenizer(Tokenizer):
             from tokenizers import Tokenizer as HFTok
             self._tok = HFTok.from_file(json_path)
             vocab = self._tok.get_vocab(with_added_tokens=True)
+        elif os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, n)) for n in _VOCAB_FILES):
+            raise ValueError(f"HuggingFaceTokenizer: {path} holds no tokenizer files ({', '.join(_VOCAB_FILES)}); "
+                             f"give --tokenizer-model a folder with them, or --tokenizer-type NullTokenizer "
+                             f"--vocab-size N for token ids")
         else:
             try:
                 from transformers import AutoTokenizer

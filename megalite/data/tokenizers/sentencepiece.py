@@ -23,8 +23,18 @@ logger = logging.getLogger(__name__)
 def _load(model_file: str):
     import sentencepiece as spm  # optional dependency: only needed for these tokenizers
     if not os.path.isfile(model_file):
+        if os.path.isdir(model_file):
+            raise ValueError(f"--tokenizer-model {model_file} is a directory, not a file")
         raise ValueError(f"--tokenizer-model file not found: {model_file}")
-    return spm.SentencePieceProcessor(model_file=model_file)
+    try:
+        return spm.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError) as e:  # the library's parse error names neither flag nor remedy
+        reason = (str(e).splitlines() or [type(e).__name__])[0].replace(f" from {model_file}", "")
+        reason = reason.removeprefix("INTERNAL: ")
+        raise ValueError(
+            f"--tokenizer-model {model_file} is not a SentencePiece model ({reason}); give the "
+            f".model file written by SentencePiece's trainer (e.g. tools/train_tokenizer.py "
+            f"--type sentencepiece)") from None
 
 
 def _piece_or(sp, piece_id: int, fallback: str) -> str:
