@@ -60,7 +60,7 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
         raise ConfigError(f"--min-lr {o.min_lr:g} is above --lr {o.lr:g}; the schedule decays from --lr to --min-lr")
     if t.skip_train and (t.eval_iters <= 0 or t.eval_interval <= 0):
         raise ConfigError("--skip-train only evaluates, but --eval-iters or --eval-interval is 0; give both > 0")
-    if t.eval_interval == 0 and t.eval_iters > 0:  # Megatron divides by it (ZeroDivisionError): no meaning here
+    if t.eval_interval == 0 and t.eval_iters > 0:  # Megatron's loop skips it, but its split sizing divides by it
         raise ConfigError(f"--eval-interval 0 with --eval-iters {t.eval_iters}: give --eval-interval N > 0 to "
                           "evaluate every N iterations (N >= --train-iters: only at the end), or --eval-iters 0 "
                           "for no evaluation")

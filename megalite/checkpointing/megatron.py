@@ -30,7 +30,6 @@ from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSo
                                                 layer_names, merge_tp, post_names, pre_names, split_tp,
                                                 stream_to_ranks)
 from megalite.checkpointing.torch_format import legacy_dir  # Megatron's mp_rank_TT[_PPP] naming, which ours is
-# load_megatron_file is imported from here by the torch_dist reader too
 from megalite.checkpointing.safe_load import CheckpointError, MegatronValue, load_megatron_file
 from megalite.checkpointing.tokenizer_vocab import megatron_vocab, vocab_size_arg, with_tokenizer_files
 from megalite.config import ModelConfig

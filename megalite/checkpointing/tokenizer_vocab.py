@@ -42,7 +42,8 @@ def with_tokenizer_files(ns: argparse.Namespace, files: Optional[dict]) -> argpa
     A checkpoint copied to another machine names its tokenizer files where they were when it was
     saved; Megatron's own converter takes ``--vocab-file`` for that, and so does ours.
     """
-    given = {k: os.path.abspath(v) for k, v in (files or {}).items() if v}
+    # a path that exists is made absolute (the converted checkpoint records it); a hub name stays as given
+    given = {k: os.path.abspath(v) if os.path.exists(v) else v for k, v in (files or {}).items() if v}
     return argparse.Namespace(**{**vars(ns), **given}) if given else ns
 
 
@@ -65,6 +66,9 @@ def _files_vocab(kind: str, ns: argparse.Namespace) -> Tuple[Optional[int], str]
             from megalite.data.tokenizers.gpt2_bpe import read_vocab
             return len(read_vocab(path)), f"{kind}: {path} holds the ids"
         tok = build_tokenizer(DataConfig(tokenizer_type=mine, tokenizer_model=path))
+        extra = int(getattr(ns, "vocab_extra_ids", 0) or 0) if kind == "SentencePieceTokenizer" else 0
+        if extra:  # Megatron appends <extra_id_0..N-1> to a SentencePieceTokenizer's pieces
+            return tok.vocab_size + extra, f"{kind}: {path} holds the ids, plus --vocab-extra-ids {extra}"
         return tok.vocab_size, f"{kind}: {path} holds the ids"
     except (ImportError, OSError, ValueError, KeyError, RuntimeError) as e:
         return None, f"{kind}'s {flag} {path} cannot be read ({type(e).__name__})"

@@ -99,8 +99,14 @@ class _BytesPlanner(DefaultLoadPlanner):
 
 def _read_object(d: str, key: str):
     planner = _BytesPlanner()
-    with quiet_single_process():
-        dcp.load({key: io.BytesIO()}, storage_reader=SafeFileSystemReader(d), planner=planner, no_dist=True)
+    try:
+        with quiet_single_process():
+            dcp.load({key: io.BytesIO()}, storage_reader=SafeFileSystemReader(d), planner=planner, no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP wraps a damaged file in its own exception types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise CheckpointError(f"reading {key} of {d} failed ({first[:160]}); the checkpoint is damaged") from None
     try:
         obj = torch.load(io.BytesIO(planner.raw[key]), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - the weights-only unpickler's refusal or a damaged item
@@ -171,9 +177,10 @@ def read_distributed_optimizer(src, wanted: Optional[set] = None) -> dict:
     got = src._read(regions)
     key_of = {(b, k.rpartition(".")[2]): k for b in buckets for k in buckets[b]}
     state = {}
+    shapes = dict(_megatron_order(cfg, tuple(md[WORD].size)[0]))
     for n in names:
         b, s, e = layout[n]
-        shape = dict(_megatron_order(cfg, tuple(md[WORD].size)[0]))[n]
+        shape = shapes[n]
         entry = {}
         for k in STATE_KEYS:
             t = got[key_of[(b, k)]][s - spans[b][0]:e - spans[b][0]].float().view(shape)
@@ -183,13 +190,32 @@ def read_distributed_optimizer(src, wanted: Optional[set] = None) -> dict:
                 t = qkv_from_megatron(cfg, t)
             entry[k] = t
         state[n] = entry
+    _check_against_weights(src, state)
     groups = _read_object(src.dir, _PARAM_GROUPS) if _PARAM_GROUPS in _bytes_keys(md) else {}
+    if not isinstance(groups, dict):
+        raise Unmappable(f"its {_PARAM_GROUPS} is a {type(groups).__name__}, not the optimizer's settings")
     steps = {g.get("step") for g in (groups.get("param_groups") or []) if isinstance(g, dict)} - {None}
     if len(steps) != 1:
         raise Unmappable("its param_groups do not record one Adam step count")
     step = next(iter(steps))
     scaler = _read_object(src.dir, _SCALER) if _SCALER in _bytes_keys(md) else None
     return {"state": state, "step": float(step.item() if torch.is_tensor(step) else step), "scaler": scaler}
+
+
+def _check_against_weights(src, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    """Refuse the rebuilt layout unless every parameter's fp32 main copy is the weight saved beside it.
+
+    The bucket boundaries alone cannot tell two same-sized parameters apart (a norm's weight and bias,
+    or another megatron-core version's build order); the model's own weights can.
+    """
+    layers = sorted({int(n.split(".")[2]) for n in state if n.startswith("decoder.layers.")})
+    weights = {**src.pre(), **src.post(),
+               **{f"decoder.layers.{i}.{n}": t for i in layers for n, t in src.layer(i).items()}}
+    for name, entry in state.items():
+        w = weights.get(name)
+        if w is None or not torch.equal(entry["param"].to(w.dtype), w):
+            raise Unmappable(f"the optimizer's fp32 copy of {name} is not the weight saved beside it, so its "
+                             f"bucket layout is not the one megalite rebuilds")
 
 
 def _bytes_keys(md) -> set:

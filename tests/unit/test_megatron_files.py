@@ -233,3 +233,22 @@ def test_moved_checkpoint_without_its_tokenizer_files_keeps_every_row_and_says_s
     assert given.returncode == 0, given.stderr
     cfg = read_checkpoint(str(tmp_path / "b"))[0]
     assert cfg.model.vocab_size == 272 and cfg.data.vocab_file == str(TOKENIZER / "vocab.json")
+
+
+def test_a_wrongly_rebuilt_bucket_layout_is_refused_not_loaded(monkeypatch):
+    """Two same-sized parameters in the wrong order pass the bucket-size check; the fp32 copies then differ
+    from the weights saved beside them, and the optimizer state is refused (weights still load)."""
+    from megalite.checkpointing import torch_dist_optim as tdo
+    from megalite.checkpointing.torch_dist import TorchDistSource
+    real = tdo._megatron_order
+
+    def swapped(cfg, rows):
+        order = real(cfg, rows)
+        i = next(k for k, (n, _) in enumerate(order) if n.endswith("input_layernorm.weight"))
+        j = next(k for k, (n, _) in enumerate(order) if n.endswith("pre_mlp_layernorm.weight"))
+        order[i], order[j] = order[j], order[i]
+        return order
+
+    monkeypatch.setattr(tdo, "_megatron_order", swapped)
+    with pytest.raises(tdo.Unmappable, match="is not the weight saved beside it"):
+        tdo.read_distributed_optimizer(TorchDistSource(str(FIXTURES / "llama_torch_dist" / "ckpt")))

@@ -131,3 +131,16 @@ def test_train_tokenizer_tool_bpe(tmp_path, data_texts):
     assert out.returncode == 0, out.stderr
     tok = _gpt2((str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt")))
     assert tok.vocab_size == 400 and tok.detokenize(tok.tokenize(data_texts[0])) == data_texts[0]
+
+
+def test_megatron_sentencepiece_vocabulary_counts_its_extra_ids(sp_model):
+    """A Megatron run's SentencePieceTokenizer holds the model's pieces, the added <CLS> <SEP> <EOD> <MASK>,
+    and --vocab-extra-ids <extra_id_N> tokens: a converter keeps all of those rows."""
+    import argparse
+    from megalite.checkpointing.tokenizer_vocab import megatron_vocab
+    plain = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model)).vocab_size
+    ns = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model, vocab_size=None)
+    assert megatron_vocab(ns, 1024)[0] == plain
+    ns.vocab_extra_ids = 7
+    vocab, why = megatron_vocab(ns, 1024)
+    assert vocab == plain + 7 and "--vocab-extra-ids 7" in why
