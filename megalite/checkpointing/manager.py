@@ -24,7 +24,7 @@ from megalite.checkpointing.protocol import LATEST, begin_save, iteration_dir, p
 from megalite.checkpointing.run_state import RandomStates, check_model_shape, layout_of, run_meta
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.checkpointing.sharded import read_sharded, write_sharded
-from megalite.checkpointing.torch_dist import load_torch_dist_weights, torch_dist_dir
+from megalite.checkpointing.torch_dist import load_torch_dist_weights, open_for_run, torch_dist_dir
 from megalite.checkpointing.torch_dist_optim import load_torch_dist_optimizer
 from megalite.checkpointing.torch_format import read_torch, write_torch
 from megalite.config import Config
@@ -134,9 +134,10 @@ def _load_torch_dist(d: str, cfg: Config, ps: ParallelState, model_parts: Sequen
     optimizer.finish_param_gather()
     error, counters, skipped = None, {}, "--no-load-optim" if not finetune else "--finetune"
     try:
-        counters = load_torch_dist_weights(d, cfg.model, model_parts, optimizer)
+        src = open_for_run(d, cfg.model)  # common.pt and the index read once for weights and optimizer
+        counters = load_torch_dist_weights(src, cfg.model, model_parts, optimizer)
         if load_optim:  # the same answer on every rank: the layout is the file's, not the rank's
-            skipped = load_torch_dist_optimizer(d, cfg.model, model_parts, optimizer)
+            skipped = load_torch_dist_optimizer(src, model_parts, optimizer)
     except CheckpointError as e:
         error = e
     failed = flag_on_any_rank(error is not None, ps)  # no rank goes on to train while another failed

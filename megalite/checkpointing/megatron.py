@@ -31,7 +31,8 @@ from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSo
                                                 stream_to_ranks)
 from megalite.checkpointing.torch_format import legacy_dir  # Megatron's mp_rank_TT[_PPP] naming, which ours is
 from megalite.checkpointing.safe_load import CheckpointError, MegatronValue, load_megatron_file
-from megalite.checkpointing.tokenizer_vocab import megatron_vocab, vocab_size_arg, with_tokenizer_files
+from megalite.checkpointing.tokenizer_vocab import (check_vocab_fits, megatron_vocab, vocab_size_arg,
+                                                    with_tokenizer_files)
 from megalite.config import ModelConfig
 
 _TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -162,7 +163,9 @@ def qkv_from_megatron(cfg: ModelConfig, full: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)], dim=0)
 
 
-def _megatron_name(rel: str, te: bool) -> str:
+def megatron_name(rel: str, te: bool) -> str:
+    """Megatron-Core's name of a layer-relative parameter; with ``te`` the norms fused into the next
+    linear layer (Transformer Engine's and torch_dist's names)."""
     if te:
         for local, fused in _TE_NORMS.items():
             if rel.startswith(local):
@@ -231,9 +234,7 @@ class MegatronSource(ModelSource):
         table = model.get(WORD)
         rows = table.shape[0] * ns.tensor_model_parallel_size if table is not None else _arg(ns, "padded_vocab_size")
         vocab, self.vocab_note = megatron_vocab(ns, rows, true_vocab)
-        if vocab and rows and vocab > rows:
-            raise CheckpointError(f"{first}: the vocabulary ({self.vocab_note}) has {vocab} ids but the embedding "
-                                  f"table holds {rows} rows; pass --true-vocab-size")
+        check_vocab_fits(vocab, rows, self.vocab_note, first)
         self.vocab_guessed = not vocab  # nothing says which rows are padding: all are kept
         self.cfg, self.layout = config_from_args(ns, vocab or rows, first)
         self.te = any(k.endswith("layer_norm_weight") for k in model)
@@ -281,7 +282,7 @@ class MegatronSource(ModelSource):
     def layer(self, i: int) -> Dict[str, torch.Tensor]:
         r, c, j = self.where[i]
         rel = layer_names(self.cfg)
-        out = self._read(r, c, {n: f"decoder.layers.{j}." + _megatron_name(n, self.te) for n in rel})
+        out = self._read(r, c, {n: f"decoder.layers.{j}." + megatron_name(n, self.te) for n in rel})
         check_tensors(self.cfg, out, rel, f"{self.dir} layer {i}")
         return out
 
@@ -295,7 +296,7 @@ class MegatronSource(ModelSource):
 
 
 # -- writing ----------------------------------------------------------------------------------------
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def save_megatron(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
@@ -314,7 +315,7 @@ def save_megatron(source: ModelSource, out: str, layout: Layout, tokenizer: Dict
             name = "output_layer.weight" if name == TIED_COPY else name
             for r, s in enumerate(_split(cfg, ours, t, tp)):
                 parts[r][name] = s
-        extra = [f"decoder.layers.{j}.{m}._extra_state" for m in _LINEARS] if j is not None else []
+        extra = [f"decoder.layers.{j}.{m}._extra_state" for m in LINEARS] if j is not None else []
         if any(n.startswith("decoder.final_layernorm") for n in tensors):  # the last stage, tied or not
             extra.append("output_layer._extra_state")
         for p in parts:

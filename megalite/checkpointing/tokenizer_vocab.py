@@ -47,6 +47,14 @@ def with_tokenizer_files(ns: argparse.Namespace, files: Optional[dict]) -> argpa
     return argparse.Namespace(**{**vars(ns), **given}) if given else ns
 
 
+def check_vocab_fits(vocab: Optional[int], rows: Optional[int], note: str, where: str) -> None:
+    """One line when the vocabulary found (``note`` says how) has more ids than the stored table has rows."""
+    if vocab and rows and vocab > rows:
+        from megalite.checkpointing.safe_load import CheckpointError
+        raise CheckpointError(f"{where}: the vocabulary ({note}) has {vocab} ids but the embedding table holds "
+                              f"{rows} rows; pass --true-vocab-size")
+
+
 def vocab_size_arg(tokenizer_type: Optional[str], vocab: int) -> int:
     """``args.vocab_size`` that makes Megatron's tokenizer of this type hold ``vocab`` ids (eod included)."""
     return vocab - 1 if tokenizer_type in NULL_TYPES else vocab

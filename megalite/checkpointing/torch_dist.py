@@ -46,12 +46,12 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megalite.checkpointing.interchange import (OUTPUT, WORD, ModelSource, SourceInfo, check_tensors, full_shape,
                                                 layer_names, post_names, pre_names)
 from megalite.checkpointing.layout import chunk_blocks
-from megalite.checkpointing.megatron import (LATEST, TOKENIZER_FIELDS, _megatron_name, config_from_args,
+from megalite.checkpointing.megatron import (LATEST, TOKENIZER_FIELDS, megatron_name, config_from_args,
                                              qkv_from_megatron)
 from megalite.checkpointing.run_state import SHAPE_FIELDS, check_model_shape
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, load_megatron_file
 from megalite.checkpointing.sharded import quiet_single_process
-from megalite.checkpointing.tokenizer_vocab import megatron_vocab, with_tokenizer_files
+from megalite.checkpointing.tokenizer_vocab import check_vocab_fits, megatron_vocab, with_tokenizer_files
 from megalite.config import ModelConfig
 
 CONFIG = "metadata.json"
@@ -130,9 +130,7 @@ class TorchDistSource(ModelSource):
         table = self.md.state_dict_metadata.get(WORD)
         rows = table.size[0] if isinstance(table, TensorStorageMetadata) else None
         vocab, self.vocab_note = megatron_vocab(ns, rows, true_vocab)
-        if vocab and rows and vocab > rows:
-            raise CheckpointError(f"{d}: the vocabulary ({self.vocab_note}) has {vocab} ids but the embedding "
-                                  f"table holds {rows} rows; pass --true-vocab-size")
+        check_vocab_fits(vocab, rows, self.vocab_note, d)
         self.vocab_guessed = not vocab
         self.cfg, self.layout = config_from_args(ns, vocab or rows, d)
         it = common.get("iteration", 0)
@@ -146,10 +144,10 @@ class TorchDistSource(ModelSource):
 
     def _key(self, rel: str) -> str:
         """The stacked key of a layer tensor: transformer_engine's fused-norm name, else the local one."""
-        for cand in (STACKED + _megatron_name(rel, True), STACKED + rel):
+        for cand in (STACKED + megatron_name(rel, True), STACKED + rel):
             if cand in self.md.state_dict_metadata:
                 return cand
-        raise CheckpointError(f"{self.dir} has no tensor {STACKED + _megatron_name(rel, True)!r}: it does not hold "
+        raise CheckpointError(f"{self.dir} has no tensor {STACKED + megatron_name(rel, True)!r}: it does not hold "
                               f"the model its args describe")
 
     def _check(self, key: str, what: str, want: Tuple[int, ...]) -> None:
@@ -161,7 +159,7 @@ class TorchDistSource(ModelSource):
         if got != want and not vocab_ok:
             raise CheckpointError(f"{self.dir}: {key} has shape {got}, its args imply {want} ({what})")
 
-    def _read(self, regions: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Dict[str, torch.Tensor]:
+    def read_regions(self, regions: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Dict[str, torch.Tensor]:
         """key -> the block (offsets, sizes) of its global tensor, read without a process group."""
         state = {k: torch.empty(sizes, dtype=self.md.state_dict_metadata[k].properties.dtype)
                  for k, (_, sizes) in regions.items()}
@@ -184,7 +182,7 @@ class TorchDistSource(ModelSource):
             if n in (WORD, OUTPUT):
                 shape = (self.cfg.vocab_size,) + shape[1:]  # the vocabulary rows, not the padding
             regions[n] = ((0,) * len(shape), shape)
-        return self._read(regions)
+        return self.read_regions(regions)
 
     def pre(self) -> Dict[str, torch.Tensor]:
         out = self._whole(pre_names(self.cfg))
@@ -196,7 +194,7 @@ class TorchDistSource(ModelSource):
         for n, key in self.keys.items():
             rest = tuple(self.md.state_dict_metadata[key].size)[1:]
             regions[key] = ((i,) + (0,) * len(rest), (1,) + rest)
-        got = self._read(regions)
+        got = self.read_regions(regions)
         out = {}
         for n, key in self.keys.items():
             t = got[key][0]
@@ -211,16 +209,22 @@ class TorchDistSource(ModelSource):
 
 
 # -- pretrain_gpt.py --load: a rank's weights straight from the directory ---------------------------------
-def load_torch_dist_weights(d: str, model: ModelConfig, chunks: Sequence[nn.Module], optimizer) -> Dict[str, int]:
-    """Copy the weights this rank holds (any tp/pp/vp) from torch_dist directory ``d`` into ``chunks``.
+def open_for_run(d: str, model: ModelConfig) -> "TorchDistSource":
+    """torch_dist directory ``d`` read for a run of ``model``: when the args do not say which rows are
+    vocabulary, this run's tokenizer does."""
+    src = TorchDistSource(d)
+    return TorchDistSource(d, true_vocab=model.vocab_size) if src.vocab_guessed else src
+
+
+def load_torch_dist_weights(src: "TorchDistSource", model: ModelConfig, chunks: Sequence[nn.Module],
+                            optimizer) -> Dict[str, int]:
+    """Copy the weights this rank holds (any tp/pp/vp) from ``src`` (:func:`open_for_run`) into ``chunks``.
 
     The fp32 main weights follow the loaded ones (torch_dist_optim.py then restores the
     distributed optimizer's state where it can). Returns the counters common.pt records
     (iteration, consumed samples). Reads only this rank's layers; no collective.
     """
-    src = TorchDistSource(d)
-    if src.vocab_guessed:  # the args do not say which rows are vocabulary: this run's tokenizer does
-        src = TorchDistSource(d, true_vocab=model.vocab_size)
+    d = src.dir
     check_model_shape({f: getattr(src.cfg, f) for f in SHAPE_FIELDS}, model, d)
     needs = chunk_blocks(chunks, for_write=False)
     wanted = {b.name for blocks in needs.values() for b in blocks}

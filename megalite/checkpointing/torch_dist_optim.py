@@ -174,7 +174,7 @@ def read_distributed_optimizer(src, wanted: Optional[set] = None) -> dict:
             for k in buckets[b]:
                 if k.rpartition(".")[2] in STATE_KEYS:
                     regions[k] = ((spans[b][0],), (spans[b][1] - spans[b][0],))
-    got = src._read(regions)
+    got = src.read_regions(regions)
     key_of = {(b, k.rpartition(".")[2]): k for b in buckets for k in buckets[b]}
     state = {}
     shapes = dict(_megatron_order(cfg, tuple(md[WORD].size)[0]))
@@ -247,13 +247,10 @@ def scaler_state(saved) -> Optional[dict]:
             "growth_tracker": int(saved["growth_tracker"]), "hysteresis_tracker": int(saved["hysteresis_tracker"])}
 
 
-def load_torch_dist_optimizer(d: str, model_cfg, chunks: Sequence[nn.Module], optimizer) -> Optional[str]:
-    """Load torch_dist directory ``d``'s distributed-optimizer state into ``optimizer`` (this rank's
-    parameters, any layout): fp32 main weights, Adam moments and step, the fp16 loss scaler as far as
+def load_torch_dist_optimizer(src: TorchDistSource, chunks: Sequence[nn.Module], optimizer) -> Optional[str]:
+    """Load the distributed-optimizer state of ``src`` (:func:`torch_dist.open_for_run`) into ``optimizer``
+    (this rank's parameters, any layout): fp32 main weights, Adam moments and step, the fp16 loss scaler as far as
     recorded. Returns None when loaded, else why not (the weights stay as loaded). No collective."""
-    src = TorchDistSource(d)
-    if src.vocab_guessed:
-        src = TorchDistSource(d, true_vocab=model_cfg.vocab_size)
     wanted = {b.name for blocks in chunk_blocks(chunks, for_write=False).values() for b in blocks}
     try:
         full = read_distributed_optimizer(src, wanted)

@@ -24,12 +24,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from megalite.checkpointing.interchange import OUTPUT, WORD, Layout, ModelSource, layer_names
-from megalite.checkpointing.megatron import LATEST, _megatron_name, args_for, qkv_to_megatron
+from megalite.checkpointing.megatron import LATEST, LINEARS, args_for, megatron_name, qkv_to_megatron
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader
 from megalite.checkpointing.sharded import quiet_single_process
 from megalite.checkpointing.torch_dist import COMMON, CONFIG, STACKED
 
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 # (tensor, global shape, offsets of the block) or the plain object a ShardedObject holds
 Entry = Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]
 
@@ -97,9 +96,9 @@ def _layer_entries(source: ModelSource, i: int, te_names: bool) -> Tuple[Dict[st
         t = full[rel]
         if ".linear_qkv." in "." + rel:
             t = qkv_to_megatron(cfg, t)
-        key = STACKED + _megatron_name(rel, te_names)
+        key = STACKED + megatron_name(rel, te_names)
         tensors[key] = (t.unsqueeze(0), (n,) + tuple(t.shape), (i,) + (0,) * t.dim())
-    objects = {f"{STACKED}{m}._extra_state/shard_{i}_{n}": [None] for m in _LINEARS}
+    objects = {f"{STACKED}{m}._extra_state/shard_{i}_{n}": [None] for m in LINEARS}
     return tensors, objects
 
 
