@@ -21,12 +21,12 @@ FOREVER = RUN + ["--train-iters", "1000000", "--log-interval", "20"]
 class Job:
     """A torchrun job of ``nproc`` ranks (pp=2) whose output goes to files, started in the background."""
 
-    def __init__(self, tmp, name, nproc, extra=()):
+    def __init__(self, tmp, name, nproc, extra=(), launcher=()):
         self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                 "pretrain_gpt.py", "--pipeline-model-parallel-size", "2"] + FOREVER + list(extra),
+                 *launcher, "pretrain_gpt.py", "--pipeline-model-parallel-size", "2"] + FOREVER + list(extra),
                 cwd=REPO, stdout=out, stderr=err, start_new_session=True)
 
     def wait_training(self, timeout=240):
@@ -72,8 +72,10 @@ def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path):
     os.kill(stopped.workers()[-1], signal.SIGSTOP)
     t_stop = time.time()
 
-    # A killed rank out of 4 ends the job within seconds.
-    killed = Job(tmp_path, "killed", 4)
+    # A killed rank out of 4 ends the job within seconds, and the ranks say why. torchrun polls its
+    # workers every 0.1 s by default and may SIGTERM the survivors before they see the dead peer (then
+    # its own report names the killed rank); polling every 5 s lets the ranks' own detection be tried.
+    killed = Job(tmp_path, "killed", 4, launcher=["--monitor-interval", "5"])
     killed.wait_training()
     os.kill(killed.workers()[1], signal.SIGKILL)
     assert killed.wait(timeout=30) < 30
