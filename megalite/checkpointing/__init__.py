@@ -14,7 +14,7 @@
 The rooms: ``manager.py`` (Checkpointer, save_checkpoint, load_checkpoint: the run's
 explicit state objects in, files out), ``protocol.py`` (the atomic tmp -> rename ->
 latest protocol, retention), ``run_state.py`` (meta.json, model-shape check, random
-states), ``sharded.py`` and ``torch_format.py`` (the two formats), ``layout.py``
+states), ``sharded.py`` (with its writer ``sharded_write.py`` and reader ``sharded_read.py``) and ``torch_format.py`` (the two formats), ``layout.py``
 (parameter blocks), ``safe_load.py`` (plain-data reads). Conversion to and from
 Hugging Face and Megatron-LM lives in ``interchange.py``, ``hf.py``, ``megatron.py``
 and ``native_io.py``. This module only re-exports the public names.

@@ -23,7 +23,8 @@ from megalite.checkpointing.protocol import LATEST, begin_save, iteration_dir, p
     saved_iterations, write_json
 from megalite.checkpointing.run_state import RandomStates, check_model_shape, layout_of, run_meta
 from megalite.checkpointing.safe_load import CheckpointError
-from megalite.checkpointing.sharded import read_sharded, write_sharded
+from megalite.checkpointing.sharded_read import read_sharded
+from megalite.checkpointing.sharded_write import write_sharded
 from megalite.checkpointing.torch_dist import load_torch_dist_weights, open_for_run, torch_dist_dir
 from megalite.checkpointing.torch_dist_optim import load_torch_dist_optimizer
 from megalite.checkpointing.torch_format import read_torch, write_torch
