@@ -8,10 +8,16 @@ default corpus's 4k byte-level BPE. Each preprocessing run happens in a fresh
 subprocess so its peak RSS (parent and worker processes) can be read.
 
   python benchmarks/bench_data.py                 # full run (50 MB, 10 vs 100 MB, 1M/10M docs)
+  python benchmarks/bench_data.py --only indices  # index build (1M, 10M, 10M x 3 epochs documents)
+                                                  # vs megatron-core's builder, when installed
   python benchmarks/bench_data.py --quick         # 1/25 of the sizes, for a smoke test
-  python benchmarks/bench_data.py --only indices  # one section
   python benchmarks/bench_data.py --only megatron --megatron-lm ~/Megatron-LM --megatron-mb 5
                                                   # vs Megatron-LM's own tool, same corpus
+
+The index build section times megalite's document, sample and shuffle index build
+against megatron-core's (``pip install megatron-core``: the PyPI wheel ships the compiled
+``megatron.core.datasets.helpers_cpp``, nothing to compile) on the same synthetic documents,
+and checks that the arrays are byte-identical.
 
 The Megatron comparison runs Megatron-LM's tools/preprocess_data.py from a checkout
 (core_v0.16.x) with its own GPT-2 BPE (--legacy-tokenizer: the default GPT2BPETokenizer
@@ -24,21 +30,20 @@ below (nothing in preprocessing uses it).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from common import REPO  # first: puts the repository on sys.path
-import numpy as np
 
 from megalite.data.blended_dataset import build_blending_indices
 from megalite.data.default_corpus import prepare_default_corpus
-from megalite.data.gpt_dataset import (build_document_index, build_sample_index,
-                                       build_shuffle_index)
 
 
 def source_files():
@@ -192,23 +197,141 @@ def bench_vs_megatron(tmp: Path, tok: dict, megatron_lm: Path, megabytes: float,
               flush=True)
 
 
-def bench_indices(doc_counts: list[int], seq_length: int = 2048) -> None:
-    print(f"\n## Index build (one epoch, seq_length {seq_length}, doc sizes ~ lognormal, "
-          "mean ~600 tokens)")
-    print("| documents | samples | document_index s | sample_index s | shuffle_index s | total s |")
-    print("|---|---|---|---|---|---|")
-    for n in doc_counts:
-        sizes = np.random.default_rng(0).lognormal(6.0, 1.0, n).astype(np.int32) + 1
-        rng = np.random.RandomState(1234)
-        t0 = time.perf_counter()
-        doc_index = build_document_index(np.arange(n, dtype=np.int32), 1, rng, False)
-        t1 = time.perf_counter()
-        sample_index = build_sample_index(sizes, doc_index, seq_length)
-        t2 = time.perf_counter()
-        build_shuffle_index(len(sample_index) - 1, len(sample_index) - 1, rng)
-        t3 = time.perf_counter()
-        print(f"| {n:,} | {len(sample_index) - 1:,} | {t1 - t0:.2f} | {t2 - t1:.2f} | "
-              f"{t3 - t2:.2f} | {t3 - t0:.2f} |", flush=True)
+_INDEX_CHILD = """
+import gc, hashlib, json, sys, time
+sys.path.insert(0, {repo!r})
+import numpy as np
+from megalite.data.gpt_dataset import (build_shuffle_index, num_epochs_needed,
+                                       num_samples_built, sample_index_dtype,
+                                       sample_index_from_sizes, separate_final_epoch,
+                                       shuffled_documents)
+n, seq, epochs, builder, repeats = {n}, {seq}, {epochs}, {builder!r}, {repeats}
+sizes = np.random.default_rng(0).lognormal(6.0, 1.0, n).astype(np.int32) + 1
+documents = np.arange(n, dtype=np.int32)
+tokens = int(sizes.sum(dtype=np.int64))
+per_epoch = num_samples_built(tokens, seq, 1)
+# several epochs: the last one only 10% used, so shuffled on its own (Megatron's rule)
+num_samples = per_epoch if epochs == 1 else num_samples_built(tokens, seq, epochs - 1) + per_epoch // 10
+num_epochs = num_epochs_needed(tokens, seq, num_samples)
+separate = separate_final_epoch(tokens, seq, num_samples, num_epochs)
+total = num_samples_built(tokens, seq, num_epochs)
+first = num_samples_built(tokens, seq, num_epochs - 1) if separate else total
+if builder == "megatron-core":  # as its GPTDataset builds them
+    from megatron.core.datasets import helpers
+    from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
+
+    def build(rng, lap):
+        doc_index = _build_document_index(documents, num_epochs, rng, separate)
+        lap()
+        sample_index = helpers.build_sample_idx(sizes, doc_index, seq, num_epochs, tokens,
+                                                True, True)
+        lap()
+        shuffle_index = _build_shuffle_index(first, total, rng)
+        lap()
+        return doc_index, sample_index, shuffle_index
+else:  # as GPTDataset builds them
+    def build(rng, lap):
+        pairs = shuffled_documents(documents, sizes, num_epochs, rng, separate)
+        lap()
+        dtype = sample_index_dtype(int(sizes.max()), len(pairs))
+        sample_index = sample_index_from_sizes(pairs[:, 1], seq, dtype)
+        doc_index = pairs[:, 0].copy()  # (counted with the sample index)
+        del pairs
+        lap()
+        shuffle_index = build_shuffle_index(first, total, rng)
+        lap()
+        return doc_index, sample_index, shuffle_index
+
+
+def rss_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+gc.collect()
+try:  # reset the peak RSS (Linux >= 4.0), so the data generation above does not count
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+base = rss_kb("VmRSS:")
+best, digest = None, None
+for _ in range(repeats):
+    times, clock, wall = [], [time.process_time()], time.perf_counter()
+
+    def lap():
+        times.append(time.process_time() - clock[0])
+        clock[0] = time.process_time()
+    arrays = build(np.random.RandomState(1234), lap)
+    times.append(time.perf_counter() - wall)
+    best = times if best is None else [min(x, y) for x, y in zip(best, times)]
+    digest = [hashlib.md5(str((a.dtype.str, a.shape)).encode() + a.tobytes()).hexdigest()
+              for a in arrays]
+    del arrays
+    gc.collect()
+print(json.dumps(dict(seconds=best, peak_mb=(rss_kb("VmHWM:") - base) / 1024, md5=digest,
+                      samples=total, epochs=num_epochs, separate=separate)))
+"""
+
+
+def _index_child(builder: str, n: int, seq: int, epochs: int, repeats: int) -> dict:
+    code = _INDEX_CHILD.format(repo=str(REPO), n=n, seq=seq, epochs=epochs, builder=builder,
+                               repeats=repeats)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"{builder} index build failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _have_megatron_core() -> bool:
+    try:
+        with warnings.catch_warnings():  # megatron.core's import warns about optional kernels
+            warnings.simplefilter("ignore")
+            importlib.import_module("megatron.core.datasets.helpers")  # its compiled helpers_cpp
+    except Exception:  # noqa: BLE001 - absent, or present without its compiled helpers
+        return False
+    return True
+
+
+def bench_indices(cases: list[tuple[int, int]], seq_length: int = 2048, repeats: int = 3) -> None:
+    """Document, sample and shuffle index build, megalite vs megatron-core, on the same data.
+
+    megatron-core's side is what its GPTDataset runs: _build_document_index (numpy),
+    helpers.build_sample_idx (its compiled C++, shipped in the PyPI wheel) and
+    _build_shuffle_index (numpy). Each builder runs in its own process (best of
+    ``repeats``; peak RSS over the process's own baseline); the arrays' md5 must agree.
+    """
+    mcore = _have_megatron_core()
+    print(f"\n## Index build vs megatron-core (seq_length {seq_length}, doc sizes ~ lognormal, "
+          f"mean ~660 tokens; CPU seconds of the builder's process (one thread), best of "
+          f"{repeats}, and the total's wall clock; load average {os.getloadavg()[0]:.1f} at start)")
+    if not mcore:
+        print("(megatron-core with its compiled helpers is not installed: megalite only)")
+    print("| documents | epochs | samples | index | megalite s | megatron-core s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    names = ("document_index", "sample_index", "shuffle_index")
+    for n, epochs in cases:
+        ours = _index_child("megalite", n, seq_length, epochs, repeats)
+        theirs = _index_child("megatron-core", n, seq_length, epochs, repeats) if mcore else None
+        label = f"{ours['epochs']}" + (" (last separate)" if ours["separate"] else "")
+        rows = list(zip(names, ours["seconds"], theirs["seconds"] if theirs else [None] * 4))
+        rows.append(("total", sum(ours["seconds"][:3]),
+                     sum(theirs["seconds"][:3]) if theirs else None))
+        rows.append(("total, wall clock", ours["seconds"][3],
+                     theirs["seconds"][3] if theirs else None))
+        rows.append(("peak RSS MB", ours["peak_mb"], theirs["peak_mb"] if theirs else None))
+        for name, a, b in rows:
+            fmt = "{:.0f}" if name.startswith("peak") else "{:.2f}"
+            other = fmt.format(b) if b is not None else "-"
+            ratio = f"{b / a:.2f}x" if b is not None and a > 0 else "-"
+            if name.startswith("peak"):
+                ratio = f"{a / b:.2f} of it" if b else "-"
+            print(f"| {n:,} | {label} | {ours['samples']:,} | {name} | {fmt.format(a)} | {other} "
+                  f"| {ratio} |", flush=True)
+        if theirs is not None:
+            same = ours["md5"] == theirs["md5"]
+            print(f"| {n:,} | {label} | | arrays byte-identical | {'yes' if same else 'NO'} | | |",
+                  flush=True)
 
 
 def bench_blending(sizes: list[int]) -> None:
@@ -251,7 +374,8 @@ def main() -> None:
             bench_vs_megatron(tmp, tok, args.megatron_lm.resolve(), args.megatron_mb,
                               args.megatron_workers)
         if args.only in (None, "indices"):
-            bench_indices([int(1_000_000 * scale), int(10_000_000 * scale)])
+            bench_indices([(int(1_000_000 * scale), 1), (int(10_000_000 * scale), 1),
+                           (int(10_000_000 * scale), 3)])
             bench_blending([int(1_000_000 * scale)])
 
 

@@ -13,6 +13,14 @@ GPTDataset (and its C++ ``build_sample_idx``) builds them::
 
 When the last epoch is needed only for a few samples (< 80% of one), it is
 shuffled separately so those samples are not drawn from the whole epoch mix.
+
+The build is numpy only and faster than megatron-core's (benchmarks/bench_data.py):
+the document index is shuffled as (document, size) pairs, which draws exactly
+what Megatron's shuffle of the document index draws and hands the sample index
+its sizes in order; the sample index is then a few sequential, chunked passes
+(no per-document loop, no random gather, int64 temporaries of one chunk only).
+numpy's shuffle itself is kept: Megatron's order depends on its draws.
+
 The arrays (dtypes included) and the --split document ranges equal
 megatron-core 0.16's for the same inputs; tests/unit/test_data_megatron_parity.py
 checks them against megatron-core itself. They are cached as .npy (see
@@ -102,16 +110,55 @@ def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: Op
     return from_last < int(0.80 * per_epoch)
 
 
+def _epochs_shuffled(items: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                     separate_final: bool) -> np.ndarray:
+    """``items`` repeated ``num_epochs`` times, shuffled as Megatron's _build_document_index shuffles.
+
+    One shuffle of everything, or (``separate_final``) one of all but the last
+    epoch and then one of the last. Shuffled in place, with no concatenation;
+    with one epoch ``items`` itself is shuffled and returned (pass a fresh array).
+    numpy's shuffle of a 1-D array draws one bounded integer per position
+    whatever the item size, so the permutation depends only on the length.
+    """
+    if num_epochs == 1:
+        rng.shuffle(items)
+        return items
+    n = len(items)
+    out = np.empty(num_epochs * n, dtype=items.dtype)
+    out.reshape(num_epochs, n)[:] = items
+    if separate_final:
+        rng.shuffle(out[:(num_epochs - 1) * n])
+        rng.shuffle(out[(num_epochs - 1) * n:])
+    else:
+        rng.shuffle(out)
+    return out
+
+
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
                          separate_final: bool) -> np.ndarray:
     """Documents repeated ``num_epochs`` times and shuffled (int32)."""
-    if not separate_final or num_epochs == 1:
-        index = np.tile(documents.astype(np.int32), num_epochs)
-        rng.shuffle(index)
-        return index
-    first = build_document_index(documents, num_epochs - 1, rng, False)
-    last = build_document_index(documents, 1, rng, False)
-    return np.concatenate((first, last))
+    return _epochs_shuffled(np.array(documents, dtype=np.int32), num_epochs, rng, separate_final)
+
+
+def shuffled_documents(documents: np.ndarray, sizes: np.ndarray, num_epochs: int,
+                       rng: np.random.RandomState, separate_final: bool) -> np.ndarray:
+    """The document index and each of its entries' token count, from one shuffle.
+
+    Returns an int32 array [E * D, 2]: column 0 is the document index, column 1
+    the entries' sizes. Each (document, size) pair is shuffled as one 8-byte
+    item: the same draws, so the same permutation, as shuffling the int32
+    document index alone, in about the same time (the shuffle is bound by
+    random memory access), and the sizes come out in document-index order
+    without a random gather over ``sizes``. 8 bytes per entry (plus 8 per
+    document while the epochs are laid out); with column 0 copied out after
+    the sample index is built from column 1, the peak is 12 bytes per entry
+    plus the sample index (megatron-core's numpy build: 20 bytes per entry).
+    """
+    pairs = np.empty((len(documents), 2), dtype=np.int32)
+    pairs[:, 0] = documents
+    pairs[:, 1] = np.take(sizes, documents)
+    packed = _epochs_shuffled(pairs.view(np.int64).reshape(-1), num_epochs, rng, separate_final)
+    return packed.view(np.int32).reshape(-1, 2)
 
 
 def sample_index_dtype(largest_size: int, document_index_length: int) -> np.dtype:
@@ -135,30 +182,66 @@ def largest_sequence(indexed: IndexedDataset) -> int:
     return total if total <= np.iinfo(np.int32).max else int(sizes.max())
 
 
+def sample_index_from_sizes(doc_sizes: np.ndarray, seq_length: int, dtype: np.dtype,
+                            chunk: int = 1 << 16) -> np.ndarray:
+    """Start (position in the document index, token offset) of every sample, plus the end.
+
+    ``doc_sizes[j]`` is the token count of document-index entry ``j``. Sample i
+    covers stream tokens [i * seq_length, (i + 1) * seq_length], so boundary k
+    is the token at stream position k * seq_length, in the entry whose tokens
+    [start, end) hold it (empty entries hold none and are passed over, as in
+    Megatron's C++ loop; boundary 0 is (0, 0) even before an empty entry, as
+    there). Entry j holds boundaries up to (end - 1) // seq_length, so the
+    boundaries per entry are differences of that; the entries holding any
+    (np.flatnonzero, repeated where one holds several) give their rows. Done
+    in chunks of ``chunk`` entries: sequential passes over ``doc_sizes`` (a
+    strided view is fine), with int64 temporaries of one chunk only; about
+    twice as fast as megatron-core's C++ loop, which gathers ``sizes`` at random.
+    """
+    total = int(doc_sizes.sum(dtype=np.int64))
+    num_samples = max(total - 1, 0) // seq_length
+    out = np.zeros((num_samples + 1, 2), dtype=dtype)
+    start, done = 0, 0  # tokens before the chunk; boundaries placed (boundary 0 is (0, 0))
+    for a in range(0, len(doc_sizes), chunk):
+        if done == num_samples:
+            break
+        sizes = doc_sizes[a:a + chunk]
+        ends = np.cumsum(sizes, dtype=np.int64)
+        ends += start
+        last = ends - 1
+        last //= seq_length  # the last boundary at or before each entry's last token
+        if start == 0:  # boundary 0 is placed already (and empty entries before it hold -1)
+            np.maximum(last, 0, out=last)
+        start = int(ends[-1])
+        top = int(last[-1])
+        if top == done:
+            continue
+        counts = np.empty_like(last)
+        counts[0] = last[0] - done
+        np.subtract(last[1:], last[:-1], out=counts[1:])
+        holders = np.flatnonzero(counts)  # entries holding a boundary, usually one each
+        if len(holders) < top - done:
+            holders = np.repeat(holders, counts[holders])
+        rows = out[done + 1:top + 1]
+        np.add(holders, a, out=rows[:, 0], casting="unsafe")
+        ends -= sizes  # now each entry's first token
+        offsets = np.arange(done + 1, top + 1, dtype=np.int64)
+        offsets *= seq_length
+        offsets -= ends[holders]
+        rows[:, 1] = offsets
+        done = top
+    return out
+
+
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray,
                        seq_length: int) -> np.ndarray:
-    """Start (position in document_index, token offset) of every sample, plus the end.
+    """Megatron's sample index of ``document_index`` over a dataset's sequence lengths ``sizes``.
 
-    Sample i covers stream tokens [i * seq_length, (i + 1) * seq_length], so
-    boundary i is the token at stream position i * seq_length; it lies in
-    the last document whose start is <= that position (empty documents are
-    passed over, as in Megatron's C++ loop). Vectorized: one cumsum and one
-    searchsorted, about a second for 10M documents. ``sizes`` is every
-    sequence length of the dataset (it also decides the dtype, as Megatron's).
+    ``sizes`` is every sequence length of the dataset: its largest decides the
+    dtype, as Megatron's. See :func:`sample_index_from_sizes`.
     """
-    doc_sizes = sizes[document_index].astype(np.int64)
-    starts = np.zeros(len(doc_sizes), dtype=np.int64)
-    np.cumsum(doc_sizes[:-1], out=starts[1:])
-    total = int(starts[-1] + doc_sizes[-1]) if len(doc_sizes) else 0
-    num_samples = (total - 1) // seq_length
-    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    doc_pos = np.searchsorted(starts, positions, side="right") - 1
-    offsets = positions - starts[doc_pos]
-    doc_pos[0], offsets[0] = 0, 0  # Megatron always starts at (0, 0)
     dtype = sample_index_dtype(int(sizes.max(initial=0)), len(document_index))
-    out = np.empty((num_samples + 1, 2), dtype=dtype)
-    out[:, 0], out[:, 1] = doc_pos, offsets
-    return out
+    return sample_index_from_sizes(np.take(sizes, document_index), seq_length, dtype)
 
 
 def shuffle_index_dtype(total_size: int) -> np.dtype:
@@ -232,8 +315,11 @@ class GPTDataset:
 
         def build() -> dict:
             rng = np.random.RandomState(seed)
-            doc_index = build_document_index(documents, num_epochs, rng, separate)
-            sample_index = build_sample_index(sizes, doc_index, seq_length)
+            pairs = shuffled_documents(documents, sizes, num_epochs, rng, separate)
+            sample_index = sample_index_from_sizes(pairs[:, 1], seq_length,
+                                                   spec["sample_index"][0])
+            doc_index = pairs[:, 0].copy()
+            del pairs
             first = num_samples_built(tokens_per_epoch, seq_length, num_epochs - 1) \
                 if separate else total
             return {"document_index": doc_index, "sample_index": sample_index,

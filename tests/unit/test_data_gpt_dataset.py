@@ -9,7 +9,8 @@ import pytest
 from megalite.config import DataConfig
 from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.gpt_dataset import (GPTDataset, build_document_index, build_sample_index,
-                                       num_epochs_needed, split_document_ranges)
+                                       num_epochs_needed, sample_index_from_sizes,
+                                       shuffled_documents, split_document_ranges)
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 
@@ -46,6 +47,23 @@ def test_sample_index_equals_megatron_loop(seed, seq):
     doc_idx = build_document_index(np.arange(200), 3, rng, False)
     np.testing.assert_array_equal(build_sample_index(sizes, doc_idx, seq),
                                   _reference_sample_index(sizes, doc_idx, seq))
+
+
+def test_packed_shuffle_and_chunked_sample_index_equal_the_plain_ones():
+    rng = np.random.RandomState(4)
+    sizes = rng.randint(0, 30, size=300).astype(np.int32)
+    sizes[rng.rand(300) < 0.2] = 0
+    docs = np.arange(50, 250)
+    for epochs, separate in ((1, False), (3, False), (3, True)):
+        pairs = shuffled_documents(docs, sizes, epochs, np.random.RandomState(8), separate)
+        doc_idx, doc_sizes = pairs[:, 0].copy(), pairs[:, 1]
+        plain = build_document_index(docs, epochs, np.random.RandomState(8), separate)
+        assert doc_idx.dtype == np.int32 and doc_idx.tobytes() == plain.tobytes()
+        np.testing.assert_array_equal(doc_sizes, sizes[plain])
+        expected = _reference_sample_index(sizes, plain, 9)
+        for chunk in (1, 2, 5, 64):
+            np.testing.assert_array_equal(
+                sample_index_from_sizes(doc_sizes, 9, np.dtype(np.int32), chunk), expected)
 
 
 def test_split_ranges_megatron_core_rounding():
@@ -149,6 +167,35 @@ def test_builder_primary_builds_then_barrier_others_load(tmp_path):
     out = build_train_valid_test_datasets(cfg, (50, 5, 5), **SEQ, is_primary=False,
                                           barrier=lambda: events.append(("other", 0)))
     assert events[1] == ("other", 0) and all(ds.cache_hit for ds in out)
+
+
+def test_non_primary_ranks_only_map_the_cached_indices(tmp_path, monkeypatch):
+    import megalite.data.blended_dataset as blended
+    import megalite.data.gpt_dataset as gpt
+    _dataset(tmp_path)
+    (tmp_path / "two").mkdir()
+    _dataset(tmp_path / "two", seed=1)
+    cfg = _cfg(tmp_path, data_path=("0.6", str(tmp_path / "d"), "0.4", str(tmp_path / "two" / "d")))
+    build_train_valid_test_datasets(cfg, (200, 20, 20), **SEQ, is_primary=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an index was built on a non-primary rank")
+    for module, name in ((gpt, "shuffled_documents"), (gpt, "sample_index_from_sizes"),
+                         (gpt, "build_shuffle_index"), (blended, "build_blending_indices")):
+        monkeypatch.setattr(module, name, refuse)
+    out = build_train_valid_test_datasets(cfg, (200, 20, 20), **SEQ, is_primary=False)
+    mapped = []
+
+    def check(ds):
+        names = ("dataset_index", "dataset_sample_index") if hasattr(ds, "datasets") else \
+            ("document_index", "sample_index", "shuffle_index")
+        assert ds.cache_hit
+        mapped.extend(isinstance(getattr(ds, n), np.memmap) for n in names)
+        for part in getattr(ds, "datasets", ()):
+            check(part)
+    for ds in out:
+        check(ds)
+    assert len(mapped) == 3 * (2 + 2 * 3) and all(mapped)
 
 
 def test_builder_default_cache_next_to_data(tmp_path):

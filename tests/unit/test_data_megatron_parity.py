@@ -2,8 +2,9 @@
 
 The oracle is megatron-core's own code, run here on CPU: its
 BlendedMegatronDatasetBuilder (split ranges, mid-level sizes, blends), its
-GPTDataset, and its compiled C++ helpers (``helpers_cpp``: build_sample_idx,
-build_blending_indices). Skipped as a whole when megatron-core is not installed.
+GPTDataset and its index builders (numpy parts byte for byte, and its compiled C++
+helpers ``helpers_cpp``: build_sample_idx, build_blending_indices). Skipped as a whole
+when megatron-core is not installed.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E
 from megatron.core.datasets.blended_megatron_dataset_config import (  # noqa: E402
     BlendedMegatronDatasetConfig)
 from megatron.core.datasets.gpt_dataset import GPTDataset as MGPTDataset  # noqa: E402
+from megatron.core.datasets.gpt_dataset import _build_document_index as m_document_index  # noqa: E402
+from megatron.core.datasets.gpt_dataset import _build_shuffle_index as m_shuffle_index  # noqa: E402
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig  # noqa: E402
 from megatron.core.tokenizers import MegatronTokenizer  # noqa: E402
 
@@ -26,6 +29,8 @@ from megalite.config import DataConfig  # noqa: E402
 from megalite.data.blended_dataset import BlendedDataset, build_blending_indices  # noqa: E402
 from megalite.data.builder import build_train_valid_test_datasets  # noqa: E402
 from megalite.data.gpt_dataset import (build_document_index, build_sample_index,  # noqa: E402
+                                       build_shuffle_index, sample_index_dtype,
+                                       sample_index_from_sizes, shuffled_documents,
                                        split_document_ranges)
 from megalite.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 
@@ -90,6 +95,74 @@ def test_sample_index_equals_megatron_cpp(seed, seq, epochs):
     ours = build_sample_index(sizes, doc_index, seq)
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
     np.testing.assert_array_equal(ours, theirs)
+
+
+def _same_bytes(ours, theirs):
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (ours.dtype, theirs.dtype)
+    assert ours.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("epochs, separate", [(1, False), (3, False), (2, True), (4, True)])
+def test_document_sample_shuffle_indices_byte_identical(epochs, separate):
+    """The build GPTDataset runs (one packed shuffle, chunked sample index) against
+    megatron-core's numpy parts and its C++ build_sample_idx, as its GPTDataset calls them."""
+    rng = np.random.RandomState(epochs)
+    sizes = rng.lognormal(3.0, 1.5, 3000).astype(np.int32)  # many empty, some >> seq
+    docs = np.arange(400, 2700)  # int64, as the builder's ranges
+    pairs = shuffled_documents(docs, sizes, epochs, np.random.RandomState(5), separate)
+    ours, our_sizes = pairs[:, 0].copy(), pairs[:, 1]
+    theirs_rng = np.random.RandomState(5)
+    theirs = m_document_index(docs, epochs, theirs_rng, separate)
+    _same_bytes(ours, theirs)
+    _same_bytes(build_document_index(docs, epochs, np.random.RandomState(5), separate), theirs)
+    np.testing.assert_array_equal(our_sizes, sizes[theirs])
+    tokens = int(sizes[docs].sum())
+    seq = 64
+    m_sample = helpers.build_sample_idx(sizes, theirs, seq, epochs, tokens, True, True)
+    dtype = sample_index_dtype(int(sizes.max()), len(ours))
+    for chunk in (5, 1 << 16):  # chunk edges inside and between documents
+        _same_bytes(sample_index_from_sizes(our_sizes, seq, dtype, chunk=chunk), m_sample)
+    total = len(m_sample) - 1
+    first = (((epochs - 1) * tokens - 1) // seq) if separate else total
+    our_rng = np.random.RandomState(5)
+    shuffled_documents(docs, sizes, epochs, our_rng, separate)  # the state after it
+    _same_bytes(build_shuffle_index(first, total, our_rng),
+                m_shuffle_index(first, total, theirs_rng))
+
+
+def _edge_cases():
+    rng = np.random.RandomState(3)
+    long = rng.randint(100, 400, size=50).astype(np.int32)  # every document > a sample
+    empty = rng.randint(0, 9, size=300).astype(np.int32)
+    empty[rng.rand(300) < 0.4] = 0  # runs of empty documents
+    exact = np.full(40, 8, dtype=np.int32)  # seq 8: samples start at document starts;
+    # seq 7: a sample's shared last token is a document's last (the C++ loop's remaining == 0)
+    return [("long", long, 7), ("empty", empty, 4), ("exact", exact, 8),
+            ("exact+1", exact, 7), ("one sample", np.array([3, 0, 2], np.int32), 4),
+            ("no sample", np.array([2, 3], np.int32), 5), ("seq 2", empty, 2)]
+
+
+@pytest.mark.parametrize("name, sizes, seq", _edge_cases(), ids=[c[0] for c in _edge_cases()])
+def test_sample_index_edge_cases_equal_megatron_cpp(name, sizes, seq):
+    """Documents longer than a sample, empty ones (first included), exact fits, 0 samples;
+    add_extra_token_to_sequence (samples of seq + 1 tokens sharing a token), as megalite."""
+    docs = np.arange(len(sizes))
+    for epochs, separate in ((1, False), (3, True)):
+        pairs = shuffled_documents(docs, sizes, epochs, np.random.RandomState(1), separate)
+        doc_index, doc_sizes = pairs[:, 0].copy(), pairs[:, 1]
+        if name == "empty":  # an empty document first: Megatron still starts at (0, 0)
+            doc_sizes = doc_sizes.copy()
+            sizes = sizes.copy()
+            sizes[doc_index[0]] = 0
+            doc_sizes[doc_index == doc_index[0]] = 0
+        theirs = helpers.build_sample_idx(sizes, doc_index, seq, epochs,
+                                          int(sizes.sum()), True, True)
+        for chunk in (1, 3, 1 << 16):
+            _same_bytes(sample_index_from_sizes(doc_sizes, seq, np.dtype(np.int32), chunk),
+                        theirs)
+        _same_bytes(build_sample_index(sizes, doc_index, seq), theirs)
+        wide = sample_index_from_sizes(doc_sizes, seq, np.dtype(np.int64), 3)  # int64 rule
+        np.testing.assert_array_equal(wide, theirs)
 
 
 def _weightings():
