@@ -23,10 +23,12 @@ chunks numbered globally), under Megatron-Core's GPTModel names::
 A layer is read as the slice [i] of each stacked tensor, so a converter holds one
 layer at a time, and :func:`load_torch_dist_weights` gives each rank of a run
 (``pretrain_gpt.py --load``) only its own blocks. The distributed optimizer's state
-(``optimizer.distributed.dp_group_idx_<g>.*``, laid out by Megatron's gradient
-buckets per DP rank in the default ``dp_reshardable`` mode) is read by
-torch_dist_optim.py where its bucket layout can be rebuilt; otherwise weights load,
-Adam starts fresh (as ``--no-load-optim``), and the loader says why.
+(``optimizer.distributed.dp_group_idx_<m>.*``, laid out by Megatron's gradient
+buckets per model-parallel rank m in the default ``dp_reshardable`` mode, or
+``optimizer.state.<key>.<weight key>`` with ``--dist-ckpt-optim-fully-reshardable``)
+is read by torch_dist_optim.py where it maps exactly onto the saved weights;
+otherwise weights load, Adam starts fresh (as ``--no-load-optim``), and the loader
+says why.
 """
 from __future__ import annotations
 

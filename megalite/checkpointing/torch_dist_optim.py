@@ -10,20 +10,23 @@ gradient-bucket tensors, one per state key, per model-parallel rank g and buffer
         (with Adam's ``step``; params removed) and, for fp16, ``grad_scaler`` next to it
     common.pt["optimizer"]["param_state_sharding_type"]          "dp_reshardable"
 
-Which parameter sits where is not recorded: megatron-core's DistributedDataParallel lays
-the module's ``named_parameters()`` out in reverse order, each start padded to a multiple
-of 64 elements, and closes a bucket after the parameter that reaches its ``bucket_size``
-(the padding to the data-parallel size after each bucket is not saved). This module
-rebuilds that order for megatron-core's local layer spec (``--transformer-impl local``) and
-a checkpoint of tensor and pipeline size 1, and accepts it only when the walk ends each
-bucket exactly where the checkpoint's bucket tensors end. Anything else (transformer_engine
-modules, whose registration order is not verified here; tp or pp > 1; virtual stages;
-experts; other sharding modes) raises :class:`Unmappable`: the caller loads the weights only.
+Which parameter sits where is not recorded; megatron_buckets.py rebuilds it (any tensor and
+pipeline size, local or transformer_engine spec, tied embeddings split over the stages) and
+this module joins each parameter's tp pieces from the ranks holding them.
+
+With ``--dist-ckpt-optim-fully-reshardable`` each parameter's state is a global tensor beside
+its weight, sharded like it, and the settings are plain values in common.pt::
+
+    optimizer.state.<param|exp_avg|exp_avg_sq>.<the weight's key>
+    common.pt["optimizer"]["optimizer"]["param_groups"], ["optimizer"]["grad_scaler"] (fp16)
+
+Either way the state is used only when every parameter's fp32 copy equals the weight saved
+beside it. Anything else (virtual stages, experts, other sharding modes, a layout that does
+not check out) raises :class:`Unmappable`: the caller loads the weights only.
 """
 from __future__ import annotations
 
 import io
-import math
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -32,58 +35,24 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megalite.checkpointing.interchange import OUTPUT, WORD, full_shape, layer_names, layer_prefix, post_names, \
-    pre_names
+from megalite.checkpointing.interchange import OUTPUT, WORD, layer_names, layer_prefix, merge_tp, post_names, pre_names
 from megalite.checkpointing.layout import chunk_blocks
 from megalite.checkpointing.megatron import qkv_from_megatron
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader
 from megalite.checkpointing.sharded import quiet_single_process
-from megalite.checkpointing.torch_dist import TorchDistSource
+from megalite.checkpointing.megatron_buckets import TIED_COPY, Unmappable, bucket_layout, rank_order
+from megalite.checkpointing.torch_dist import STACKED, TorchDistSource
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _BUCKET = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                      r"\.bucket_idx_(\d+)\.(\w+)")
 _PARAM_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
 _SCALER = "optimizer.distributed.dp_group_idx_0.grad_scaler/shard_0_1"
-# megatron-core's TransformerLayer (local spec) registers its modules in this order; Attention
-# builds linear_proj before SelfAttention adds linear_qkv
-_LOCAL_LAYER_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
-                      "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+_MODEL_SPACE = "optimizer.state."  # fully_reshardable: optimizer.state.<key>.<the weight's key>
+_UNEVEN = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+           "pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage")
 
 __all__ = ["Unmappable", "read_distributed_optimizer", "local_optimizer_state", "load_torch_dist_optimizer"]
-
-
-class Unmappable(Exception):
-    """The optimizer state is there but cannot be mapped exactly; the message says why (one clause)."""
-
-
-def _megatron_order(cfg, vocab_rows: int) -> List[Tuple[str, Tuple[int, ...]]]:
-    """megalite's global names in megatron-core GPTModel's ``named_parameters()`` order, with Megatron's
-    shapes (padded vocabulary rows)."""
-    rel = layer_names(cfg)
-    in_layer = [n for m in _LOCAL_LAYER_ORDER for n in rel if n.rpartition(".")[0] == m]
-    names = pre_names(cfg) + [layer_prefix(i) + n for i in range(cfg.num_layers) for n in in_layer]
-    names += post_names(cfg)
-    return [(n, (vocab_rows,) + full_shape(cfg, n)[1:] if n in (WORD, OUTPUT) else full_shape(cfg, n))
-            for n in names]
-
-
-def _bucket_layout(order, sizes: Sequence[int]) -> Dict[str, Tuple[int, int, int]]:
-    """name -> (bucket, start, end) as megatron-core's _ParamAndGradBuffer places it, checked against
-    the saved (unpadded) bucket lengths."""
-    out, b, pos = {}, 0, 0
-    for name, shape in reversed(order):
-        if b >= len(sizes):
-            raise Unmappable(f"its buckets end before parameter {name}")
-        pos = -(-pos // 64) * 64
-        end = pos + math.prod(shape)
-        if end > sizes[b]:
-            raise Unmappable(f"parameter {name} would cross the end of bucket {b} ({sizes[b]} elements)")
-        out[name] = (b, pos, end)
-        b, pos = (b + 1, 0) if end == sizes[b] else (b, end)
-    if b != len(sizes):
-        raise Unmappable(f"{len(sizes) - b} bucket(s) are left over after the last parameter")
-    return out
 
 
 class _BytesPlanner(DefaultLoadPlanner):
@@ -115,35 +84,123 @@ def _read_object(d: str, key: str):
     return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj  # megatron-core saves [object]
 
 
-def _check_supported(src) -> Dict[int, List[str]]:
-    """The bucket keys of a mappable checkpoint (bucket -> its keys); Unmappable says what is not."""
+def _check_supported(src) -> str:
+    """The optimizer's sharding type when its layout can be mapped; Unmappable says what cannot."""
     opt = src.common.get("optimizer")
     mode = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
     if mode is None:
         raise Unmappable("it holds no distributed-optimizer state (saved with --no-save-optim or without "
                          "--use-distributed-optimizer)")
-    if mode != "dp_reshardable":
-        raise Unmappable(f"its optimizer state is in {mode!r} mode (only Megatron-LM's default dp_reshardable is read)")
+    if mode not in ("dp_reshardable", "fully_reshardable"):
+        raise Unmappable(f"its optimizer state is in {mode!r} mode (dp_reshardable and fully_reshardable are read)")
     a = src.args
-    for flag, ok in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1)):
-        if (getattr(a, flag, 1) or 1) != ok:
-            raise Unmappable(f"it was saved with --{flag.replace('_', '-')} {getattr(a, flag)} (only 1 is mapped)")
-    if getattr(a, "virtual_pipeline_model_parallel_size", None) or getattr(a, "num_experts", None):
+    if (getattr(a, "virtual_pipeline_model_parallel_size", None) or 1) > 1 or getattr(a, "num_experts", None):
         raise Unmappable("it was saved with virtual pipeline stages or experts")
-    if getattr(a, "transformer_impl", "transformer_engine") != "local":
-        raise Unmappable("it was saved with --transformer-impl transformer_engine, whose parameter order in the "
-                         "optimizer's buckets is not mapped (only the local spec is)")
-    buckets: Dict[int, List[str]] = {}
+    if mode == "dp_reshardable":
+        uneven = [f for f in _UNEVEN if getattr(a, f, None)]
+        if uneven:
+            raise Unmappable(f"it was saved with --{uneven[0].replace('_', '-')}, whose stage split is not mapped")
+        if getattr(a, "transformer_impl", "transformer_engine") not in ("local", "transformer_engine"):
+            raise Unmappable(f"it was saved with --transformer-impl {a.transformer_impl}, whose parameter order in "
+                             f"the optimizer's buckets is not mapped")
+    return mode
+
+
+def _bucket_keys(src) -> Dict[int, Dict[int, Dict[str, str]]]:
+    """model-parallel rank -> bucket -> state key -> checkpoint key, numbered 0..n-1 each."""
+    out: Dict[int, Dict[int, Dict[str, str]]] = {}
     for key in src.md.state_dict_metadata:
         m = _BUCKET.fullmatch(key)
         if m is None:
             continue
-        if m.group(1) or m.group(2) != "0" or m.group(3) != "0":
-            raise Unmappable(f"it holds {key!r} (several optimizers, model-parallel ranks or buffers)")
-        buckets.setdefault(int(m.group(5)), []).append(key)
-    if not buckets or sorted(buckets) != list(range(len(buckets))):
-        raise Unmappable("its bucket tensors are missing or not numbered 0..n-1")
-    return buckets
+        if m.group(1) or m.group(3) != "0":
+            raise Unmappable(f"it holds {key!r} (several optimizers or gradient buffers)")
+        out.setdefault(int(m.group(2)), {}).setdefault(int(m.group(5)), {})[m.group(6)] = key
+    tp, pp = src.layout.tp, src.layout.pp
+    if sorted(out) != list(range(tp * pp)) or any(sorted(b) != list(range(len(b))) for b in out.values()):
+        raise Unmappable(f"its bucket tensors are not numbered 0..n-1 for each of its {tp * pp} model-parallel ranks")
+    return out
+
+
+def _dp_reshardable(src, wanted: Optional[set]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Each parameter's state from the flat bucket tensors of every model-parallel rank, tp pieces joined."""
+    cfg, lay, md = src.cfg, src.layout, src.md.state_dict_metadata
+    keys, rows = _bucket_keys(src), tuple(md[WORD].size)[0]
+    te = getattr(src.args, "transformer_impl", "transformer_engine") == "transformer_engine"
+    stages = {r: rng for r, _, rng in lay.stages(cfg.num_layers)}
+    places: Dict[str, Dict[int, Tuple[int, int, int, int]]] = {}  # name -> tp rank -> (m, bucket, start, end)
+    for m in range(lay.tp * lay.pp):
+        t, p = m % lay.tp, m // lay.tp
+        sizes = []
+        for b in range(len(keys[m])):
+            lengths = {tuple(md[k].size) for k in keys[m][b].values()}
+            if len(lengths) != 1 or not set(STATE_KEYS) <= set(keys[m][b]):
+                raise Unmappable(f"bucket {b} of rank {m} does not hold param, exp_avg and exp_avg_sq of one length")
+            sizes.append(next(iter(lengths))[0])
+        order = rank_order(cfg, stages[p], p == 0, p == lay.pp - 1, rows, lay.tp, te)
+        for name, (b, s, e) in bucket_layout(order, sizes).items():
+            if name != TIED_COPY:
+                places.setdefault(name, {})[t] = (m, b, s, e)
+    names = [n for n in places if wanted is None or n in wanted]
+    spans: Dict[Tuple[int, int], Tuple[int, int]] = {}
+    for n in names:  # per bucket one read spanning the parameters wanted
+        for m, b, s, e in places[n].values():
+            lo, hi = spans.get((m, b), (s, e))
+            spans[(m, b)] = (min(lo, s), max(hi, e))
+    got = src.read_regions({keys[m][b][k]: ((lo,), (hi - lo,)) for (m, b), (lo, hi) in spans.items()
+                            for k in STATE_KEYS})
+    shapes = {}
+    for p in range(lay.pp):
+        shapes.update({n: sh for n, sh, _ in rank_order(cfg, stages[p], p == 0, p == lay.pp - 1, rows, lay.tp, te)})
+    state = {}
+    for n in names:
+        entry = {}
+        for k in STATE_KEYS:
+            shards = []
+            for t in range(lay.tp):
+                m, b, s, e = places[n][t]
+                lo = spans[(m, b)][0]
+                shards.append(got[keys[m][b][k]][s - lo:e - lo].float().view(shapes[n]))
+            entry[k] = (qkv_from_megatron(cfg, torch.cat(shards)) if ".linear_qkv." in n
+                        else merge_tp(cfg, n, shards))
+        state[n] = entry
+    return state
+
+
+def _fully_reshardable(src, wanted: Optional[set]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Each parameter's state from its own global tensors, stored beside the weights' keys."""
+    cfg, md = src.cfg, src.md.state_dict_metadata
+    names = pre_names(cfg) + [layer_prefix(i) + n for i in range(cfg.num_layers) for n in layer_names(cfg)]
+    names = [n for n in names + post_names(cfg) if wanted is None or n in wanted]
+    layers: Dict[str, List[int]] = {}  # stacked key -> the layers wanted
+    regions = {}
+    for n in names:
+        stacked = n.startswith(STACKED)
+        base = src.keys[n.split(".", 3)[3]] if stacked else n
+        for k in STATE_KEYS:
+            key = _MODEL_SPACE + f"{k}.{base}"
+            if key not in md or tuple(getattr(md[key], "size", ())) != tuple(md[base].size):
+                raise Unmappable(f"it has no tensor {key} shaped as {base}")
+        if stacked:
+            layers.setdefault(base, []).append(int(n.split(".")[2]))
+        else:
+            shape = tuple(md[base].size)
+            shape = (cfg.vocab_size,) + shape[1:] if n in (WORD, OUTPUT) else shape
+            regions.update({_MODEL_SPACE + f"{k}.{base}": ((0,) * len(shape), shape) for k in STATE_KEYS})
+    for base, got in layers.items():
+        lo, hi, rest = min(got), max(got) + 1, tuple(md[base].size)[1:]
+        regions.update({_MODEL_SPACE + f"{k}.{base}": ((lo,) + (0,) * len(rest), (hi - lo,) + rest)
+                        for k in STATE_KEYS})
+    got = src.read_regions(regions)
+    state = {}
+    for n in names:
+        if n.startswith(STACKED):
+            base, i = src.keys[n.split(".", 3)[3]], int(n.split(".")[2])
+            entry = {k: got[_MODEL_SPACE + f"{k}.{base}"][i - min(layers[base])].float() for k in STATE_KEYS}
+        else:
+            entry = {k: got[_MODEL_SPACE + f"{k}.{n}"].float() for k in STATE_KEYS}
+        state[n] = {k: qkv_from_megatron(cfg, v) if ".linear_qkv." in n else v for k, v in entry.items()}
+    return state
 
 
 def read_distributed_optimizer(src, wanted: Optional[set] = None) -> dict:
@@ -154,55 +211,26 @@ def read_distributed_optimizer(src, wanted: Optional[set] = None) -> dict:
     Raises :class:`Unmappable` when the layout cannot be rebuilt exactly, CheckpointError when
     the file is damaged or holds code.
     """
-    buckets = _check_supported(src)
+    mode = _check_supported(src)
     md = src.md.state_dict_metadata
-    sizes = []
-    for b in range(len(buckets)):
-        lengths = {tuple(md[k].size) for k in buckets[b]}
-        keys = {k.rpartition(".")[2] for k in buckets[b]}
-        if len(lengths) != 1 or not set(STATE_KEYS) <= keys:
-            raise Unmappable(f"bucket {b} does not hold param, exp_avg and exp_avg_sq of one length")
-        sizes.append(next(iter(lengths))[0])
-    cfg = src.cfg
-    layout = _bucket_layout(_megatron_order(cfg, tuple(md[WORD].size)[0]), sizes)
-    names = [n for n in layout if wanted is None or n in wanted]
-    regions, spans = {}, {}
-    for b in range(len(buckets)):  # per bucket one read spanning the parameters wanted
-        inside = [layout[n][1:] for n in names if layout[n][0] == b]
-        if inside:
-            spans[b] = (min(s for s, _ in inside), max(e for _, e in inside))
-            for k in buckets[b]:
-                if k.rpartition(".")[2] in STATE_KEYS:
-                    regions[k] = ((spans[b][0],), (spans[b][1] - spans[b][0],))
-    got = src.read_regions(regions)
-    key_of = {(b, k.rpartition(".")[2]): k for b in buckets for k in buckets[b]}
-    state = {}
-    shapes = dict(_megatron_order(cfg, tuple(md[WORD].size)[0]))
-    for n in names:
-        b, s, e = layout[n]
-        shape = shapes[n]
-        entry = {}
-        for k in STATE_KEYS:
-            t = got[key_of[(b, k)]][s - spans[b][0]:e - spans[b][0]].float().view(shape)
-            if n in (WORD, OUTPUT):
-                t = t[:cfg.vocab_size]
-            elif ".linear_qkv." in n:
-                t = qkv_from_megatron(cfg, t)
-            entry[k] = t
-        state[n] = entry
-    _check_against_weights(src, state)
-    groups = _read_object(src.dir, _PARAM_GROUPS) if _PARAM_GROUPS in _bytes_keys(md) else {}
+    state = (_dp_reshardable if mode == "dp_reshardable" else _fully_reshardable)(src, wanted)
+    _check_against_weights(src, state, mode)
+    if mode == "fully_reshardable":  # the optimizer's settings and scaler are plain values in common.pt
+        opt = src.common["optimizer"]
+        groups, scaler = opt.get("optimizer", {}), opt.get("grad_scaler")
+    else:
+        groups = _read_object(src.dir, _PARAM_GROUPS) if _PARAM_GROUPS in _bytes_keys(md) else {}
+        scaler = _read_object(src.dir, _SCALER) if _SCALER in _bytes_keys(md) else None
     if not isinstance(groups, dict):
-        raise Unmappable(f"its {_PARAM_GROUPS} is a {type(groups).__name__}, not the optimizer's settings")
+        raise Unmappable(f"its optimizer settings are a {type(groups).__name__}, not the optimizer's param_groups")
     steps = {g.get("step") for g in (groups.get("param_groups") or []) if isinstance(g, dict)} - {None}
+    steps = {float(s.item() if torch.is_tensor(s) else s) for s in steps}
     if len(steps) != 1:
         raise Unmappable("its param_groups do not record one Adam step count")
-    step = next(iter(steps))
-    scaler = _read_object(src.dir, _SCALER) if _SCALER in _bytes_keys(md) else None
-    return {"state": state, "step": float(step.item() if torch.is_tensor(step) else step), "scaler": scaler}
+    return {"state": state, "step": next(iter(steps)), "scaler": scaler}
 
 
-def _check_against_weights(src, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
+def _check_against_weights(src, state: Dict[str, Dict[str, torch.Tensor]], mode: str) -> None:
     """Refuse the rebuilt layout unless every parameter's fp32 main copy is the weight saved beside it.
 
     The bucket boundaries alone cannot tell two same-sized parameters apart (a norm's weight and bias,
@@ -214,8 +242,10 @@ def _check_against_weights(src, state: Dict[str, Dict[str, torch.Tensor]]) -> No
     for name, entry in state.items():
         w = weights.get(name)
         if w is None or not torch.equal(entry["param"].to(w.dtype), w):
-            raise Unmappable(f"the optimizer's fp32 copy of {name} is not the weight saved beside it, so its "
-                             f"bucket layout is not the one megalite rebuilds")
+            how = (f"bucket layout is not the one megalite rebuilds for --transformer-impl "
+                   f"{getattr(src.args, 'transformer_impl', 'transformer_engine')}" if mode == "dp_reshardable"
+                   else "state is not the model's")
+            raise Unmappable(f"the optimizer's fp32 copy of {name} is not the weight saved beside it, so its {how}")
 
 
 def _bytes_keys(md) -> set:

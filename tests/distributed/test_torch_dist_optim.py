@@ -12,6 +12,7 @@ and step count, and its own next step on the same batch must give megatron-core'
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
 import subprocess
@@ -118,6 +119,7 @@ from dataclasses import replace  # noqa: E402
 
 from megalite.checkpointing import load_checkpoint  # noqa: E402
 from megalite.parallel_state import ParallelState  # noqa: E402
+from megalite.testing import run_distributed  # noqa: E402
 from megalite.training import Trainer  # noqa: E402
 from tests.distributed.common import tiny_config  # noqa: E402
 from tests.unit.test_convert import STYLES  # noqa: E402
@@ -185,3 +187,32 @@ def test_no_load_optim_and_unmappable_layouts_load_weights_only(saved_by_megatro
     assert t.optimizer.step_state()["adam_step"] == 0.0
     w = theirs["state"]["decoder.final_layernorm.weight"]["param"]
     assert (dict(t.chunks[0].named_parameters())["decoder.final_layernorm.weight"].detach() - w).abs().max() < 1e-6
+
+
+def _load_megatron_lm_tp2pp2(ps, d: str):
+    """One rank of a megalite tp 2 run loading Megatron-LM's tp 2 x pp 2 file: its parameters' state."""
+    from megalite.checkpointing.torch_dist import TorchDistSource
+    t = Trainer(tiny_config(tp=2).with_(model=TorchDistSource(d).cfg), ps)
+    assert load_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, d) == 2
+    out = io.BytesIO()  # tensors through the result queue would live in the exiting rank's shared memory
+    torch.save({n: {k: v.clone() for k, v in e.items()} for n, e in t.optimizer.full_state_dict().items()}, out)
+    return out.getvalue()
+
+
+@pytest.mark.slow
+def test_megatron_lm_tp2_pp2_state_loads_into_a_tp2_run(tmp_path):
+    """megalite at tp 2 (its own split: [Q; K; V] pieces, its vocabulary padding) restores Megatron-LM's tp 2 x
+    pp 2 dp_reshardable state: the tp pieces put back together are what Megatron's own fully_reshardable file
+    holds."""
+    from megalite.checkpointing.interchange import merge_tp
+    from megalite.checkpointing.torch_dist import TorchDistSource
+    from tests.unit.test_megatron_files import _megatron_model_space_state, unpack_tp2pp2
+    root = unpack_tp2pp2(tmp_path) / "untied"
+    cfg = TorchDistSource(str(root / "ckpt")).cfg
+    truth = _megatron_model_space_state(root / "ckpt_full" / "iter_0000002", cfg)
+    ranks = [torch.load(io.BytesIO(b)) for b in run_distributed(_load_megatron_lm_tp2pp2, 2, str(root / "ckpt"), tp=2)]
+    assert set(ranks[0]) == set(truth)
+    for name, want in truth.items():
+        for k, v in want.items():
+            got = merge_tp(cfg, name, [ranks[0][name][k], ranks[1][name][k]])
+            assert torch.equal(got, v.float()), (name, k)

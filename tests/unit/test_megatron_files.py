@@ -3,7 +3,8 @@
 tests/fixtures/megatron_lm/ holds tiny checkpoints that Megatron-LM core_v0.16.1's
 ``save_checkpoint`` wrote (README.md there says how), in its legacy ``torch`` format and its
 default ``torch_dist`` (one of them with its distributed optimizer's state after two training
-iterations), with the logits its model gave on a fixed token sequence. Their ``args`` hold
+iterations), with the logits its model gave on a fixed token sequence; tp2pp2_torch_dist.tar.xz holds two
+tensor-2 x pipeline-2 runs saved in both of its optimizer sharding modes. Their ``args`` hold
 signal.SIGTERM, AttnBackend and ModelType, their RNG state numpy arrays and dtypes: all must load, while a file carrying a pickled callable is refused
 without running it, naming the callable.
 """
@@ -240,15 +241,139 @@ def test_a_wrongly_rebuilt_bucket_layout_is_refused_not_loaded(monkeypatch):
     from the weights saved beside them, and the optimizer state is refused (weights still load)."""
     from megalite.checkpointing import torch_dist_optim as tdo
     from megalite.checkpointing.torch_dist import TorchDistSource
-    real = tdo._megatron_order
+    real = tdo.rank_order
 
-    def swapped(cfg, rows):
-        order = real(cfg, rows)
-        i = next(k for k, (n, _) in enumerate(order) if n.endswith("input_layernorm.weight"))
-        j = next(k for k, (n, _) in enumerate(order) if n.endswith("pre_mlp_layernorm.weight"))
+    def swapped(*args):
+        order = real(*args)
+        i = next(k for k, (n, *_) in enumerate(order) if n.endswith("input_layernorm.weight"))
+        j = next(k for k, (n, *_) in enumerate(order) if n.endswith("pre_mlp_layernorm.weight"))
         order[i], order[j] = order[j], order[i]
         return order
 
-    monkeypatch.setattr(tdo, "_megatron_order", swapped)
+    monkeypatch.setattr(tdo, "rank_order", swapped)
     with pytest.raises(tdo.Unmappable, match="is not the weight saved beside it"):
         tdo.read_distributed_optimizer(TorchDistSource(str(FIXTURES / "llama_torch_dist" / "ckpt")))
+
+
+# -- tp 2 x pp 2: the distributed optimizer's state in both of Megatron-LM's sharding modes ------------------
+# the tied/ model's flags (make_fixture.py's "mp" style); Megatron's NullTokenizer 40 is 41 ids with eod
+MP_RUN = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4", "--ffn-hidden-size", "24",
+          "--seq-length", "16", "--max-position-embeddings", "16", "--swiglu", "--group-query-attention",
+          "--num-query-groups", "2", "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-4",
+          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "40", "--make-vocab-size-divisible-by",
+          "8", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0", "--num-threads", "1"]
+
+
+def unpack_tp2pp2(root: Path) -> Path:
+    """tp2pp2_torch_dist.tar.xz unpacked: {untied,tied}/ckpt (dp_reshardable) and /ckpt_full (fully_reshardable)."""
+    import tarfile
+    with tarfile.open(FIXTURES / "tp2pp2_torch_dist.tar.xz") as tar:
+        tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory):
+    return unpack_tp2pp2(tmp_path_factory.mktemp("tp2pp2"))
+
+
+def _megatron_model_space_state(d: Path, cfg) -> dict:
+    """What Megatron-LM's own fully_reshardable save holds per parameter, read with plain DCP (none of megalite's
+    readers), in megalite's names and layout."""
+    import torch.distributed.checkpoint as dcp
+    from megalite.checkpointing.interchange import layer_names, post_names, pre_names
+    from megalite.checkpointing.megatron import megatron_name, qkv_from_megatron
+    reader = dcp.FileSystemReader(str(d))
+    md = reader.read_metadata().state_dict_metadata
+    want = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in md
+            if k.startswith("optimizer.state.")}
+    dcp.load(want, storage_reader=reader, no_dist=True)
+    out = {}
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        for n in pre_names(cfg) + post_names(cfg):
+            rows = cfg.vocab_size if n.endswith(("word_embeddings.weight", "output_layer.weight")) else None
+            out.setdefault(n, {})[kind] = want[f"optimizer.state.{kind}.{n}"][:rows]
+        for rel in layer_names(cfg):
+            stacked = want[f"optimizer.state.{kind}.decoder.layers.{megatron_name(rel, True)}"]
+            for i in range(cfg.num_layers):
+                t = qkv_from_megatron(cfg, stacked[i]) if ".linear_qkv." in rel else stacked[i]
+                out.setdefault(f"decoder.layers.{i}.{rel}", {})[kind] = t
+    return out
+
+
+def _load(d: Path, caplog):
+    """load_checkpoint (pretrain_gpt.py --load's) of ``d`` into a single-rank trainer of its model, with the
+    saved run's Adam settings."""
+    from dataclasses import replace
+    from megalite.checkpointing import load_checkpoint
+    from megalite.checkpointing.torch_dist import TorchDistSource
+    from megalite.parallel_state import ParallelState
+    from megalite.training import Trainer
+    from tests.distributed.common import tiny_config
+    src = TorchDistSource(str(d))
+    a, cfg = src.args, tiny_config(gbs=1, mbs=1)
+    optim = replace(cfg.optim, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+                    clip_grad=a.clip_grad, weight_decay=a.weight_decay)
+    t = Trainer(cfg.with_(model=src.cfg, optim=optim), ParallelState.single())
+    caplog.clear()
+    assert load_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, str(d)) == 2
+    return t
+
+
+@pytest.mark.slow
+def test_megatron_lm_tp2_pp2_optimizer_state_loads_in_both_sharding_modes(tp2pp2, caplog):
+    """Megatron-LM at tp 2 x pp 2 (SwiGLU halves and query groups split over tp, biases) saved one trained state
+    twice: flat per-rank gradient buckets (dp_reshardable) and its own per-parameter form (fully_reshardable).
+    Both restore, bit for bit, the moments, fp32 weights and step Megatron's fully_reshardable file holds."""
+    for style in ("untied", "tied"):
+        truth = None
+        for d in ("ckpt", "ckpt_full"):
+            if (style, d) == ("tied", "ckpt_full"):
+                continue  # below: Megatron's own file is wrong there
+            t = _load(tp2pp2 / style / d, caplog)
+            assert "distributed-optimizer state" in caplog.text and "Adam starts fresh" not in caplog.text
+            assert t.optimizer.step_state()["adam_step"] == 2.0
+            truth = truth or _megatron_model_space_state(tp2pp2 / style / "ckpt_full" / "iter_0000002", t.cfg.model)
+            full = t.optimizer.full_state_dict()
+            assert set(full) == set(truth) and len(truth) == (2 * 12 + 4 if style == "tied" else 2 * 10 + 3)
+            weights = dict(t.chunks[0].named_parameters())
+            for name, want in truth.items():
+                assert torch.equal(full[name]["param"], weights[name].detach().float()), (style, d, name)
+                if style == "tied" and name.endswith("word_embeddings.weight"):
+                    continue
+                for k, v in want.items():  # megalite's table has its own padding rows after the vocabulary
+                    assert torch.equal(full[name][k][:len(v)], v.float()), (style, d, name, k)
+                    assert not full[name][k][len(v):].any(), (style, d, name, k)
+                assert full[name]["exp_avg_sq"].abs().max() > 0, (style, d, name)
+
+
+def test_megatron_lm_fully_reshardable_file_it_wrote_wrong_is_refused(tp2pp2, caplog):
+    """With the tied embedding split over two stages it sits in a gradient bucket of its own, after a padded one;
+    Megatron-LM core_v0.16.1's fully_reshardable save then reads it at the wrong offset and pads with zeros (it
+    logs "can lead to data corruption"). The fp32 copy is not the saved weight: weights load, Adam starts fresh,
+    one line names the tensor."""
+    t = _load(tp2pp2 / "tied" / "ckpt_full", caplog)
+    assert "Adam starts fresh" in caplog.text and "embedding.word_embeddings.weight is not the weight" in caplog.text
+    assert t.optimizer.step_state()["adam_step"] == 0.0
+    from megalite.checkpointing.torch_dist import TorchDistSource
+    src = TorchDistSource(str(tp2pp2 / "tied" / "ckpt_full"))
+    saved = src.pre()[WORD_NAME]
+    assert torch.equal(dict(t.chunks[0].named_parameters())[WORD_NAME].detach()[:len(saved)], saved)
+
+
+WORD_NAME = "embedding.word_embeddings.weight"
+
+
+@pytest.mark.slow
+def test_megatron_lm_tp2_pp2_run_resumes_with_its_optimizer_state(tp2pp2):
+    """pretrain_gpt.py --load on Megatron-LM's tp 2 x pp 2 dp_reshardable directory (tied embedding split over the
+    stages), run at tp 1 (any layout loads): weights and distributed-optimizer state restored, iteration 3 trains."""
+    done = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *MP_RUN, "--load",
+                           str(tp2pp2 / "tied" / "ckpt"), "--train-iters", "3"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert "(iteration 2): weights and distributed-optimizer state" in log, log[-3000:]
+    assert "Adam starts fresh" not in log
+    assert re.search(r" iteration +3/ +3 \|", log), log[-3000:]
+
