@@ -20,8 +20,10 @@ import torch.distributed as dist
 
 from megalite.arguments import parse_args
 from megalite.checkpointing import CheckpointError
+from megalite.checkpointing.save_lock import release_save_locks
 from megalite.config import ConfigError
-from megalite.faults import ExitConditions, ExitSignals, launcher_gone, say_launcher_gone, watch_launcher
+from megalite.faults import (ExitConditions, ExitSignals, InjectedFault, check_fault_injection, launcher_gone,
+                             restart_round, say_launcher_gone, watch_launcher)
 from megalite.logging import setup_logging
 from megalite.parallel_state import ParallelState
 from megalite.preflight import check_output_paths
@@ -43,6 +45,17 @@ def _is_comm_failure(e: RuntimeError) -> bool:
         "NCCL communicator was aborted", "Broken pipe"))
 
 
+def _restart_line(load: Optional[str], iteration: int) -> str:
+    """The log line of a round torchrun restarted: which round, and where training resumes."""
+    head = (f"restart {restart_round()} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} "
+            f"(torchrun --max-restarts): ")
+    if not load:
+        return head + "no --load: training starts again from iteration 0 (give --save and --load one directory)"
+    if iteration == 0:
+        return head + f"no checkpoint in --load {load} yet: training starts again from iteration 0"
+    return head + f"resumed from iteration {iteration} of {load}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.time()  # --exit-duration-in-mins counts from here, as Megatron (startup included)
     rank = os.environ.get("RANK", "0")
@@ -62,6 +75,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     watch_launcher()
     try:
         return _run(cfg, signals, start)
+    except InjectedFault as e:  # --inject-fault-kind exception: this rank's one line; torchrun sees exit 1
+        _error(str(e))
+        return 1
     except RuntimeError as e:
         if not _is_comm_failure(e):
             raise
@@ -75,6 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                f"(a rank that died first has its own message above)")
         return 1
     finally:
+        release_save_locks()  # an in-process run (tests, tools) must not keep --save locked
         signals.uninstall()
 
 
@@ -83,6 +100,13 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
                                 timeout_s=60.0 * par.distributed_timeout_minutes)
     log = setup_logging(ps.is_logging_rank, ps.rank)
+    try:
+        check_fault_injection(cfg.train, ps.world_size)
+    except ConfigError as e:
+        if ps.rank == 0:
+            _error(str(e))
+        ps.destroy()
+        return 2
     m = cfg.model
     log.info(f"megalite: world {ps.world_size} = tp {ps.tp_size} x dp {ps.dp_size} x pp {ps.pp_size} "
              f"(vp {par.vp}), backend {ps.backend or 'none'}, device {ps.device}")
@@ -90,18 +114,21 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
              f"seq {m.seq_length}, vocab {m.vocab_size}; data: "
              f"{'mock' if cfg.data.mock_data else ' '.join(cfg.data.data_path or cfg.data.train_data_path)}")
     trainer = Trainer(cfg, ps)
-    if cfg.checkpoint.load:
+    if cfg.checkpoint.load or cfg.checkpoint.save:  # a locked --save is refused here, before any iteration
         try:
             loaded = trainer.checkpointer.load()
         except CheckpointError as e:
-            _error(str(e))
+            if getattr(e, "report", True):  # the rank that knows says it; the others follow silently
+                _error(str(e))
             ps.destroy()
             return 2
-        if loaded is None and cfg.train.skip_train:  # every rank finds the same: say it once
+        if loaded is None and cfg.train.skip_train and cfg.checkpoint.load:  # every rank finds the same
             if ps.rank == 0:
                 _error(f"--skip-train: --load {cfg.checkpoint.load} holds no checkpoint to evaluate")
             ps.destroy()
             return 2
+    if restart_round() > 0:  # torchrun --max-restarts started this round after a failed one
+        log.info(_restart_line(cfg.checkpoint.load, trainer.state.iteration))
     n_params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     log.info(f"schedule {trainer.schedule_name}, {trainer.m} micro-batches per step; "
              f"parameters on this rank: {n_params:,}")
@@ -117,6 +144,11 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
                       test_ds=datasets.test)
     except TrainingStopped as e:
         if e.report:  # the rank that knows the problem says it once
+            _error(str(e))
+        ps.destroy()
+        return 1
+    except CheckpointError as e:  # a save failed (a full disk...): latest still names the previous checkpoint
+        if getattr(e, "report", True):
             _error(str(e))
         ps.destroy()
         return 1

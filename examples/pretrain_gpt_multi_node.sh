@@ -10,16 +10,22 @@
 #   python tools/preprocess_data.py --input corpus.jsonl --output-prefix /shared/data/corpus \
 #       --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --append-eod
 # then DATA_PREFIX=/shared/data/corpus_text_document VOCAB_FILE=... MERGE_FILE=... (mock data without it).
+#
+# A rank that dies makes torchrun restart the workers on every node (up to MAX_RESTARTS times, default 3);
+# they resume from the latest checkpoint in CHECKPOINT_DIR, which every node must see (a shared file system).
 set -euo pipefail
 NNODES=${NNODES:?set NNODES (number of nodes)}
 NODE_RANK=${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}
 MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR (address of node 0)}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/gpt-350m}
 
 # Launcher: one torchrun per node, GPUS_PER_NODE processes each; the job id keeps two jobs apart.
 LAUNCH_ARGS=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
-             --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${JOB_ID:-megalite}")
+             --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${JOB_ID:-megalite}"
+             --max-restarts "$MAX_RESTARTS")
 
 # Data: preprocessed corpus or synthetic tokens.
 if [ -n "${DATA_PREFIX:-}" ]; then
@@ -42,9 +48,10 @@ TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size 256 --train-iters 20000
             --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 500
             --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0)
 
-# Logging, evaluation and checkpoints (the checkpoint directory must be shared by the nodes).
+# Logging, evaluation and checkpoints (the checkpoint directory must be shared by the nodes); saving to and
+# loading from one directory resumes a restarted job where it saved last.
 LOG_ARGS=(--log-interval 10 --eval-interval 1000 --eval-iters 10
-          --save "${CHECKPOINT_DIR:-checkpoints/gpt-350m}" --save-interval 1000)
+          --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 1000)
 
 exec torchrun "${LAUNCH_ARGS[@]}" "$(dirname "$0")/../pretrain_gpt.py" \
     "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${LOG_ARGS[@]}" "$@"

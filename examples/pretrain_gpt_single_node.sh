@@ -10,8 +10,13 @@
 #       --append-eod --workers 16
 #   DATA_PREFIX=data/corpus_text_document VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt bash $0
 # Without DATA_PREFIX the run trains on --mock-data (synthetic tokens).
+#
+# A rank that dies makes torchrun restart all of them (up to MAX_RESTARTS times, default 3; 0: the job ends);
+# they resume from the latest checkpoint in CHECKPOINT_DIR (--save and --load name the same directory).
 set -euo pipefail
 NPROC=${NPROC:-8}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/gpt2-124m}
 TP=${TP:-1}
 PP=${PP:-1}
 
@@ -40,9 +45,11 @@ TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size 64 --train-iters 5000
             --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0)
 
 # Logging, evaluation and checkpoints (MFU uses the GPU's bf16 peak; --peak-tflops overrides it).
+# Saving to and loading from one directory resumes a restarted (or resubmitted) job where it saved last.
 LOG_ARGS=(--log-interval 10 --eval-interval 500 --eval-iters 20
-          --save "${CHECKPOINT_DIR:-checkpoints/gpt2-124m}" --save-interval 1000)
+          --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 1000)
 
-exec torchrun --standalone --nproc-per-node "$NPROC" "$(dirname "$0")/../pretrain_gpt.py" \
+exec torchrun --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
+    "$(dirname "$0")/../pretrain_gpt.py" \
     "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     "${LOG_ARGS[@]}" "$@"

@@ -14,8 +14,14 @@
 #   python tools/preprocess_data.py --input corpus.jsonl --output-prefix /shared/data/corpus \
 #       --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod --workers 32
 #   DATA_PREFIX=/shared/data/corpus_text_document TOKENIZER_MODEL=tokenizer.model sbatch examples/pretrain_gpt_slurm.sh
+#
+# A rank that dies makes torchrun restart the workers on every node (up to MAX_RESTARTS times, default 3);
+# they resume from the latest checkpoint in CHECKPOINT_DIR (shared by the nodes). A resubmitted job resumes
+# from it too.
 set -euo pipefail
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/llama2-7b}
 # The first host of the allocation (read whole: a pipe into head could fail the script under pipefail).
 HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR=${HOSTS%%$'\n'*}
@@ -25,7 +31,8 @@ REPO=${REPO:-${SLURM_SUBMIT_DIR:-.}}
 
 # Launcher: srun starts one torchrun per node (--ntasks-per-node=1); c10d rendezvous keyed by the job id.
 LAUNCH_ARGS=(--nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE"
-             --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT")
+             --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+             --max-restarts "$MAX_RESTARTS")
 
 # Data: preprocessed corpus or synthetic tokens.
 if [ -n "${DATA_PREFIX:-}" ]; then
@@ -52,7 +59,7 @@ TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 512 --train-iters 100000
 
 # Logging, checkpoints; --exit-signal-handler saves a checkpoint when SLURM sends SIGTERM before the time limit.
 LOG_ARGS=(--log-interval 10 --eval-interval 1000 --eval-iters 10 --exit-signal-handler
-          --save "${CHECKPOINT_DIR:-checkpoints/llama2-7b}" --save-interval 1000)
+          --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 1000)
 
 srun torchrun "${LAUNCH_ARGS[@]}" "$REPO/pretrain_gpt.py" \
     "${DATA_ARGS[@]}" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${LOG_ARGS[@]}" "$@"

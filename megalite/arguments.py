@@ -30,7 +30,6 @@ __all__ = ["NOT_IMPLEMENTED", "build_parser", "config_from_args", "declared_fiel
 NOT_IMPLEMENTED: Dict[str, str] = {
     "--context-parallel-size": "context parallelism",
     "--expert-model-parallel-size": "expert parallelism", "--num-experts": "mixture of experts",
-    "--async-save": "asynchronous checkpoint saving",
 }
 
 # Choice sets a field names by key because config.py may not import the pipeline package.

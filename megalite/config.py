@@ -60,6 +60,13 @@ def _virtual_size(a: argparse.Namespace) -> int:
     return a.virtual_pipeline_model_parallel_size or 1
 
 
+def _checkpoint_scheduler(a: argparse.Namespace) -> bool:
+    if a.override_opt_param_scheduler and a.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler (use the learning-rate settings given) and "
+                          "--use-checkpoint-opt_param-scheduler (keep the checkpoint's) are exclusive; pass one")
+    return a.use_checkpoint_opt_param_scheduler
+
+
 def layer_list(text: str) -> Tuple[int, ...]:
     """``5,3`` -> (5, 3) for --pipeline-stage-layers."""
     try:
@@ -224,6 +231,13 @@ class OptimConfig:
     lr_warmup_iters: int = LEARNING_RATE("--lr-warmup-iters", 20, "iterations of linear warmup from 0 to --lr", ge=0)
     lr_decay_iters: Optional[int] = LEARNING_RATE(  # None: train_iters
         "--lr-decay-iters", None, "iterations over which the rate decays (default: --train-iters)", gt=0)
+    override_opt_param_scheduler: bool = LEARNING_RATE(  # Megatron's flag names and meaning
+        "--override-opt_param-scheduler", False, "on resume, use the learning-rate settings given (--lr, --min-lr, "
+        "warmup, decay) instead of the checkpoint's")
+    use_checkpoint_opt_param_scheduler: bool = LEARNING_RATE(
+        "--use-checkpoint-opt_param-scheduler", False, "on resume, keep the checkpoint's learning-rate settings and "
+        "ignore the ones given (without either flag, settings that differ are refused)",
+        value=_checkpoint_scheduler)
     weight_decay: float = REGULARIZATION("--weight-decay", 0.01, "AdamW weight decay", ge=0)
     clip_grad: float = REGULARIZATION("--clip-grad", 1.0, "gradient norm clipping (0: off)", ge=0)
     adam_beta1: float = REGULARIZATION("--adam-beta1", 0.9, "Adam beta1, in [0, 1)", ge=0, lt=1)
@@ -311,6 +325,14 @@ class TrainConfig:
     skip_train: bool = VALIDATION(  # evaluate (validation, then test split) and exit (Megatron)
         "--skip-train", False,
         "no training: evaluate --load's checkpoint on the validation and test splits, exit unsaved")
+    inject_fault_at_iteration: Optional[int] = TRAINING(  # tests of in-job restart; faults.inject_fault
+        "--inject-fault-at-iteration", None, "for tests: --inject-fault-rank fails as this iteration begins, in "
+        "torchrun's first round only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job trains on", gt=0)
+    inject_fault_rank: int = TRAINING("--inject-fault-rank", 0, "the global rank --inject-fault-at-iteration "
+                                      "strikes", ge=0)
+    inject_fault_kind: str = TRAINING("--inject-fault-kind", "kill", "kill: the rank dies (SIGKILL); hang: it stops "
+                                      "until killed (the others wait out --distributed-timeout-minutes); exception: "
+                                      "it raises an error and exits 1", choices=("kill", "hang", "exception"))
 
 
 @dataclass(frozen=True)
@@ -330,6 +352,9 @@ class CheckpointConfig:
     no_load_rng: bool = CHECKPOINTING("--no-load-rng", False, "do not load random-number-generator states")
     ckpt_keep_last: Optional[int] = CHECKPOINTING(
         "--ckpt-keep-last", None, "keep only the newest K checkpoints (the latest is never deleted)", gt=0)
+    async_save: bool = CHECKPOINTING(  # snapshot to host memory, write in a background thread (Megatron's flag)
+        "--async-save", False, "write checkpoints in the background: training waits only for a copy of the state "
+        "in host memory; latest names the checkpoint once every rank has written it")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@
 
 A hung or stopped rank is the process group's timeout (``--distributed-timeout-minutes``):
 the waiting ranks' collectives fail and pretrain_gpt.py turns that into one line and exit 1.
+
+In-job restart: under ``torchrun --max-restarts N`` a failed round (any rank exiting non-zero)
+makes torchrun stop the others and start round ``TORCHELASTIC_RESTART_COUNT`` + 1, which forms
+its process group on keys of its own (parallel_state.elastic_round_store) and resumes from
+``--load``'s latest checkpoint. ``--inject-fault-at-iteration K --inject-fault-rank R
+--inject-fault-kind kill|hang|exception`` makes rank R fail as iteration K begins, in round 0 only.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import sys
 import threading
 import time
 from typing import Optional
+
+from megalite.config import ConfigError
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SAME_REQUEST_S = 2.0  # a second signal within this is the first one delivered twice
@@ -139,3 +147,43 @@ class ExitConditions:
     @property
     def active(self) -> bool:
         return (self.signals is not None and self.signals.save_on_signal) or self.duration_mins is not None
+
+
+def restart_round() -> int:
+    """torchrun's restart round: 0 for the first start, n after n restarts (0 outside torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+class InjectedFault(Exception):
+    """--inject-fault-kind exception: the error a rank raises (pretrain_gpt.py: one line, exit 1)."""
+
+
+def check_fault_injection(train_cfg, world_size: int) -> None:
+    """Refuse --inject-fault-rank outside the world before any iteration runs (ConfigError)."""
+    if train_cfg.inject_fault_at_iteration is not None and train_cfg.inject_fault_rank >= world_size:
+        raise ConfigError(f"--inject-fault-rank {train_cfg.inject_fault_rank} is not a rank of this world of "
+                          f"{world_size}; give 0..{world_size - 1}")
+
+
+def inject_fault(train_cfg, iteration: int, rank: int) -> None:
+    """Fail this rank as ``iteration`` begins when the --inject-fault-* flags say so (round 0 only)."""
+    if (train_cfg.inject_fault_at_iteration != iteration or train_cfg.inject_fault_rank != rank
+            or restart_round() != 0):
+        return
+    kind = train_cfg.inject_fault_kind
+    what = f"rank {rank}: --inject-fault-kind {kind} at iteration {iteration}"
+    if kind == "exception":
+        raise InjectedFault(f"{what}: this rank stops with an error")
+    try:
+        sys.stdout.flush()  # the log lines so far stay in the log
+    except (RuntimeError, ValueError, OSError):
+        pass
+    if kind == "kill":
+        _stderr(f"pretrain_gpt.py: {what}: killing this rank (SIGKILL)")
+        os.kill(os.getpid(), signal.SIGKILL)
+    _stderr(f"pretrain_gpt.py: {what}: this rank stops until it is killed")
+    while True:  # SIGTERM (torchrun stopping the round) still ends it through ExitSignals
+        time.sleep(3600)

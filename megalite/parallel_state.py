@@ -84,6 +84,25 @@ def grid_groups(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]
     return groups
 
 
+def elastic_round_store(world_size: int, timeout: timedelta) -> Optional["dist.Store"]:
+    """This restart round's own view of torchrun's store, or None (then env:// as usual).
+
+    torchrun (c10d rendezvous, the default and --standalone's) hosts one TCPStore in the agent for
+    the whole job and points every round's workers at it (TORCHELASTIC_USE_AGENT_STORE=True). Recent
+    torch reads env:// with no per-round prefix there, so after a restart the new round's gloo
+    rendezvous finds the dead round's keys (its ranks' listening addresses) under the same names and
+    connects to them: "connectFullMesh failed ... Connection refused", or a hang. Keys under
+    ``megalite/<run id>/round_<TORCHELASTIC_RESTART_COUNT>`` keep the rounds apart (what torch up to
+    2.5 did itself with ``/worker/attempt_<n>``).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megalite/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/round_"
+                            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 class ParallelState:
     """This rank's place in the (tp, dp, pp) grid plus its process groups.
 
@@ -140,8 +159,9 @@ class ParallelState:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
-            dist.init_process_group(backend, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                    store=elastic_round_store(world, timeout))
         return cls(dist.get_world_size(), dist.get_rank(), tp, pp, backend=backend,
                    timeout=timedelta(seconds=timeout_s))
 
@@ -216,6 +236,14 @@ class ParallelState:
     def is_logging_rank(self) -> bool:
         """The last global rank: it sits on the last pipeline stage, where the loss lives."""
         return self.rank == self.world_size - 1
+
+    def background_group(self):
+        """A gloo group over the whole world for work done off the training thread (asynchronous
+        checkpoint writes), so its collectives never interleave with training's. Created at the first
+        call, which every rank must make at the same point; None in a single process."""
+        if getattr(self, "_background", None) is None and self.world_size > 1 and dist.is_initialized():
+            self._background = dist.new_group(backend="gloo", timeout=self.timeout)
+        return getattr(self, "_background", None)
 
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process)."""

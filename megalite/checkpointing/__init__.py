@@ -2,22 +2,27 @@
 
 ::
 
-    SAVE/iter_0000100/                      (written as iter_0000100.tmp, renamed when complete)
+    SAVE/iter_0000100/                      (written as iter_0000100.tmp, renamed when every rank is done)
       sharded format (default, layout-free, on torch.distributed.checkpoint):
-        __<rank>_0.distcp  .metadata        every tensor block once, written by the rank owning it
-        index_<rank>.json                   block -> global tensor name, global shape, offsets
+        __<rank>_0.distcp  .metadata        every tensor block once, written by the rank owning it (with the
+                                            distributed optimizer: each DP rank its own flat pieces)
+        index_<rank>.json                   block -> global tensor name, global shape, offsets, [flat], crc32
         meta.json  rng_<rank>.pt            counters, scheduler, scaler, config; RNG per rank
       torch format (Megatron-LM's legacy layout, same tp/pp/vp to load):
-        mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt
+        mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt (+ .crc32.json: the file's checksum)
     SAVE/latest_checkpointed_iteration.txt  written last (temporary file + rename)
+    SAVE/.megalite_lock                     the run saving here (host, pid; held with flock by rank 0)
 
 The rooms: ``manager.py`` (Checkpointer, save_checkpoint, load_checkpoint: the run's
-explicit state objects in, files out), ``protocol.py`` (the atomic tmp -> rename ->
-latest protocol, retention), ``run_state.py`` (meta.json, model-shape check, random
-states), ``sharded.py`` (with its writer ``sharded_write.py`` and reader ``sharded_read.py``) and ``torch_format.py`` (the two formats), ``layout.py``
-(parameter blocks), ``safe_load.py`` (plain-data reads). Conversion to and from
-Hugging Face and Megatron-LM lives in ``interchange.py``, ``hf.py``, ``megatron.py``
-and ``native_io.py``. This module only re-exports the public names.
+explicit state objects in, files out), ``async_save.py`` (the snapshot, the writes in the
+background with --async-save, publishing once every rank is done), ``protocol.py`` (the atomic
+tmp -> rename -> latest protocol, retention, the shared-directory check), ``save_lock.py`` (one
+run per --save), ``run_state.py`` (meta.json and its validation, model-shape check, random
+states), ``sharded.py`` (with its writer ``sharded_write.py`` and reader ``sharded_read.py``) and
+``torch_format.py`` (the two formats), ``layout.py`` (parameter blocks), ``safe_load.py``
+(plain-data reads). Conversion to and from Hugging Face and Megatron-LM lives in
+``interchange.py``, ``hf.py``, ``megatron.py``, ``native_io.py`` and the ``torch_dist*.py`` /
+``megatron_buckets.py`` modules. This module only re-exports the public names.
 """
 from megalite.checkpointing.manager import FORMATS, Checkpointer, load_checkpoint, save_checkpoint
 from megalite.checkpointing.protocol import LATEST, iteration_dir, read_latest

@@ -14,6 +14,7 @@ to read, in any (tp, pp, vp) layout.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -83,13 +84,47 @@ def chunk_blocks(chunks: Sequence[GPTModel], for_write: bool) -> Dict[Tuple[int,
     return {(i, n): param_blocks(c, n, p, for_write) for i, c in enumerate(chunks) for n, p in c.named_parameters()}
 
 
-def intersect(block: Block, saved_offsets: Sequence[int], saved_sizes: Sequence[int]):
-    """Slices (into the needed block, into the saved block) of their overlap, or None."""
-    dst, src = [], []
-    for o, s, so, ss in zip(block.offsets, block.sizes, saved_offsets, saved_sizes):
+def overlap(offsets_a: Sequence[int], sizes_a: Sequence[int], offsets_b: Sequence[int], sizes_b: Sequence[int]):
+    """Slices (into box a, into box b) of two boxes' overlap in global coordinates, or None."""
+    sa, sb = [], []
+    for o, s, so, ss in zip(offsets_a, sizes_a, offsets_b, sizes_b):
         lo, hi = max(o, so), min(o + s, so + ss)
         if lo >= hi:
             return None
-        dst.append(slice(lo - o, hi - o))
-        src.append(slice(lo - so, hi - so))
-    return tuple(dst), tuple(src)
+        sa.append(slice(lo - o, hi - o))
+        sb.append(slice(lo - so, hi - so))
+    return tuple(sa), tuple(sb)
+
+
+def flat_boxes(offsets: Sequence[int], sizes: Sequence[int], lo: int, hi: int) -> List[Tuple[tuple, tuple, int]]:
+    """Elements [lo, hi) of box (offsets, sizes)'s row-major flattening as boxes, in order.
+
+    Each is (global offsets, sizes, its first element's place in [lo, hi)), contiguous in that
+    flattening: at most one partial run per dimension at each end, full rows in between.
+    """
+    out: List[Tuple[tuple, tuple, int]] = []
+
+    def walk(dim: int, head: tuple, a: int, b: int) -> None:  # [a, b) of the sub-box at index ``head``
+        stride = math.prod(sizes[dim + 1:])
+        first, last = a // stride, (b - 1) // stride
+        if dim == len(sizes) - 1 or (a % stride == 0 and b % stride == 0):
+            out.append((tuple(o + h for o, h in zip(offsets, head + (first,))) + tuple(offsets[dim + 1:]),
+                        (1,) * dim + (last + 1 - first,) + tuple(sizes[dim + 1:]), 0))
+        elif first == last:
+            walk(dim + 1, head + (first,), a - first * stride, b - first * stride)
+        else:
+            full_a = first + (a % stride != 0)
+            if a % stride:
+                walk(dim + 1, head + (first,), a % stride, stride)
+            if full_a < b // stride:
+                walk(dim, head, full_a * stride, b // stride * stride)
+            if b % stride:
+                walk(dim + 1, head + (last,), 0, b % stride)
+
+    if hi > lo:
+        walk(0, (), lo, hi)
+    place = 0
+    for i, (o, s, _) in enumerate(out):
+        out[i] = (o, s, place)
+        place += math.prod(s)
+    return out

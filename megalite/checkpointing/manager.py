@@ -8,7 +8,9 @@ counters and the random states (the RNGTracker plus the process-wide generators)
 ``--save-interval``, ``--ckpt-*``) and remembers the iteration last on disk.
 The directory protocol is ``protocol.py``'s, the files the formats'
 (``sharded.py``, ``torch_format.py``), ``meta.json`` and the random states
-``run_state.py``'s.
+``run_state.py``'s. A save is a snapshot then the writes (``async_save.py``): with
+``--async-save`` the Checkpointer writes in a background thread, ``poll`` (each
+iteration) publishes once every rank has written, ``wait`` finishes the one in flight.
 """
 from __future__ import annotations
 
@@ -18,16 +20,17 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from torch import nn
 
-from megalite.agreement import flag_on_any_rank
-from megalite.checkpointing.protocol import LATEST, begin_save, iteration_dir, publish_save, read_json, read_latest, \
-    saved_iterations, write_json
-from megalite.checkpointing.run_state import RandomStates, check_model_shape, layout_of, run_meta
+from megalite.agreement import flag_on_any_rank, flags_on_any_rank
+from megalite.checkpointing.async_save import SaveJob, conclude, save_failed, start_save
+from megalite.checkpointing.protocol import LATEST, iteration_dir, read_json, read_latest, read_latest_text, \
+    saved_iterations
+from megalite.checkpointing.run_state import RandomStates, check_meta, check_model_shape, layout_of
 from megalite.checkpointing.safe_load import CheckpointError
+from megalite.checkpointing.save_lock import ensure_save_lock
 from megalite.checkpointing.sharded_read import read_sharded
-from megalite.checkpointing.sharded_write import write_sharded
 from megalite.checkpointing.torch_dist import load_torch_dist_weights, open_for_run, torch_dist_dir
 from megalite.checkpointing.torch_dist_optim import load_torch_dist_optimizer
-from megalite.checkpointing.torch_format import read_torch, write_torch
+from megalite.checkpointing.torch_format import read_torch
 from megalite.config import Config
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
@@ -48,27 +51,16 @@ def save_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Mod
                     fmt: str = "sharded", keep_last: Optional[int] = None) -> str:
     """Save the run at ``train_state.iteration`` under ``root``; returns its directory (collective).
 
-    Every rank writes into ``iter_XXXXXXX.tmp``, which is renamed into place before
-    ``latest_checkpointed_iteration.txt`` names it; ``keep_last`` prunes older ones.
+    Every rank writes the state it owns into ``iter_XXXXXXX.tmp``, which is renamed into place
+    before ``latest_checkpointed_iteration.txt`` names it; ``keep_last`` prunes older ones. A
+    failure (a full disk, any OSError) is one CheckpointError line on every rank, ``latest``
+    unchanged. ``Checkpointer.save`` with ``--async-save`` writes in the background instead.
     """
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown --ckpt-format {fmt!r}; use sharded or torch")
-    it = train_state.iteration
-    tmp = begin_save(root, it, ps)
-    optimizer.finish_param_gather()
-    # fp32 main weights are the model weights: not stored twice (collective over DP, one key at a time on CPU)
-    full_opt = optimizer.full_state_dict(include_main=optimizer.half, to_cpu=True)
-    meta = run_meta(cfg, ps, optimizer, scheduler, train_state)
-    rng = RandomStates(rng_tracker)
-    if fmt == "sharded":
-        write_sharded(tmp, ps, model_parts, full_opt, rng)
-    else:
-        write_torch(tmp, ps, model_parts, full_opt, meta, rng)
-    if ps.rank == 0:
-        write_json(os.path.join(tmp, "meta.json"), {**meta, "format": fmt})
-    final = publish_save(root, it, ps, keep_last)
-    logger.info(f"saved checkpoint at iteration {it} to {root} ({fmt} format)")
-    return final
+    job = start_save(cfg, ps, model_parts, optimizer, scheduler, train_state, rng_tracker, root, fmt, keep_last)
+    job.run()
+    return conclude(job, ps)
 
 
 def _read_meta(root: str, it: int) -> tuple:
@@ -79,7 +71,7 @@ def _read_meta(root: str, it: int) -> tuple:
         raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json; a Megatron-LM torch-format "
                               f"one converts with tools/checkpoint/convert.py --loader megatron); other iterations "
                               f"in {root}: {', '.join(have) or 'none'}; pick one with --ckpt-step or check --load")
-    return d, read_json(meta_path)
+    return d, check_meta(read_json(meta_path), meta_path)
 
 
 def load_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Module], optimizer: "MegatronOptimizer",
@@ -92,6 +84,8 @@ def load_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Mod
     as Megatron does). ``finetune`` loads the weights only and leaves the counters,
     optimizer state, schedule and random states as they are (collective).
     """
+    if step is None:
+        read_latest_text(root)  # a damaged latest file is one line before anything reads it
     td = torch_dist_dir(root, step)
     if td is not None:  # Megatron-LM's default --ckpt-format: read in place
         return _load_torch_dist(td, cfg, ps, model_parts, optimizer, scheduler, train_state, finetune,
@@ -106,6 +100,8 @@ def load_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Mod
     d, meta = _read_meta(root, it)
     check_model_shape(meta["model_shape"], cfg.model, d)
     load_optim = load_optim and not finetune
+    if load_optim:  # changed LR settings are refused before gigabytes are read
+        scheduler.load_state_dict(meta["scheduler"])
     here = layout_of(cfg, ps)
     optimizer.finish_param_gather()
     if meta.get("format") == "torch":
@@ -116,8 +112,6 @@ def load_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Mod
         optimizer.load_step_state(meta)
     if not finetune:
         train_state.load_state_dict(meta)
-    if load_optim:
-        scheduler.load_state_dict(meta["scheduler"])
     if load_rng and not finetune:
         if rng is not None:
             RandomStates(rng_tracker).load_state_dict(rng)
@@ -164,8 +158,10 @@ class Checkpointer:
 
     Reads ``cfg.checkpoint`` at each call (``--save``, ``--save-interval``, ``--ckpt-format``,
     ``--ckpt-keep-last``; ``--load``, ``--ckpt-step``, ``--finetune``, ``--no-load-optim``,
-    ``--no-load-rng``). ``saved_at`` is the iteration last saved to ``--save`` (or loaded
-    from it: already on disk, not saved again at the end), None before.
+    ``--no-load-rng``, ``--async-save``). ``saved_at`` is the iteration last saved to ``--save`` (or
+    loaded from it: already on disk, not saved again at the end), None before. With ``--async-save``
+    a save returns after its snapshot; ``poll`` (each iteration) publishes it once every rank has
+    written, ``wait`` (the next save, the end of the run) finishes it.
     """
 
     def __init__(self, cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Module],
@@ -175,6 +171,14 @@ class Checkpointer:
         self.model_parts, self.optimizer, self.scheduler = list(model_parts), optimizer, scheduler
         self.train_state, self.rng_tracker = train_state, rng_tracker
         self.saved_at: Optional[int] = None
+        self.lock_error: Optional[CheckpointError] = None
+        self._pending: Optional[SaveJob] = None  # the asynchronous save in flight
+        self._buffers: Optional[dict] = None  # its host copies, reused by the next snapshot
+        if cfg.checkpoint.save:  # one run per --save directory (save_lock.py): refused at load, or the first save
+            try:
+                ensure_save_lock(cfg.checkpoint.save, ps)
+            except CheckpointError as e:
+                self.lock_error = e
 
     def _parts(self) -> tuple:
         return (self.cfg, self.ps, self.model_parts, self.optimizer, self.scheduler, self.train_state,
@@ -186,17 +190,60 @@ class Checkpointer:
         return bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0)
 
     def save(self) -> str:
-        """Save the run to ``--save`` at the current iteration (collective); returns the directory."""
+        """Save the run to ``--save`` at the current iteration (collective); returns the directory.
+
+        With ``--async-save`` only the snapshot happens here (a save still in flight is finished
+        first); the files are written in the background and published by :meth:`poll` or
+        :meth:`wait`, so the directory returned exists once they ran.
+        """
         ck = self.cfg.checkpoint
         if not ck.save:
             raise CheckpointError("no --save directory to save the checkpoint to")
-        final = save_checkpoint(*self._parts(), ck.save, ck.ckpt_format, ck.ckpt_keep_last)
+        if ck.ckpt_format not in FORMATS:
+            raise CheckpointError(f"unknown --ckpt-format {ck.ckpt_format!r}; use sharded or torch")
+        self.wait()
+        background = ck.async_save
+        group = self.ps.background_group() if background and ck.ckpt_format == "sharded" else None
+        if background and self._buffers is None:
+            self._buffers = {}  # host copies of this rank's state, reused by every later snapshot
+        job = start_save(*self._parts(), ck.save, ck.ckpt_format, ck.ckpt_keep_last, copy=background, group=group,
+                         buffers=self._buffers if background else None)
         self.saved_at = self.train_state.iteration
-        return final
+        job.run(background=background)
+        if background:
+            self._pending = job
+            return iteration_dir(ck.save, job.iteration)
+        return conclude(job, self.ps)
+
+    def poll(self) -> None:
+        """Publish an asynchronous save once every rank's write finished (collective while one is in flight:
+        one all-reduce of two flags; call it at the same point of every iteration on every rank).
+
+        A failed write on any rank raises one CheckpointError line on every rank; ``latest`` keeps
+        naming the previous checkpoint.
+        """
+        job: Optional[SaveJob] = self._pending
+        if job is None:
+            return
+        running, failed = flags_on_any_rank([not job.done, job.done and job.error is not None], self.ps)
+        if failed:
+            self._pending = None
+            raise save_failed(job.root, job.iteration, job.error if job.done else None)
+        if not running:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the asynchronous save in flight, if any: wait for this rank's write, then publish (collective)."""
+        job: Optional[SaveJob] = self._pending
+        if job is not None:
+            self._pending = None
+            conclude(job, self.ps)
 
     def load(self) -> Optional[int]:
         """Resume from ``--load`` (collective); returns the iteration loaded, or None when there is none."""
         ck = self.cfg.checkpoint
+        if self.lock_error is not None:
+            raise self.lock_error
         if not ck.load:
             return None
         it = load_checkpoint(*self._parts(), ck.load, step=ck.ckpt_step, finetune=ck.finetune,

@@ -28,7 +28,8 @@ from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSo
 from megalite.checkpointing.protocol import iteration_dir, read_json, read_latest
 from megalite.checkpointing.run_state import FORMAT_VERSION, SHAPE_FIELDS
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
-from megalite.checkpointing.sharded import dcp_read, quiet_single_process, read_index
+from megalite.checkpointing.sharded import quiet_single_process, read_index
+from megalite.checkpointing.sharded_read import read_whole
 from megalite.checkpointing.torch_dist import is_torch_dist
 from megalite.checkpointing.torch_format import legacy_dir
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig
@@ -93,24 +94,8 @@ class MegaliteSource(ModelSource):
 
     # -- sharded: blocks through torch.distributed.checkpoint --------------------------------------
     def _read_sharded(self, names: List[str]) -> Dict[str, torch.Tensor]:
-        state, parts, out = {}, [], {}
-        for n in names:
-            entries = self.index.get(("model", n))
-            if not entries:
-                raise CheckpointError(f"{self.dir} has no tensor {n!r}: it does not hold the model meta.json "
-                                      f"describes")
-            out[n] = torch.empty(entries[0]["shape"], dtype=getattr(torch, entries[0]["dtype"]))
-            if len(entries) == 1 and entries[0]["sizes"] == entries[0]["shape"]:
-                state[entries[0]["key"]] = out[n]  # one block is the whole tensor: read straight into place
-                continue
-            for e in entries:
-                state[e["key"]] = torch.empty(e["sizes"], dtype=getattr(torch, e["dtype"]))
-                parts.append((n, e))
-        dcp_read(state, self.dir, "use another iteration of it, or another checkpoint")
-        for n, e in parts:
-            where = tuple(slice(o, o + s) for o, s in zip(e["offsets"], e["sizes"]))
-            out[n][where] = state[e["key"]]
-        return out
+        # whole tensors from any writer's entries (whole blocks, or the owner-written flat pieces), checked
+        return read_whole(self.dir, self.index, names)
 
     # -- torch: one pipeline rank's files, mapped ------------------------------------------------
     def _chunk(self, pp_rank: int, chunk: int) -> List[dict]:

@@ -3,7 +3,8 @@
 ``meta.json`` (one per checkpoint, both formats; written by rank 0)::
 
     format_version  iteration consumed_samples skipped_iters nan_iters   (the TrainState counters)
-    scheduler       the LR schedule's state_dict
+    scheduler       the LR schedule's state_dict: num_steps and its settings (lr, min_lr, lr_warmup_iters,
+                    lr_decay_iters, lr_decay_style; older checkpoints hold num_steps only)
     scaler adam_step group_steps   (the optimizer's step_state(): fp16 loss scale, Adam step counts)
     layout          world tp pp vp dp first last stage_layers   (the parallel layout it was saved in)
     config          the whole Config; model_shape: the fields a model must share to load it
@@ -12,6 +13,8 @@
 :class:`RandomStates` captures and restores every generator a rank draws from
 (Python, NumPy, torch CPU, this rank's CUDA device and the tensor-parallel
 tracker's), so a resumed run draws the same dropout masks as an uninterrupted one.
+:func:`check_meta` validates every field a load uses before anything uses it (one line naming
+the file and the field).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_group
                 "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
                 "max_positions", "openai_gelu")  # checkpoints older than a field lack it: not compared
 
-__all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_model_shape",
+__all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_meta", "check_model_shape",
            "stage_counts", "saved_stage_layers"]
 
 
@@ -107,6 +110,61 @@ def check_model_shape(saved: dict, model: ModelConfig, where: str) -> None:
                               f"saved with")
 
 
+_NUM = (int, float)
+_META_FIELDS = (  # (field, types, required): what load_checkpoint reads from meta.json
+    ("iteration", int, True), ("consumed_samples", int, True), ("skipped_iters", int, False),
+    ("nan_iters", int, False), ("scheduler", dict, True), ("scaler", (dict, type(None)), False),
+    ("adam_step", _NUM, False), ("group_steps", (list, type(None)), False), ("layout", dict, True),
+    ("model_shape", dict, True), ("format", str, False))
+_LAYOUT_FIELDS = ("world", "tp", "pp", "vp", "dp", "first", "last")
+
+
+def check_meta(meta: object, path: str) -> dict:
+    """``meta`` as read from ``path``, with every field load_checkpoint uses present and of the right type;
+    otherwise one CheckpointError naming the file and the field."""
+    def bad(field: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {field} {what}; the checkpoint is damaged: load another iteration with "
+                               f"--ckpt-step")
+
+    def typed(value: object, types) -> bool:
+        return isinstance(value, types) and not isinstance(value, bool)
+
+    if not isinstance(meta, dict):
+        raise bad("the file", f"holds a JSON {type(meta).__name__}, not an object")
+    for name, types, required in _META_FIELDS:
+        if name not in meta:
+            if required:
+                raise bad(f"field {name!r}", "is missing")
+        elif not typed(meta[name], types):
+            raise bad(f"field {name!r}", f"has the wrong type ({type(meta[name]).__name__}: {str(meta[name])[:40]})")
+    for name in ("iteration", "consumed_samples", "skipped_iters", "nan_iters"):
+        if meta.get(name, 0) < 0:
+            raise bad(f"field {name!r}", f"is negative ({meta[name]})")
+    sched = meta["scheduler"]
+    if not typed(sched.get("num_steps"), int):
+        raise bad("field 'scheduler.num_steps'", "is missing or not an integer")
+    for name, types in (("lr", _NUM), ("min_lr", _NUM), ("lr_warmup_iters", int), ("lr_decay_iters", int),
+                        ("lr_decay_style", str)):  # the schedule's settings (absent in older checkpoints)
+        if name in sched and not typed(sched[name], types):
+            raise bad(f"field 'scheduler.{name}'", f"has the wrong type ({type(sched[name]).__name__})")
+    if sched.get("lr_decay_style", "constant") not in ("constant", "linear", "cosine"):
+        raise bad("field 'scheduler.lr_decay_style'", f"is {sched['lr_decay_style']!r}")
+    for name in _LAYOUT_FIELDS:
+        if not typed(meta["layout"].get(name), int):
+            raise bad(f"field 'layout.{name}'", "is missing or not an integer")
+    stage_layers = meta["layout"].get("stage_layers")
+    if stage_layers is not None and not (isinstance(stage_layers, list) and all(typed(n, int) for n in stage_layers)):
+        raise bad("field 'layout.stage_layers'", "is not a list of integers")
+    scaler = meta.get("scaler")
+    if scaler and not all(typed(scaler.get(k, 0), _NUM) for k in ("scale", "growth_tracker", "hysteresis_tracker")):
+        raise bad("field 'scaler'", "has a non-numeric value")
+    if any(g is not None and not typed(g, _NUM) for g in meta.get("group_steps") or []):
+        raise bad("field 'group_steps'", "is not a list of numbers")
+    if meta.get("format", "sharded") not in ("sharded", "torch"):
+        raise bad("field 'format'", f"is {meta['format']!r}, not sharded or torch")
+    return meta
+
+
 def stage_counts(layout: dict, num_layers: int) -> str:
     """Layers of every virtual stage, resolved (``2,2``), so an even split given as a list and the
     same split given by default compare equal; older files lack the list."""
@@ -124,11 +182,18 @@ def saved_stage_layers(root: str, step: Optional[int], pp: int, vp: int) -> Opti
     ``--pipeline-balance measured`` resumes with it instead of measuring again: timing noise could
     choose another split, which a torch-format checkpoint refuses and which changes the RNG layout.
     """
-    it = step if step is not None else read_latest(root)
-    path = os.path.join(iteration_dir(root, it), "meta.json") if it is not None else None
-    if path is None or not os.path.exists(path):
+    try:  # a damaged checkpoint is reported by the load that follows, in one line
+        it = step if step is not None else read_latest(root)
+        path = os.path.join(iteration_dir(root, it), "meta.json") if it is not None else None
+        if path is None or not os.path.exists(path):
+            return None
+        meta = read_json(path)
+    except CheckpointError:
         return None
-    layout = read_json(path).get("layout", {})
-    if layout.get("pp") == pp and layout.get("vp") == vp and layout.get("stage_layers"):
-        return tuple(int(n) for n in layout["stage_layers"])
-    return None
+    layout = meta.get("layout") if isinstance(meta, dict) else None
+    if not isinstance(layout, dict) or layout.get("pp") != pp or layout.get("vp") != vp:
+        return None
+    split = layout.get("stage_layers")
+    if isinstance(split, list) and split and all(type(n) is int and n >= 0 for n in split):
+        return tuple(split)
+    return None  # none recorded, or damaged: the load that follows names what is wrong

@@ -31,7 +31,14 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked; the message says what to do (one line)."""
+    """A checkpoint that cannot be used as asked; the message says what to do (one line).
+
+    ``report`` is False on the ranks that only follow another rank's failure (that rank says why).
+    """
+
+    def __init__(self, message: str = "", report: bool = True):
+        super().__init__(message)
+        self.report = report
 
 
 def safe_torch_load(path: str, mmap: bool = False) -> Any:

@@ -1,45 +1,117 @@
-"""The sharded format's writer (the format is described in ``sharded.py``)."""
+"""The sharded format's writer (the format is described in ``sharded.py``): shards written by their owners.
+
+Each rank writes only what it owns, without gathering anything:
+
+* with the distributed optimizer, every DP rank owns flat ranges of its TP-local parameters
+  (``MegatronOptimizer.pieces``); it writes, for each of its pieces and each global block the
+  parameter holds (``layout.py``), the part of the block the piece covers as one ``"flat"``
+  entry: the block's elements ``[lo, hi)`` in row-major order, 1-D. That holds for the model
+  weights (``model/``) and for the optimizer state (``optim.param`` -- the fp32 main weights,
+  only for half-precision runs --, ``optim.exp_avg``, ``optim.exp_avg_sq``). Keys are
+  ``<prefix>/<block key>#<lo>``; the DP ranks' entries together cover each block once.
+* without it (or at dp 1), whole blocks (``<prefix>/<block key>``, no ``"flat"``), spread over
+  the DP ranks round-robin (block ``j`` of a rank's list is written by DP rank ``j % dp``).
+
+Every index entry carries ``"crc32"``: ``zlib.crc32`` of the stored tensor's bytes (contiguous,
+little-endian), computed from the bytes written. Save time and bytes written per rank fall as
+1/dp. Extra memory: for a synchronous save the entries are views of the live tensors, and
+torch.distributed.checkpoint copies one view at a time while it writes; an asynchronous save
+(``async_save.py``) copies this rank's share into host buffers it keeps for the next save.
+The collective is torch.distributed.checkpoint's (plans gathered, ``.metadata`` written by the
+first rank of the group), run before anything else so a failure there reaches every rank.
+"""
 from __future__ import annotations
 
+import math
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from megalite.checkpointing.layout import chunk_blocks
+from megalite.checkpointing.layout import Block, chunk_blocks
 from megalite.checkpointing.protocol import save_synced, write_json
-from megalite.checkpointing.run_state import RandomStates
-from megalite.checkpointing.sharded import OPTIM_KEYS, quiet_single_process
+from megalite.checkpointing.sharded import OPTIM_KEYS, crc_of, quiet_single_process
 from megalite.parallel_state import ParallelState
 
-__all__ = ["write_sharded"]
+__all__ = ["Shard", "plan_shards", "write_sharded", "crc32_of"]
+
+Shard = Tuple[dict, torch.Tensor]  # (index entry without its crc32, the tensor to store)
 
 
-def write_sharded(tmp: str, ps: ParallelState, chunks: Sequence[nn.Module], full_opt: dict,
-                  rng: RandomStates) -> None:
-    """Write this rank's blocks, index and random states into ``tmp`` (collective over the world).
+def crc32_of(t: torch.Tensor) -> int:
+    """``zlib.crc32`` of a tensor's bytes (contiguous, native little-endian), as the index records it."""
+    return crc_of(t.detach().contiguous().cpu())
 
-    ``full_opt`` is the optimizer's ``full_state_dict`` (every parameter's whole fp32 state).
+
+def _entry(prefix: str, b: Block, t: torch.Tensor, flat=None) -> dict:
+    key = f"{prefix}/{b.key}" + (f"#{flat[0]}" if flat is not None else "")
+    e = {"key": key, "prefix": prefix, "name": b.name, "shape": list(b.global_shape), "offsets": list(b.offsets),
+         "sizes": list(b.sizes), "dtype": str(t.dtype).replace("torch.", "")}
+    if flat is not None:
+        e["flat"] = [int(flat[0]), int(flat[1])]
+    return e
+
+
+def _optim_views(optimizer, pc) -> Dict[str, torch.Tensor]:
+    """The optimizer state a piece stores: fp32 main weights (half-precision runs) and the Adam moments."""
+    out = {"param": pc.main.detach()} if optimizer.half else {}
+    st = optimizer.optimizer.state.get(pc.main, {})
+    out.update({k: st[k].detach() for k in OPTIM_KEYS if k != "param" and torch.is_tensor(st.get(k))})
+    return out
+
+
+def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> List[Shard]:
+    """This rank's entries and the tensors they store (views of the live state, no copies, no collective)."""
+    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+    pieces: Dict[int, list] = {}
+    for pc in optimizer.pieces:
+        pieces.setdefault(id(pc.param), []).append(pc)
+    optimized = {id(p) for _, p in optimizer.named}
+    out: List[Shard] = []
+    turn = 0  # whole blocks go round-robin over the DP ranks
+    for (i, name), blocks in chunk_blocks(chunks, for_write=True).items():
+        param = params[(i, name)]
+        p = param.detach()
+        if optimizer.distributed and id(param) in optimized:
+            rs = math.prod(p.shape[1:])
+            for b in blocks:
+                a, z = b.local_rows[0] * rs, b.local_rows[1] * rs
+                for pc in pieces.get(id(param), []):
+                    lo, hi = max(pc.start, a), min(pc.end, z)
+                    if lo >= hi:
+                        continue
+                    flat = (lo - a, hi - a)
+                    out.append((_entry("model", b, p, flat), p.view(-1)[lo:hi]))
+                    for k, t in _optim_views(optimizer, pc).items():
+                        piece = t.view(-1)[lo - pc.start:hi - pc.start]
+                        out.append((_entry(f"optim.{k}", b, piece, flat), piece))
+            continue
+        state = {}
+        if id(param) in optimized:
+            pc = pieces[id(param)][0]  # the plain optimizer: one piece per parameter
+            state = {k: t.view(p.shape) for k, t in _optim_views(optimizer, pc).items()}
+        for b in blocks:
+            turn += 1
+            if (turn - 1) % ps.dp_size != ps.dp_rank:
+                continue
+            for prefix, t in [("model", p)] + [(f"optim.{k}", v) for k, v in state.items()]:
+                view = b.local(t)
+                out.append((_entry(prefix, b, view), view))
+    return out
+
+
+def write_sharded(tmp: str, ps: ParallelState, shards: Sequence[Shard], rng_state: dict,
+                  process_group=None) -> None:
+    """Write this rank's shards, its index (with checksums) and random states into ``tmp``.
+
+    Collective over ``process_group`` (the default group when None): torch.distributed.checkpoint
+    plans the save on every rank and writes ``.metadata`` on the first.
     """
-    state: Dict[str, torch.Tensor] = {}
-    index: List[dict] = []
-    if ps.dp_rank == 0:  # DP replicas hold the same tensors: one writes them
-        params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
-        for (i, name), blocks in chunk_blocks(chunks, for_write=True).items():
-            sources = {"model": params[(i, name)].detach()}
-            sources.update({f"optim.{k}": full_opt[name][k] for k in OPTIM_KEYS if k in full_opt.get(name, {})})
-            for prefix, tensor in sources.items():
-                for b in blocks:
-                    key = f"{prefix}/{b.key}"
-                    state[key] = b.local(tensor).contiguous()  # written before anything changes
-                    index.append({"key": key, "prefix": prefix, "name": b.name, "shape": list(b.global_shape),
-                                  "offsets": list(b.offsets), "sizes": list(b.sizes),
-                                  "dtype": str(tensor.dtype).replace("torch.", "")})
-    with quiet_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    state: Dict[str, torch.Tensor] = {e["key"]: t if t.is_contiguous() else t.contiguous() for e, t in shards}
+    with quiet_single_process():  # first: a failure here reaches every rank through the collective
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group)
+    index = [{**e, "crc32": crc32_of(state[e["key"]])} for e, _ in shards]
     write_json(os.path.join(tmp, f"index_{ps.rank:05d}.json"), index)
-    save_synced(rng.state_dict(), os.path.join(tmp, f"rng_{ps.rank:05d}.pt"))
-
-
+    save_synced(rng_state, os.path.join(tmp, f"rng_{ps.rank:05d}.pt"))

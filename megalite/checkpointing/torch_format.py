@@ -7,6 +7,7 @@
       model | model0, model1, ...     each chunk's state_dict (one per virtual stage)
       optimizer: {state: full per-parameter fp32 state, scaler, group_steps}
       opt_param_scheduler  rng_state (one RandomStates per DP rank)  counters  layout  model_shape
+    iter_0000100/mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt.crc32.json   {"crc32", "bytes"} of that file
 
 The directory naming is Megatron's (:func:`legacy_dir`), which the Megatron-LM
 reader and writer (``megatron.py``) and the converter (``native_io.py``) share.
@@ -14,17 +15,21 @@ reader and writer (``megatron.py``) and the converter (``native_io.py``) share.
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Dict, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpointing.protocol import save_synced
-from megalite.checkpointing.run_state import RandomStates, stage_counts
+from megalite.checkpointing.protocol import agree_on_error, read_json, write_json
+from megalite.checkpointing.run_state import stage_counts
 from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
 from megalite.parallel_state import ParallelState
 
-__all__ = ["legacy_dir", "write_torch", "read_torch", "check_same_layout"]
+CRC_SUFFIX = ".crc32.json"  # the checksum sidecar next to each model_optim_rng.pt
+
+__all__ = ["legacy_dir", "CRC_SUFFIX", "torch_state", "write_torch_state", "read_torch", "check_same_layout"]
 
 
 def legacy_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -36,29 +41,60 @@ def _model_key(i: int, n_chunks: int) -> str:
     return "model" if n_chunks == 1 else f"model{i}"
 
 
-def write_torch(tmp: str, ps: ParallelState, chunks: Sequence[nn.Module], full_opt: dict, meta: dict,
-                rng: RandomStates) -> None:
-    """Write this (tp, pp) rank's ``model_optim_rng.pt`` into ``tmp`` (collective over the DP group).
+def torch_state(ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta: dict,
+                rng: dict) -> Optional[dict]:
+    """This (tp, pp) rank's ``model_optim_rng.pt`` content on DP rank 0, None elsewhere (collective over DP).
 
-    ``meta`` is ``run_meta``'s content; ``rng`` this rank's RandomStates, gathered over DP.
+    The optimizer state is gathered over DP (``full_state_dict``: the legacy file holds every
+    parameter's whole fp32 state); ``rng`` is this rank's RandomStates, gathered over DP.
+    The tensors may be views of the live state: copy them before training goes on.
     """
+    full_opt = optimizer.full_state_dict(include_main=optimizer.half, to_cpu=True)
     rngs: List[Optional[dict]] = [None] * ps.dp_size
     if ps.dp_size > 1:
-        dist.all_gather_object(rngs, rng.state_dict(), group=ps.dp_group)
+        dist.all_gather_object(rngs, rng, group=ps.dp_group)
     else:
-        rngs = [rng.state_dict()]
+        rngs = [rng]
     if ps.dp_rank != 0:
-        return
+        return None
     models = {_model_key(i, len(chunks)): c.state_dict() for i, c in enumerate(chunks)}
-    state = {"args": meta["config"], "checkpoint_version": 3.0, "iteration": meta["iteration"],
-             "consumed_samples": meta["consumed_samples"], **models,
-             "optimizer": {"state": full_opt, "scaler": meta["scaler"], "group_steps": meta["group_steps"]},
-             "opt_param_scheduler": meta["scheduler"], "rng_state": rngs,
-             "counters": {"skipped_iters": meta["skipped_iters"], "nan_iters": meta["nan_iters"]},
-             "layout": meta["layout"], "model_shape": meta["model_shape"]}
+    return {"args": meta["config"], "checkpoint_version": 3.0, "iteration": meta["iteration"],
+            "consumed_samples": meta["consumed_samples"], **models,
+            "optimizer": {"state": full_opt, "scaler": meta["scaler"], "group_steps": meta["group_steps"]},
+            "opt_param_scheduler": meta["scheduler"], "rng_state": rngs,
+            "counters": {"skipped_iters": meta["skipped_iters"], "nan_iters": meta["nan_iters"]},
+            "layout": meta["layout"], "model_shape": meta["model_shape"]}
+
+
+class _Checksummed:
+    """A binary file torch.save writes through, summing what passes (zlib.crc32 and the byte count)."""
+
+    def __init__(self, f):
+        self.f, self.crc32, self.bytes = f, 0, 0
+
+    def write(self, b) -> int:
+        self.crc32 = zlib.crc32(b, self.crc32)
+        self.bytes += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_torch_state(tmp: str, ps: ParallelState, state: Optional[dict]) -> None:
+    """Write :func:`torch_state`'s content (DP rank 0; nothing elsewhere) and its checksum sidecar:
+    ``model_optim_rng.pt.crc32.json`` = {"crc32": zlib.crc32 of the whole file, "bytes": its size}."""
+    if state is None:
+        return
     d = os.path.join(tmp, legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size))
     os.makedirs(d, exist_ok=True)
-    save_synced(state, os.path.join(d, "model_optim_rng.pt"))
+    path = os.path.join(d, "model_optim_rng.pt")
+    with open(path, "wb") as f:
+        out = _Checksummed(f)
+        torch.save(state, out)
+        f.flush()
+        os.fsync(f.fileno())
+    write_json(path + CRC_SUFFIX, {"crc32": out.crc32, "bytes": out.bytes})
 
 
 def check_same_layout(d: str, saved: dict, here: dict, num_layers: int) -> None:
@@ -84,6 +120,33 @@ def _load_models(path: str, state: dict, chunks: Sequence[nn.Module]) -> List[Di
     return models
 
 
+def _verify_checksum(path: str) -> None:
+    """The file against its sidecar ``<file>.crc32.json`` when there is one (older checkpoints have none)."""
+    side = path + CRC_SUFFIX
+    if not os.path.exists(side):
+        return
+    want = read_json(side)
+    if not (isinstance(want, dict) and type(want.get("crc32")) is int and type(want.get("bytes")) is int):
+        raise CheckpointError(f"{side} is damaged (no integer crc32 and bytes); load another iteration with "
+                              f"--ckpt-step")
+    crc, size, buf = 0, 0, bytearray(16 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc, size = zlib.crc32(memoryview(buf)[:n], crc), size + n
+    if (crc, size) != (want["crc32"], want["bytes"]):
+        try:  # a file replaced by pickled code: say that (weights-only: nothing in it runs)
+            safe_torch_load(path)
+        except CheckpointError as e:
+            if str(e).startswith("refusing to load"):
+                raise
+        raise CheckpointError(f"{path} fails its checksum ({size} bytes, crc32 {crc:08x}; {side} says "
+                              f"{want['bytes']} bytes, {want['crc32'] & 0xFFFFFFFF:08x}): the file is damaged; "
+                              f"load another iteration with --ckpt-step")
+
+
 def read_torch(d: str, saved: dict, here: dict, ps: ParallelState, chunks: Sequence[nn.Module], optimizer,
                load_optim: bool, num_layers: int) -> Optional[dict]:
     """Load this rank's ``model_optim_rng.pt`` of ``d`` into ``chunks`` and (with ``load_optim``) ``optimizer``.
@@ -94,10 +157,16 @@ def read_torch(d: str, saved: dict, here: dict, ps: ParallelState, chunks: Seque
     """
     check_same_layout(d, saved, here, num_layers)
     path = os.path.join(d, legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size), "model_optim_rng.pt")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-    state = safe_torch_load(path)
-    models = _load_models(path, state, chunks)
+    error = None
+    try:  # each rank reads its own file: a damaged one must stop every rank before the next collective
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+        _verify_checksum(path)
+        state = safe_torch_load(path)
+        models = _load_models(path, state, chunks)
+    except CheckpointError as e:
+        error = e
+    agree_on_error(ps, error)
     opt_state = state["optimizer"]["state"] if load_optim else {}
     optimized = {n for n, _ in optimizer.named}
     for sd in models:  # no fp32 main weights saved (fp32 run, or optimizer not loaded): the weights are them

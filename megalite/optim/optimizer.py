@@ -362,3 +362,26 @@ class MegatronOptimizer:
                      for k, v in full[pc.name].items()}
             self._load_piece(pc, entry)
         self._sync_loaded_weights()
+
+    def load_targets(self, keys: Sequence[str]) -> List[Tuple[_Piece, Dict[str, torch.Tensor]]]:
+        """Where a checkpoint reader puts this rank's state: per piece, a flat fp32 tensor for each of
+        ``keys`` ("param": the main weight itself; a moment: new and uninitialised, on the piece's
+        device). Only this rank's pieces: the distributed optimizer gets its shard, nothing full-size.
+        Fill every element, then :meth:`install_loaded`."""
+        return [(pc, {k: pc.main.detach().view(-1) if k == "param" else
+                      torch.empty(pc.main.numel(), dtype=torch.float32, device=pc.main.device) for k in keys})
+                for pc in self.pieces]
+
+    def install_loaded(self, targets: List[Tuple[_Piece, Dict[str, torch.Tensor]]], adam_step: float) -> None:
+        """Adopt :meth:`load_targets`' filled tensors as :meth:`load_full_state_dict` would (half runs'
+        weights become the loaded main weights; Adam's step is ``adam_step``); collective over DP."""
+        with torch.no_grad():
+            for pc, tensors in targets:
+                if self.half and "param" in tensors:
+                    pc.model_slice.copy_(tensors["param"])
+                st: Dict[str, object] = {k: t.view(pc.main.shape) for k, t in tensors.items() if k != "param"}
+                if "exp_avg" in st:
+                    st["step"] = torch.tensor(adam_step, dtype=torch.float32).to(pc.main.device)
+                if st:
+                    self.optimizer.state[pc.main] = st
+        self._sync_loaded_weights()

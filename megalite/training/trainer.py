@@ -14,7 +14,10 @@
 
 One iteration: zero grads -> run the schedule over m micro-batches ->
 optimizer.finalize_grads() -> optimizer.step() (skipped on overflow or a
-non-finite norm; then the LR schedule does not advance, as Megatron) -> log.
+non-finite norm; then the LR schedule does not advance, as Megatron) ->
+checkpointer.poll() (publishes a finished --async-save write) -> stop rules -> log
+-> evaluate / save when due. A save with --async-save blocks only for its snapshot;
+the next save and the end of the run (``_finish``, whatever stopped it) wait for it.
 The Trainer only sequences: each component owns its own interval rule, the
 collectives live in the optimizer layer, logging.py and agreement.py.
 """
@@ -32,7 +35,7 @@ from megalite.analysis.measure import balance_stages  # the composition root may
 from megalite.checkpointing import Checkpointer, saved_stage_layers
 from megalite.config import Config, ConfigError
 from megalite.data.batches import MicroBatches
-from megalite.faults import ExitConditions
+from megalite.faults import ExitConditions, inject_fault
 from megalite.logging import logged_loss, write_timeline
 from megalite.model.gpt import GPTModel
 from megalite.optim.lr_scheduler import LRScheduler
@@ -180,19 +183,25 @@ class Trainer:
         self.evaluator.warn_if_missing(valid_ds)
         report = Reporter(self.cfg, self.ps, state, self.chunks[0].padded_vocab, self.optimizer.scaler is not None)
         stops, stop = StopRules(t, self.ps, exits), None
-        while training and state.iteration < t.train_iters and stop is None:
-            lr = self.scheduler.get_lr()
-            batches = data.next() if data is not None else [None] * self.m
-            check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, f"iteration {state.iteration + 1}")
-            out = self.train_step(batches)
-            state.advance(t.global_batch_size)
-            stop = stops.after_step(out, state)
-            report.step({**out, "lr": lr})
-            if self.evaluator.due(state.iteration):
-                report.evaluation(self.evaluator.validate(valid_ds, state.iteration))
-            if stop is None and self.checkpointer.due(state.iteration):
-                self.checkpointer.save()
-                report.pause()
+        try:
+            while training and state.iteration < t.train_iters and stop is None:
+                inject_fault(t, state.iteration + 1, self.ps.rank)  # --inject-fault-*: tests of in-job restart
+                lr = self.scheduler.get_lr()
+                batches = data.next() if data is not None else [None] * self.m
+                check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, f"iteration {state.iteration + 1}")
+                out = self.train_step(batches)
+                state.advance(t.global_batch_size)
+                self.checkpointer.poll()  # publishes a background save every rank has finished writing
+                stop = stops.after_step(out, state)
+                report.step({**out, "lr": lr})
+                if self.evaluator.due(state.iteration):
+                    report.evaluation(self.evaluator.validate(valid_ds, state.iteration))
+                if stop is None and self.checkpointer.due(state.iteration):
+                    self.checkpointer.save()  # with --async-save: the snapshot only (after the save in flight)
+                    report.pause()
+        except TrainingStopped:  # raised on every rank at the same point: the last good save still lands
+            self.checkpointer.wait()
+            raise
         self._finish(report, stop, valid_ds, test_ds)
         return report.history
 
@@ -201,6 +210,7 @@ class Trainer:
         t, it = self.cfg.train, self.state.iteration
         if self.cfg.checkpoint.save and self.checkpointer.saved_at != it and not t.skip_train:
             self.checkpointer.save()
+        self.checkpointer.wait()  # the end of training, --exit-interval, a signal, the time limit: all written
         self.optimizer.finish_param_gather()
         if self.evaluator.enabled and stop is None and (it > report.first_iteration or t.skip_train):
             if self.evaluator.evaluated_at != it:

@@ -1,0 +1,180 @@
+"""A save in two phases: a snapshot in the training thread, then the writes (here or in the background).
+
+::
+
+    start_save()    main thread, collective: iter_N.tmp created; weights, optimizer state, counters,
+                    schedule, scaler and random states taken -- views of the live tensors for a
+                    synchronous save, copies in host memory (pinned on CUDA) for --async-save; the
+                    torch format's DP gather happens here too. Returns a SaveJob.
+    SaveJob.run()   the writes: the format's files, meta.json (rank 0); in a daemon thread with
+                    --async-save. The sharded format's torch.distributed.checkpoint collective
+                    then runs over a gloo group of its own, so it never meets a training collective.
+    conclude()      main thread, collective: every rank agrees that every write succeeded, then
+                    protocol.publish_save renames iter_N.tmp and writes ``latest``. Any failure
+                    (a full disk, any OSError, a writer's exception) is one CheckpointError line on
+                    every rank, and ``latest`` keeps naming the previous checkpoint.
+
+``Checkpointer.poll`` (one tiny all-reduce per iteration while a save is in flight) decides on
+every rank at the same iteration that all writes finished; ``Checkpointer.wait`` joins first.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from megalite.agreement import flag_on_any_rank
+from megalite.checkpointing.protocol import LATEST, begin_save, publish_save, write_json
+from megalite.checkpointing.run_state import RandomStates, run_meta
+from megalite.checkpointing.safe_load import CheckpointError
+from megalite.checkpointing.sharded_write import plan_shards, write_sharded
+from megalite.checkpointing.torch_format import torch_state, write_torch_state
+from megalite.parallel_state import ParallelState
+
+logger = logging.getLogger("megalite")
+__all__ = ["SaveJob", "start_save", "conclude", "to_host", "save_failed"]
+
+
+def to_host(obj, pin: bool = False, pool: Optional[dict] = None, path: tuple = ()):
+    """A copy of ``obj`` whose tensors are contiguous CPU tensors (pinned with ``pin``); other values kept.
+
+    ``pool`` (path in ``obj`` -> tensor) keeps the host buffers between saves: a buffer of the same
+    shape and dtype is reused (no allocation, no page faults), so a snapshot is one memory copy.
+    """
+    if torch.is_tensor(obj):
+        out = pool.get(path) if pool is not None else None
+        if out is None or out.shape != obj.shape or out.dtype != obj.dtype:
+            out = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=pin)
+            if pool is not None:
+                pool[path] = out
+        return out.copy_(obj.detach(), non_blocking=pin)
+    if isinstance(obj, dict):
+        return {k: to_host(v, pin, pool, path + (k,)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v, pin, pool, path + (i,)) for i, v in enumerate(obj))
+    return obj
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The error under torch.distributed.checkpoint's wrappers (CheckpointException keeps each rank's)."""
+    for _ in range(8):
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict) and failures:
+            first = next(iter(failures.values()))
+            inner = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)
+            if not isinstance(inner, BaseException):
+                break
+            e = inner
+        elif e.__cause__ is not None:
+            e = e.__cause__
+        else:
+            break
+    return e
+
+
+def save_failed(root: str, iteration: int, error: Optional[BaseException]) -> CheckpointError:
+    """The one line every rank raises when a save failed (``error``: this rank's, None: another rank's)."""
+    where = f"saving the checkpoint of iteration {iteration} to {root} failed"
+    tail = (f"; {LATEST} still names the previous checkpoint, if any (free space or fix --save, then resume "
+            f"with --load {root})")
+    if error is None:
+        return CheckpointError(f"{where} on another rank (its error is printed there){tail}")
+    e = _root_cause(error)
+    if isinstance(e, OSError) and e.strerror:
+        what = f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+    else:
+        what = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200] or type(e).__name__
+    return CheckpointError(f"{where} ({what}){tail}")
+
+
+class SaveJob:
+    """One save after its snapshot: ``write`` writes this rank's files; ``error`` holds what it raised."""
+
+    def __init__(self, root: str, iteration: int, fmt: str, keep_last: Optional[int], write: Callable[[], None]):
+        self.root, self.iteration, self.fmt, self.keep_last = root, iteration, fmt, keep_last
+        self.write = write
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def run(self, background: bool = False) -> None:
+        """Write now, or in a daemon thread (``background``)."""
+        if background:
+            self.thread = threading.Thread(target=self._run, name=f"megalite-save-{self.iteration}", daemon=True)
+            self.thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        try:
+            self.write()
+        except BaseException as e:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
+            self.error = e
+        finally:
+            self.write = None  # drop the snapshot as soon as it is on disk
+
+    @property
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+def start_save(cfg, ps: ParallelState, model_parts, optimizer, scheduler, train_state, rng_tracker, root: str,
+               fmt: str, keep_last: Optional[int], copy: bool = False, group=None,
+               buffers: Optional[dict] = None) -> SaveJob:
+    """The snapshot phase (collective): iter_N.tmp, every piece of state taken; the job that writes it.
+
+    ``copy`` (--async-save) copies the state into host memory so training may go on (into ``buffers``,
+    kept from the previous save when given: the caller makes sure no write still reads them); ``group``
+    is the process group the sharded format's background collective uses.
+    """
+    it = train_state.iteration
+    tmp = begin_save(root, it, ps)  # a failure there is already one CheckpointError on every rank
+    optimizer.finish_param_gather()
+    pin = copy and torch.cuda.is_available()
+    pool = {} if buffers is None else buffers
+    keep = (lambda x, name: to_host(x, pin, pool, (fmt, name))) if copy else (lambda x, name: x)
+    meta = {**run_meta(cfg, ps, optimizer, scheduler, train_state), "format": fmt}
+    rng = to_host(RandomStates(rng_tracker).state_dict())
+    error: Optional[BaseException] = None
+    try:  # a host copy that fails on one rank (out of memory) must not leave the others writing
+        if fmt == "sharded":
+            shards = [(e, keep(t, e["key"])) for e, t in plan_shards(ps, model_parts, optimizer)]
+
+            def write() -> None:
+                write_sharded(tmp, ps, shards, rng, process_group=group)
+        else:
+            state = keep(torch_state(ps, model_parts, optimizer, meta, rng), "state")  # the DP gather: collective
+
+            def write() -> None:
+                write_torch_state(tmp, ps, state)
+        if pin:
+            torch.cuda.synchronize()  # the copies into pinned memory are complete before training changes anything
+    except (RuntimeError, MemoryError, OSError) as e:
+        error = e
+    if flag_on_any_rank(error is not None, ps):
+        raise save_failed(root, it, error)
+
+    def write_all() -> None:
+        write()
+        if ps.rank == 0:
+            write_json(os.path.join(tmp, "meta.json"), meta)
+    return SaveJob(root, it, fmt, keep_last, write_all)
+
+
+def conclude(job: SaveJob, ps: ParallelState) -> str:
+    """After every rank's write returned: agree on success, then publish (collective); returns the directory.
+
+    A failure on any rank raises the same kind of one-line CheckpointError on every rank.
+    """
+    job.join()
+    if flag_on_any_rank(job.error is not None, ps):
+        raise save_failed(job.root, job.iteration, job.error)
+    final = publish_save(job.root, job.iteration, ps, job.keep_last)  # its failures: one line on every rank
+    logger.info(f"saved checkpoint at iteration {job.iteration} to {job.root} ({job.fmt} format)")
+    return final
