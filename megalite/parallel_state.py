@@ -245,6 +245,17 @@ class ParallelState:
             self._background = dist.new_group(backend="gloo", timeout=self.timeout)
         return getattr(self, "_background", None)
 
+    def background_dp_group(self):
+        """This rank's data-parallel group again, on gloo, for off-thread work (the torch format's
+        gather of distributed-optimizer shards during an asynchronous save); the same rules as
+        :meth:`background_group`. None without data parallelism."""
+        if getattr(self, "_background_dp", None) is None and self.dp_size > 1 and dist.is_initialized():
+            for ranks in grid_groups(self.world_size, self.tp_size, self.pp_size)["dp"]:
+                group = dist.new_group(ranks, backend="gloo", timeout=self.timeout)  # every rank, every group
+                if self.rank in ranks:
+                    self._background_dp = group
+        return getattr(self, "_background_dp", None)
+
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process)."""
         if dist.is_initialized():

@@ -42,14 +42,16 @@ def _model_key(i: int, n_chunks: int) -> str:
 
 
 def torch_state(ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta: dict,
-                rng: dict) -> Optional[dict]:
+                rng: dict, gather_optimizer: bool = True) -> Optional[dict]:
     """This (tp, pp) rank's ``model_optim_rng.pt`` content on DP rank 0, None elsewhere (collective over DP).
 
     The optimizer state is gathered over DP (``full_state_dict``: the legacy file holds every
-    parameter's whole fp32 state); ``rng`` is this rank's RandomStates, gathered over DP.
-    The tensors may be views of the live state: copy them before training goes on.
+    parameter's whole fp32 state; without ``gather_optimizer`` it is left empty for the caller
+    to fill, as an asynchronous save does in the background); ``rng`` is this rank's
+    RandomStates, gathered over DP. The tensors may be views of the live state: copy them
+    before training goes on.
     """
-    full_opt = optimizer.full_state_dict(include_main=optimizer.half, to_cpu=True)
+    full_opt = optimizer.full_state_dict(include_main=optimizer.half, to_cpu=True) if gather_optimizer else {}
     rngs: List[Optional[dict]] = [None] * ps.dp_size
     if ps.dp_size > 1:
         dist.all_gather_object(rngs, rng, group=ps.dp_group)

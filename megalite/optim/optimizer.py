@@ -20,7 +20,7 @@ AdamW on CUDA otherwise, foreach AdamW on CPU.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -309,49 +309,75 @@ class MegatronOptimizer:
         if st:
             self.optimizer.state[pc.main] = st
 
-    def full_state_dict(self, include_main: bool = True, to_cpu: bool = False) -> Dict[str, Dict[str, torch.Tensor]]:
+    def _state_keys(self, include_main: bool) -> List[str]:
+        return (["param"] if include_main else []) + sorted(
+            {k for s in self.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+
+    def _source(self, pc: _Piece, key: str) -> Optional[torch.Tensor]:
+        if key == "param":
+            return pc.main.detach()
+        t = self.optimizer.state.get(pc.main, {}).get(key)
+        return t.detach() if t is not None else None
+
+    def _step_value(self):
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        if not steps:
+            return None
+        return steps[0].clone() if torch.is_tensor(steps[0]) else steps[0]
+
+    def state_snapshot(self, include_main: bool, copy: Callable[[torch.Tensor, tuple], torch.Tensor]) -> dict:
+        """This rank's own optimizer state, every tensor passed through ``copy(tensor, where)`` (host
+        copies for a background save): what :meth:`full_state_dict` reads with ``snapshot=``, off the
+        training thread, while the live state moves on. No collective."""
+        keys = self._state_keys(include_main)
+        pieces = []
+        for i, pc in enumerate(self.pieces):
+            own = {k: self._source(pc, k) for k in keys}
+            pieces.append({k: copy(t, (i, k)) for k, t in own.items() if t is not None})
+        return {"keys": keys, "pieces": pieces, "step": self._step_value()}
+
+    def full_state_dict(self, include_main: bool = True, to_cpu: bool = False, snapshot: Optional[dict] = None,
+                        group=None) -> Dict[str, Dict[str, torch.Tensor]]:
         """Every parameter's whole fp32 main weight ("param") and Adam moments (collective over dp).
 
         The plain optimizer returns views of its live state (copy before the next
         step if you keep them); the distributed optimizer's shards are summed into
         full-size tensors over the DP group (the pieces are disjoint), one state
         key at a time (moved to CPU with ``to_cpu`` before the next), so every rank
-        returns the same.
+        returns the same. With ``snapshot`` (:meth:`state_snapshot`) the shards are read from it
+        instead of the live state, on the CPU, over ``group`` (a gloo copy of the DP group).
         """
-        keys = (["param"] if include_main else []) + sorted(
-            {k for s in self.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+        keys = snapshot["keys"] if snapshot is not None else self._state_keys(include_main)
         out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n, _ in self.named}
 
-        def source(pc: _Piece, key: str) -> Optional[torch.Tensor]:
-            if key == "param":
-                return pc.main.detach()
-            t = self.optimizer.state.get(pc.main, {}).get(key)
-            return t.detach() if t is not None else None
+        def source(i: int, pc: _Piece, key: str) -> Optional[torch.Tensor]:
+            return snapshot["pieces"][i].get(key) if snapshot is not None else self._source(pc, key)
 
         if not self.distributed:  # one piece per parameter: views, no copies
-            for pc in self.pieces:
+            for i, pc in enumerate(self.pieces):
                 for key in keys:
-                    t = source(pc, key)
+                    t = source(i, pc, key)
                     if t is not None:
                         out[pc.name][key] = (t.cpu() if to_cpu else t).float().view(pc.param.shape)
         else:
             offsets, total = {}, 0
             for n, p in self.named:
                 offsets[n], total = total, total + p.numel()
+            device = torch.device("cpu") if snapshot is not None else self.ps.device
             for key in keys:
-                flat = torch.zeros(total, device=self.ps.device)
-                for pc in self.pieces:
-                    t = source(pc, key)
+                flat = torch.zeros(total, device=device)
+                for i, pc in enumerate(self.pieces):
+                    t = source(i, pc, key)
                     if t is not None:
                         flat[offsets[pc.name] + pc.start:offsets[pc.name] + pc.end] = t.view(-1)
-                dist.all_reduce(flat, group=self.ps.dp_group)
+                dist.all_reduce(flat, group=group if group is not None else self.ps.dp_group)
                 flat = flat.cpu() if to_cpu else flat
                 for n, p in self.named:
                     out[n][key] = flat[offsets[n]:offsets[n] + p.numel()].view(p.shape)
-        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
-        for n in out:
-            if steps:
-                out[n]["step"] = steps[0].clone() if torch.is_tensor(steps[0]) else steps[0]
+        step = snapshot["step"] if snapshot is not None else self._step_value()
+        if step is not None:
+            for n in out:
+                out[n]["step"] = step.clone() if torch.is_tensor(step) else step
         return out
 
     def load_full_state_dict(self, full: Dict[str, Dict[str, torch.Tensor]]) -> None:
