@@ -72,15 +72,22 @@ def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path):
     os.kill(stopped.workers()[-1], signal.SIGSTOP)
     t_stop = time.time()
 
-    # A killed rank out of 4 ends the job within seconds, and the ranks say why. torchrun polls its
-    # workers every 0.1 s by default and may SIGTERM the survivors before they see the dead peer (then
-    # its own report names the killed rank); polling every 5 s lets the ranks' own detection be tried.
-    killed = Job(tmp_path, "killed", 4, launcher=["--monitor-interval", "5"])
+    # A killed rank out of 4 ends the job within seconds, and the job says why. Who speaks first is a
+    # race: a survivor that meets the dead peer in a transfer prints "lost contact", but torchrun notices
+    # the death itself within a fraction of a second and may SIGTERM the survivors first (each then says
+    # it exits on SIGTERM), its report naming the killed rank as the root cause. Either way: one line
+    # per rank, no rank traceback. (The "lost contact" line itself is tried in the stopped-rank case.)
+    killed = Job(tmp_path, "killed", 4)
     killed.wait_training()
     os.kill(killed.workers()[1], signal.SIGKILL)
     assert killed.wait(timeout=30) < 30
     assert killed.proc.returncode != 0
-    assert any("lost contact with another rank" in line for line in killed.our_lines()), killed.err.read_text()
+    text = killed.err.read_text()
+    lines = [line for line in killed.our_lines() if line.startswith("pretrain_gpt.py:")]  # not torchrun's report
+    said = [line for line in lines if "lost contact with another rank" in line]
+    termed = [line for line in lines if line.startswith("pretrain_gpt.py: received SIGTERM")]
+    assert len(said) + len(termed) == len(lines), text  # nothing else: no other error, no traceback
+    assert said or re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9 .*\(SIGKILL\)", text), text
     assert killed.no_rank_traceback(), killed.err.read_text()
 
     # SIGTERM to the launcher: every rank exits at once, one line for the job, nothing left running.
