@@ -6,9 +6,11 @@ from typing import Dict
 
 import torch
 
-from megalite.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megalite.config import CheckpointConfig, Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.loading import build_datasets
 from megalite.parallel_state import ParallelState
+from megalite.training import Trainer
 from megalite.training.mock import train_mock
 
 GPT2_STYLE = dict()
@@ -100,3 +102,19 @@ def assert_close_run(results, ref, rtol: float = 1e-5, param_rtol: float = 1e-5)
         for step, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
             assert abs(a - b) <= 1e-4 * abs(b), f"rank {r['rank']} step {step}: grad norm {a} != {b}"
         assert r["param_err"] <= param_rtol, f"rank {r['rank']}: parameters differ by {r['param_err']:.2e}"
+
+
+def train_losses(ps: ParallelState, cfg: Config, save=None, load=None, fmt="sharded", exit_at=None,
+                 save_interval=None, async_save=False):
+    """Trainer.train on mock data, from scratch or from ``load``; returns the per-iteration losses
+    (last stage). ``save``/``save_interval``/``fmt``/``async_save`` and ``exit_at`` (--exit-interval) as
+    the flags."""
+    cfg = cfg.with_(checkpoint=CheckpointConfig(save=save, load=load, ckpt_format=fmt, save_interval=save_interval,
+                                                async_save=async_save),
+                    train=replace(cfg.train, exit_interval=exit_at))
+    trainer = Trainer(cfg, ps)
+    if load:
+        trainer.checkpointer.load()
+    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
+                        cfg.train.train_iters * cfg.train.global_batch_size)
+    return [h["loss"] for h in trainer.train(ds, None)]

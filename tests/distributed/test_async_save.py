@@ -19,12 +19,9 @@ from dataclasses import replace
 import pytest
 
 from megalite.checkpointing import CheckpointError, iteration_dir, read_latest
-from megalite.config import CheckpointConfig
-from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel_state import ParallelState
 from megalite.testing import run_distributed
-from megalite.training import Trainer
-from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
+from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config, train_losses
 
 STEPS = 4
 SAVED = STEPS - 2  # the first run saves every iteration and exits here; the resumed run trains two more
@@ -36,20 +33,8 @@ def _cfg(style=GPT2_STYLE, tp=1, pp=1, dp=1, **optim):
                      optim=replace(cfg.optim, **optim), train=replace(cfg.train, train_iters=STEPS))
 
 
-def _losses(ps, cfg, save=None, load=None, fmt="sharded", exit_at=None, background=True):
-    cfg = cfg.with_(checkpoint=CheckpointConfig(save=save, load=load, ckpt_format=fmt, async_save=background,
-                                                save_interval=1 if save else None),
-                    train=replace(cfg.train, exit_interval=exit_at))
-    trainer = Trainer(cfg, ps)
-    if load:
-        trainer.checkpointer.load()
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                        cfg.train.train_iters * cfg.train.global_batch_size)
-    return [h["loss"] for h in trainer.train(ds, None)]
-
-
 def _resume(ps, cfg, root, fmt):
-    whole = _losses(ps, cfg)
+    whole = train_losses(ps, cfg)
     from megalite.checkpointing import async_save
     real, threaded = async_save.SaveJob.run, []
 
@@ -60,11 +45,11 @@ def _resume(ps, cfg, root, fmt):
     try:
         # async saves at 1 and 2 (the exit); the resumed run's last loss follows an update made with the
         # loaded Adam moments, so wrong optimizer state shows
-        first = _losses(ps, cfg, save=root, fmt=fmt, exit_at=SAVED)
+        first = train_losses(ps, cfg, save=root, fmt=fmt, exit_at=SAVED, save_interval=1, async_save=True)
     finally:
         async_save.SaveJob.run = real
     published = [os.path.isdir(iteration_dir(root, it)) for it in range(1, SAVED + 1)]
-    second = _losses(ps, cfg, load=root)
+    second = train_losses(ps, cfg, load=root)
     return {"whole": whole, "resumed": first + second, "last": ps.is_last_stage, "published": published,
             "latest": read_latest(root), "background": threaded}
 
@@ -140,7 +125,7 @@ def _fail_second_save_on_rank_1(ps, fmt):
 def _failing_run(ps, cfg, root, fmt, background):
     _fail_second_save_on_rank_1(ps, fmt)
     try:
-        _losses(ps, cfg, save=root, fmt=fmt, background=background)
+        train_losses(ps, cfg, save=root, fmt=fmt, save_interval=1, async_save=background)
     except CheckpointError as e:
         return {"error": str(e), "latest": read_latest(root),
                 "second": os.path.isdir(iteration_dir(root, 2))}

@@ -25,7 +25,7 @@ from megalite.data.batches import MicroBatches
 from megalite.training.mock import MockFeed
 from megalite.training import Trainer
 from megalite.testing import run_distributed
-from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
+from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config, train_losses
 
 STEPS = 4
 
@@ -37,22 +37,10 @@ def _cfg(style, tp=1, pp=1, vp=1, dp=1, dropout=0.1, **optim):
                      optim=replace(cfg.optim, **optim), train=replace(cfg.train, train_iters=STEPS))
 
 
-def _train_losses(ps, cfg, save=None, load=None, fmt="sharded", exit_at=None):
-    """Trainer.train from scratch or from ``load``; returns the per-iteration losses (last stage)."""
-    cfg = cfg.with_(checkpoint=CheckpointConfig(save=save, load=load, ckpt_format=fmt),
-                    train=replace(cfg.train, exit_interval=exit_at))
-    trainer = Trainer(cfg, ps)
-    if load:
-        trainer.checkpointer.load()
-    ds = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed,
-                        cfg.train.train_iters * cfg.train.global_batch_size)
-    return [h["loss"] for h in trainer.train(ds, None)]
-
-
 def _resume_run(ps, cfg, root, fmt):
-    whole = _train_losses(ps, cfg)
-    first = _train_losses(ps, cfg, save=root, fmt=fmt, exit_at=STEPS // 2)
-    second = _train_losses(ps, cfg, load=root)
+    whole = train_losses(ps, cfg)
+    first = train_losses(ps, cfg, save=root, fmt=fmt, exit_at=STEPS // 2)
+    second = train_losses(ps, cfg, load=root)
     return {"whole": whole, "resumed": first + second, "last": ps.is_last_stage}
 
 
@@ -101,7 +89,7 @@ def _eval_and_continue(ps, cfg, load, save=None, steps=2):
 
 
 def _save_after(ps, cfg, root):
-    _train_losses(ps, cfg, save=root, exit_at=STEPS // 2)
+    train_losses(ps, cfg, save=root, exit_at=STEPS // 2)
     return True
 
 
@@ -115,7 +103,7 @@ def test_sharded_checkpoint_loads_into_other_layouts(tmp_path):
     base = _cfg(GPT2_STYLE, dropout=0.0)
     # the uninterrupted reference: one process, STEPS // 2 steps, then evaluate and continue
     ref_root = str(tmp_path / "ref")
-    _train_losses(ParallelState.single(), base, save=ref_root, exit_at=STEPS // 2)
+    train_losses(ParallelState.single(), base, save=ref_root, exit_at=STEPS // 2)
     ref = _eval_and_continue(ParallelState.single(), base, ref_root)
     run_distributed(_save_after, 8, _cfg(GPT2_STYLE, tp=2, pp=2, vp=2, dp=2, dropout=0.0), src, tp=2, pp=2)
     got = _eval_and_continue(ParallelState.single(), base, src, save=one)
@@ -269,7 +257,7 @@ def test_llama_gqa_uneven_stages_load_into_one_process(tmp_path):
     """Fused QKV with 2 query groups and gate/up split by tp=2, uneven stages (1 + 3 layers), untied output."""
     root, ref_root = str(tmp_path / "src"), str(tmp_path / "ref")
     base = _cfg(LLAMA_STYLE, dropout=0.0)
-    _train_losses(ParallelState.single(), base, save=ref_root, exit_at=STEPS // 2)
+    train_losses(ParallelState.single(), base, save=ref_root, exit_at=STEPS // 2)
     ref = _eval_and_continue(ParallelState.single(), base, ref_root)
     src = _cfg(LLAMA_STYLE, tp=2, pp=2, dropout=0.0)
     src = src.with_(parallel=replace(src.parallel, decoder_first_pipeline_num_layers=1,
