@@ -18,12 +18,14 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from megalite.analysis.plan_check import preflight as plan_preflight
 from megalite.arguments import parse_args
 from megalite.checkpointing import CheckpointError
 from megalite.checkpointing.save_lock import release_save_locks
 from megalite.config import ConfigError
 from megalite.faults import (ExitConditions, ExitSignals, InjectedFault, check_fault_injection, launcher_gone,
                              restart_round, say_launcher_gone, watch_launcher)
+from megalite.hang_watch import start_hang_watch
 from megalite.logging import setup_logging
 from megalite.parallel_state import ParallelState
 from megalite.preflight import check_output_paths
@@ -87,19 +89,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # A peer died or hung past --distributed-timeout-minutes: one line per rank that saw it, no traceback.
         first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
         first = first.split(". ")[0]  # gloo appends generic advice after the first sentence
+        if signals.watch is not None:  # before the line: the ranks that can still talk name the culprit
+            signals.watch.on_failure(f"rank {rank}: {first[:80]}")
         _error(f"rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
                f"(a rank that died first has its own message above)")
         return 1
     finally:
         release_save_locks()  # an in-process run (tests, tools) must not keep --save locked
+        if signals.watch is not None:
+            signals.watch.stop()
         signals.uninstall()
 
 
 def _run(cfg, signals: ExitSignals, start: float) -> int:
     par = cfg.parallel
     ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
-                                timeout_s=60.0 * par.distributed_timeout_minutes)
+                                timeout_s=60.0 * par.distributed_timeout_minutes, cp=par.cp)
     log = setup_logging(ps.is_logging_rank, ps.rank)
+    start_hang_watch(cfg, ps, signals)  # flight recorder, SIGUSR1, diagnosis of a hang or a signal
     try:
         check_fault_injection(cfg.train, ps.world_size)
     except ConfigError as e:
@@ -108,11 +115,18 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
         ps.destroy()
         return 2
     m = cfg.model
-    log.info(f"megalite: world {ps.world_size} = tp {ps.tp_size} x dp {ps.dp_size} x pp {ps.pp_size} "
+    cp = f" x cp {ps.cp_size}" if ps.cp_size > 1 else ""
+    log.info(f"megalite: world {ps.world_size} = tp {ps.tp_size}{cp} x dp {ps.dp_size} x pp {ps.pp_size} "
              f"(vp {par.vp}), backend {ps.backend or 'none'}, device {ps.device}")
     log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
              f"seq {m.seq_length}, vocab {m.vocab_size}; data: "
              f"{'mock' if cfg.data.mock_data else ' '.join(cfg.data.data_path or cfg.data.train_data_path)}")
+    refused = plan_preflight(cfg, ps)  # --plan-check: a layout that cannot fit stops every rank, one line
+    if refused is not None:
+        if refused.report:
+            _error(str(refused))
+        ps.destroy()
+        return 2
     trainer = Trainer(cfg, ps)
     if cfg.checkpoint.load or cfg.checkpoint.save:  # a locked --save is refused here, before any iteration
         try:

@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megalite.flight_recorder import RECORDER
 from megalite.parallel_state import ParallelState
 
 
@@ -23,7 +24,7 @@ def flags_on_any_rank(flags: Sequence[bool], ps: ParallelState) -> List[bool]:
     """Element-wise OR of ``flags`` over every rank, in one all-reduce."""
     t = torch.tensor([1.0 if f else 0.0 for f in flags], device=ps.device)
     if ps.world_size > 1 and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        RECORDER.call("world", dist.all_reduce, t, op=dist.ReduceOp.MAX)
     return [bool(v > 0) for v in t.tolist()]
 
 
@@ -34,6 +35,6 @@ def lowest_rank_with(flag: bool, ps: ParallelState) -> Optional[int]:
     """
     t = torch.tensor([ps.rank if flag else ps.world_size], device=ps.device, dtype=torch.float64)
     if ps.world_size > 1 and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        RECORDER.call("world", dist.all_reduce, t, op=dist.ReduceOp.MIN)
     lowest = int(t.item())
     return None if lowest >= ps.world_size else lowest

@@ -28,7 +28,6 @@ __all__ = ["NOT_IMPLEMENTED", "build_parser", "config_from_args", "declared_fiel
 
 # Flags a later milestone implements: recognised so they fail loudly instead of being ignored.
 NOT_IMPLEMENTED: Dict[str, str] = {
-    "--context-parallel-size": "context parallelism",
     "--expert-model-parallel-size": "expert parallelism", "--num-experts": "mixture of experts",
 }
 

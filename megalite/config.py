@@ -214,12 +214,25 @@ class ParallelConfig:
     sequence_parallel: bool = DISTRIBUTED(  # as Megatron: off when there is no tensor parallelism to split over
         "--sequence-parallel", False, "split norms, dropout and residuals along the sequence over the TP group",
         value=lambda a: a.sequence_parallel and a.tp != 1)
+    cp: int = DISTRIBUTED("--context-parallel-size", 1, "ranks splitting each sequence (context parallelism); "
+                          "the data-parallel size is world / (tp x pp x cp)", gt=0)
+    cp_comm_type: str = DISTRIBUTED(  # how attention sees the other CP ranks' keys and values
+        "--cp-comm-type", "p2p", "p2p: ring attention (K/V passed around the CP group); all_gather: gather K/V; "
+        "a2a: all-to-all over heads (Ulysses); one value for all layers (no per-layer list)",
+        choices=("p2p", "all_gather", "a2a"))
     distributed_backend: Optional[str] = DISTRIBUTED(  # None: nccl if CUDA else gloo
         "--distributed-backend", None, "default: nccl when CUDA is available, else gloo", choices=("gloo", "nccl"),
         listed_after="--ddp-bucket-size")
     distributed_timeout_minutes: float = DISTRIBUTED(  # a collective waiting longer fails (a hung or stopped rank)
         "--distributed-timeout-minutes", 10.0, "a collective or transfer that waits longer fails and ends the job "
         "(a hung or stopped rank)", gt=0, listed_after="--distributed-backend")
+    debug_dir: Optional[str] = DISTRIBUTED(  # None: <--save>/debug, else <tmp>/megalite_debug (hang_watch.py)
+        "--debug-dir", None, "where each rank writes its flight recorder (JSON) when a job hangs, is ended by a "
+        "signal or gets SIGUSR1; read them with tools/diagnose.py (default: <--save>/debug, else "
+        "$TMPDIR/megalite_debug)", listed_after="--distributed-timeout-minutes")
+    flight_recorder_size: int = DISTRIBUTED(  # megalite/flight_recorder.py
+        "--flight-recorder-size", 2000, "events each rank's flight recorder keeps for the hang diagnosis (0: no "
+        "recorder and no diagnosis)", ge=0, listed_after="--debug-dir")
 
 
 @dataclass(frozen=True)
@@ -258,7 +271,8 @@ class OptimConfig:
     # gradient reduction and the distributed optimizer (ZeRO-1)
     use_distributed_optimizer: bool = DISTRIBUTED(
         "--use-distributed-optimizer", False,
-        "shard fp32 main weights and Adam states over the data-parallel group (ZeRO-1)")
+        "shard fp32 main weights and Adam states over the data-parallel group (x the context-parallel group; "
+        "ZeRO-1)")
     overlap_grad_reduce: bool = DISTRIBUTED(
         "--overlap-grad-reduce", False, "start each bucket's gradient reduction as soon as backward has filled it")
     overlap_param_gather: bool = DISTRIBUTED(
@@ -285,6 +299,11 @@ class DataConfig:
                                           "where index caches go (default: a cache/ directory next to each dataset)")
     num_workers: int = DATA("--num-workers", 0, "DataLoader worker processes per rank (0: load in the training "
                             "process)", ge=0)
+    reset_position_ids: bool = DATA("--reset-position-ids", False,
+                                    "positions restart at 0 after each end-of-document token")
+    reset_attention_mask: bool = DATA("--reset-attention-mask", False, "tokens attend only within their own "
+                                      "document (no attention across end-of-document tokens)")
+    eod_mask_loss: bool = DATA("--eod-mask-loss", False, "no loss on end-of-document tokens")
     tokenizer_type: Optional[str] = TOKENIZER(
         "--tokenizer-type", None, "GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, Llama2Tokenizer "
         "or NullTokenizer")
@@ -330,9 +349,16 @@ class TrainConfig:
         "torchrun's first round only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job trains on", gt=0)
     inject_fault_rank: int = TRAINING("--inject-fault-rank", 0, "the global rank --inject-fault-at-iteration "
                                       "strikes", ge=0)
-    inject_fault_kind: str = TRAINING("--inject-fault-kind", "kill", "kill: the rank dies (SIGKILL); hang: it stops "
-                                      "until killed (the others wait out --distributed-timeout-minutes); exception: "
-                                      "it raises an error and exits 1", choices=("kill", "hang", "exception"))
+    inject_fault_kind: str = TRAINING("--inject-fault-kind", "kill", "kill: the rank dies (SIGKILL); hang: its "
+                                      "forward computes without end (the others wait out "
+                                      "--distributed-timeout-minutes); exception: it raises an error and exits 1; "
+                                      "skip-send: its schedule drops one send (a deadlock)",
+                                      choices=("kill", "hang", "exception", "skip-send"))
+    plan_check: Optional[bool] = TRAINING(  # None: on on GPUs, off on CPU (megalite/analysis/plan_check.py)
+        "--plan-check", None, "before building the model, refuse a layout whose planned memory exceeds the "
+        "device's free memory (naming layouts that fit); after the first iterations, log the planner's memory, "
+        "step time and bubble beside the measured ones (default: on on GPUs)",
+        then=TRAINING.flag("--no-plan-check", "skip those checks", action="store_false", dest="plan_check"))
 
 
 @dataclass(frozen=True)
@@ -368,6 +394,31 @@ class LoggingConfig:
     peak_tflops: Optional[float] = LOGGING(  # None: the bf16 table for the GPU (none on CPU)
         "--peak-tflops", None, "peak TFLOP/s of one device for the MFU in the log line (default: the bf16 dense "
         "peak of an A100/H100/H200/B200 by its name; no MFU on CPU unless given)", gt=0)
+    straggler_threshold: float = LOGGING(  # stragglers.py
+        "--straggler-threshold", 1.5, "at each log line, name a rank whose compute per iteration is this many times "
+        "its peers' median (the same stage in the other data-parallel replicas, else the other stages per model "
+        "FLOP), at two log lines running; 0: off", ge=0)
+    profile: bool = LOGGING(  # profiling.py; Megatron's flags and defaults (its nsys mode is not offered)
+        "--profile", False, "trace iterations --profile-step-start + 1 to --profile-step-end of --profile-ranks "
+        "with torch.profiler: one Chrome/Perfetto JSON per rank", value=lambda a: a.profile,
+        then=LOGGING.flag("--use-pytorch-profiler", "accepted for Megatron's scripts: --profile always uses "
+                          "torch.profiler", action="store_true"))
+    profile_step_start: int = LOGGING("--profile-step-start", 10, "iterations done before tracing starts", ge=0)
+    profile_step_end: int = LOGGING("--profile-step-end", 12, "the last traced iteration", gt=0)
+    profile_ranks: Tuple[int, ...] = LOGGING("--profile-ranks", (0,), "global ranks to trace", nargs="+", type=int,
+                                             parser_default=[0], value=lambda a: tuple(a.profile_ranks))
+    profile_dir: Optional[str] = LOGGING("--profile-dir", None, "the traces' directory; when unset, "
+                                         "--tensorboard-dir (as Megatron), else ./profile")
+    record_memory_history: bool = LOGGING(
+        "--record-memory-history", False, "CUDA only: record the allocator's history on the last rank and write "
+        "it to --memory-snapshot-path at each log line (view it at pytorch.org/memory_viz)")
+    memory_snapshot_path: str = LOGGING("--memory-snapshot-path", "snapshot.pickle", "where the snapshot goes")
+    wandb_project: Optional[str] = LOGGING(
+        "--wandb-project", None, "also log the TensorBoard scalars to this Weights & Biases project (needs pip "
+        "install wandb; offline, for a later wandb sync, when no API key is set)")
+    wandb_exp_name: Optional[str] = LOGGING("--wandb-exp-name", None, "the wandb run's name")
+    wandb_save_dir: Optional[str] = LOGGING("--wandb-save-dir", None, "the wandb files' directory; when unset, "
+                                            "<--save>/wandb, else ./wandb")
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,20 @@
     --exit-duration-in-mins   checked every iteration with the same all-reduce: save and exit 0
 
 A hung or stopped rank is the process group's timeout (``--distributed-timeout-minutes``):
-the waiting ranks' collectives fail and pretrain_gpt.py turns that into one line and exit 1.
+the waiting ranks' collectives fail and pretrain_gpt.py turns that into one line and exit 1, after
+the hang watch (megalite.hang_watch) has named the rank the job waits for. A job ended by a signal
+(torchrun stopping the survivors of a dead rank) gets the same diagnosis before it exits.
 
 In-job restart: under ``torchrun --max-restarts N`` a failed round (any rank exiting non-zero)
 makes torchrun stop the others and start round ``TORCHELASTIC_RESTART_COUNT`` + 1, which forms
 its process group on keys of its own (parallel_state.elastic_round_store) and resumes from
 ``--load``'s latest checkpoint. ``--inject-fault-at-iteration K --inject-fault-rank R
---inject-fault-kind kill|hang|exception`` makes rank R fail as iteration K begins, in round 0 only.
+--inject-fault-kind kind`` makes rank R fail in iteration K, in round 0 only::
+
+    kill         the rank dies (SIGKILL) as the iteration begins
+    exception    it raises an error (one line, exit 1)
+    hang         its first forward of the iteration computes without end (it still answers the watch)
+    skip-send    its schedule for the iteration lacks its first send: a deadlock through a bad schedule
 """
 from __future__ import annotations
 
@@ -25,9 +32,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
+
+import torch
 
 from megalite.config import ConfigError
+from megalite.pipeline.actions import Comm
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SAME_REQUEST_S = 2.0  # a second signal within this is the first one delivered twice
@@ -54,6 +64,8 @@ class ExitSignals:
         self.received: Optional[int] = None
         self._first_at = 0.0
         self._previous = {}
+        self.watch = None  # hang_watch.HangWatch: diagnoses a job ended by a signal before it exits
+        self._exit_lock = threading.Lock()
 
     def install(self) -> "ExitSignals":
         if threading.current_thread() is not threading.main_thread():
@@ -79,11 +91,22 @@ class ExitSignals:
                      f"then exiting (send it again to exit at once; torchrun kills ranks 30 s after it "
                      f"forwards a signal)")
             return
+        if self.watch is not None and self.watch.busy_here():
+            return  # this thread is diagnosing a failure (a peer died): it ends the process when done
+        self.exit_now(signum)
+
+    def exit_now(self, signum: int) -> None:
+        """End the process for ``signum``: diagnose (hang watch), say it once, exit 128 + signum.
+        Also called by the watch thread when the main thread is blocked in a wait."""
+        self._exit_lock.acquire()  # the main thread and the watch thread: one of them exits
+        name = signal.Signals(signum).name
         try:
             try:  # keep the log lines already printed; a flush interrupting a write may refuse
                 sys.stdout.flush()
             except (RuntimeError, ValueError, OSError):
                 pass
+            if self.watch is not None:
+                self.watch.before_exit(signum)
             _say(f"pretrain_gpt.py: received {name}: exiting without saving"
                  + ("" if self.save_on_signal else " (--exit-signal-handler saves a checkpoint first)"))
         finally:
@@ -168,13 +191,45 @@ def check_fault_injection(train_cfg, world_size: int) -> None:
                           f"{world_size}; give 0..{world_size - 1}")
 
 
-def inject_fault(train_cfg, iteration: int, rank: int) -> None:
-    """Fail this rank as ``iteration`` begins when the --inject-fault-* flags say so (round 0 only)."""
+class ScheduleFault:
+    """A fault inside the next executor run (it sets ``executor.fault``; the run clears it)."""
+
+    def __init__(self, kind: str, what: str):
+        self.kind, self.what = kind, what
+
+    def actions(self, actions: Sequence) -> list:
+        """skip-send: the list without its first send (the rest of that Comm stays)."""
+        out = list(actions)
+        for i, a in enumerate(out):
+            sends = [op for op in a.ops if op.op == "send"] if isinstance(a, Comm) and self.kind == "skip-send" else []
+            if sends:
+                out[i] = Comm(tuple(op for op in a.ops if op is not sends[0]))
+                _stderr(f"pretrain_gpt.py: {self.what}: this rank's schedule drops its send of {sends[0].kind} "
+                        f"micro-batch {sends[0].mb} to pipeline rank {sends[0].peer}")
+                break
+        return out
+
+    def during(self, action) -> None:
+        """hang: the first forward of the run computes without end (as a stuck kernel or loop would)."""
+        if self.kind == "hang" and action.kind == "F":
+            _stderr(f"pretrain_gpt.py: {self.what}: this rank computes without end in F micro-batch {action.mb} "
+                    f"chunk {action.chunk}")
+            x = torch.full((64, 64), 0.01)
+            while True:
+                x = torch.tanh(x @ x + 0.01)
+
+
+def inject_fault(train_cfg, iteration: int, rank: int, executor=None) -> None:
+    """Fail this rank in ``iteration`` when the --inject-fault-* flags say so (round 0 only): kill and
+    exception now, hang and skip-send inside ``executor``'s next run."""
     if (train_cfg.inject_fault_at_iteration != iteration or train_cfg.inject_fault_rank != rank
             or restart_round() != 0):
         return
     kind = train_cfg.inject_fault_kind
     what = f"rank {rank}: --inject-fault-kind {kind} at iteration {iteration}"
+    if kind in ("hang", "skip-send") and executor is not None:
+        executor.fault = ScheduleFault(kind, what)
+        return
     if kind == "exception":
         raise InjectedFault(f"{what}: this rank stops with an error")
     try:

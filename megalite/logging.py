@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megalite.flight_recorder import RECORDER
 from megalite.parallel_state import ParallelState
 
 _FORMAT = "%(message)s"
@@ -47,13 +48,15 @@ def setup_logging(is_logging_rank: bool, rank: int) -> logging.Logger:
 
 
 def mean_over_data_parallel(losses: Sequence[torch.Tensor], ps: ParallelState) -> Optional[float]:
-    """Mean of this rank's micro-batch losses, averaged over DP ranks (None where no loss is computed)."""
+    """Mean of this rank's micro-batch losses, averaged over the replicas, dp x cp (None where no loss
+    is computed). A CP rank's loss is its share of the sequence's loss times cp, so the mean over the
+    CP ranks is the whole sequence's loss."""
     if not losses:
         return None
     loss = torch.stack(list(losses)).float().mean().reshape(1)
-    if ps.dp_size > 1:
-        dist.all_reduce(loss, group=ps.dp_group)
-        loss /= ps.dp_size
+    if ps.dp_cp_size > 1:
+        RECORDER.call("dp_cp", dist.all_reduce, loss, group=ps.dp_cp_group)
+        loss /= ps.dp_cp_size
     return float(loss)
 
 
@@ -61,12 +64,12 @@ def loss_from_first_stage(loss: Optional[float], ps: ParallelState) -> Optional[
     """A V-shaped schedule computes the loss on pipeline rank 0: pass it to the last pipeline rank,
     where the log line expects it (None stays None on the ranks in between)."""
     t = torch.tensor([loss if loss is not None else 0.0], device=ps.device)
-    dist.broadcast(t, ps.pp.ranks[0], group=ps.pp_group)
+    RECORDER.call("pp", dist.broadcast, t, ps.pp.ranks[0], group=ps.pp_group)
     return float(t) if ps.is_last_stage or loss is not None else None
 
 
 def logged_loss(losses: Sequence[torch.Tensor], ps: ParallelState, v_shape: bool) -> Optional[float]:
-    """The loss the log line shows: mean micro-batch loss over DP, on the last pipeline rank (None elsewhere).
+    """The loss the log line shows: mean micro-batch loss over dp x cp, on the last pipeline rank (None elsewhere).
 
     A V puts the loss on pipeline rank 0; it is passed to the last pipeline rank, where the
     log line (and every caller) expects it.
@@ -82,7 +85,7 @@ def mean_over_pipeline(value: float, ps: ParallelState) -> float:
     if ps.pp_size == 1:
         return value
     t = torch.tensor([value], device=ps.device)
-    dist.all_reduce(t, group=ps.pp_group)
+    RECORDER.call("pp", dist.all_reduce, t, group=ps.pp_group)
     return float(t) / ps.pp_size
 
 
@@ -90,7 +93,7 @@ def write_timeline(path: str, events: List[dict], ps: ParallelState, **meta) -> 
     """Gather every pipeline rank's measured events and write the timeline JSON (logging rank)."""
     if ps.pp_size > 1:
         gathered: List[Optional[list]] = [None] * ps.pp_size
-        dist.all_gather_object(gathered, events, group=ps.pp_group)
+        RECORDER.call("pp", dist.all_gather_object, gathered, events, group=ps.pp_group)
         events = [e for part in gathered for e in part]
     if ps.is_logging_rank:
         iteration = meta.pop("iteration", None)

@@ -1,14 +1,28 @@
 """The rank grid and its process groups, built once and passed explicitly.
 
-Ranks are laid out tensor-fastest, then data, then pipeline (Megatron's default
-``tp-dp-pp`` order)::
+Ranks are laid out tensor-fastest, then context, then data, then pipeline
+(Megatron-Core's ``tp-cp-dp-pp`` order)::
 
-    global_rank = tp_rank + dp_rank * TP + pp_rank * TP * DP
+    global_rank = tp_rank + cp_rank * TP + dp_rank * TP * CP + pp_rank * TP * CP * DP
 
-    world 16, TP=2, PP=4 (so DP=2):
+    world 16, TP=2, PP=4 (so DP=2, CP=1):
       tp groups  [0,1] [2,3] [4,5] ... [14,15]      (neighbours: fast links)
       dp groups  [0,2] [1,3] [4,6] [5,7] ...
       pp groups  [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
+
+    world 16, TP=2, CP=2, PP=2 (so DP=2):
+      tp groups     [0,1] [2,3] [4,5] ... [14,15]
+      cp groups     [0,2] [1,3] [4,6] [5,7] ...       (one sequence split over these)
+      dp groups     [0,4] [1,5] [2,6] [3,7] ...
+      dp_cp groups  [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]
+      pp groups     [0,8] [1,9] ... [7,15]
+
+The ``dp_cp`` group holds every rank with the same model shard (the CP ranks of
+a replica keep the same weights and see different parts of the same samples):
+gradients are averaged over it, the distributed optimizer and the checkpoint
+writers share their work over it. ``dp`` stays the pure data axis: the sampler
+reads by dp rank, so the CP ranks of one dp rank read the same samples. With
+CP=1, ``dp_cp`` has exactly ``dp``'s members.
 
 This is the only module that creates process groups or asks torch.distributed
 for the world's rank and size (a test enforces it). Everything else receives a
@@ -30,8 +44,8 @@ from megalite.config import ConfigError  # noqa: F401  (re-exported: grid_groups
 
 logger = logging.getLogger(__name__)
 
-# Axis order, fastest varying first. Context/expert parallel axes slot in here later.
-AXES: Tuple[str, ...] = ("tp", "dp", "pp")
+# Axis order, fastest varying first (Megatron-Core's tp-cp-dp-pp). An expert axis slots in later.
+AXES: Tuple[str, ...] = ("tp", "cp", "dp", "pp")
 
 
 @dataclass
@@ -47,19 +61,21 @@ class AxisGroup:
         return len(self.ranks)
 
 
-def grid_groups(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
+def grid_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
     """All group memberships for a world, without creating any process group.
 
-    Returns a dict with keys ``tp``, ``dp``, ``pp``, ``mp`` (model parallel: tp x pp),
-    ``embedding`` (first and last stage of each pipeline group) and
-    ``position_embedding`` (first stage of each pipeline group).
+    Returns a dict with keys ``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp`` (data x context: the ranks
+    holding the same model shard), ``mp`` (model parallel: tp x pp), ``embedding`` (first and last
+    stage of each pipeline group) and ``position_embedding`` (first stage of each pipeline group).
     """
-    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp) != 0:
+        with_cp = f" x context-parallel-size ({cp})" if cp != 1 else ""
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor-model-parallel-size ({tp}) x "
-            f"pipeline-model-parallel-size ({pp}); change the parallel sizes or the number of processes"
+            f"pipeline-model-parallel-size ({pp}){with_cp}; change the parallel sizes or the number of "
+            f"processes"
         )
-    sizes = {"tp": tp, "dp": world_size // (tp * pp), "pp": pp}
+    sizes = {"tp": tp, "cp": cp, "dp": world_size // (tp * pp * cp), "pp": pp}
     strides, s = {}, 1
     for axis in AXES:
         strides[axis] = s
@@ -78,6 +94,7 @@ def grid_groups(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]
         return sorted(out)
 
     groups = {axis: groups_varying([axis]) for axis in AXES}
+    groups["dp_cp"] = groups_varying(["cp", "dp"])
     groups["mp"] = groups_varying(["tp", "pp"])
     groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
@@ -104,7 +121,7 @@ def elastic_round_store(world_size: int, timeout: timedelta) -> Optional["dist.S
 
 
 class ParallelState:
-    """This rank's place in the (tp, dp, pp) grid plus its process groups.
+    """This rank's place in the (tp, cp, dp, pp) grid plus its process groups.
 
     Build it with :meth:`from_env` (torchrun / a test harness already set the
     environment) or :meth:`single` (one process, no torch.distributed at all).
@@ -112,7 +129,8 @@ class ParallelState:
 
     def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1,
                  create_groups: bool = True, backend: Optional[str] = None,
-                 device: Optional[torch.device] = None, timeout: Optional[timedelta] = None):
+                 device: Optional[torch.device] = None, timeout: Optional[timedelta] = None,
+                 cp: int = 1):
         self.world_size, self.rank = world_size, rank
         self.backend = backend
         # How long a blocking wait may last before the job is declared hung: every group gets it
@@ -123,10 +141,14 @@ class ParallelState:
             device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                       else torch.device("cpu"))
         self.device = device
-        self.memberships = grid_groups(world_size, tp, pp)
+        self.memberships = grid_groups(world_size, tp, pp, cp)
         self.axes: Dict[str, AxisGroup] = {}
         use_dist = create_groups and world_size > 1
         for name, all_groups in self.memberships.items():
+            same = [a for a in ("dp", "cp") if name == "dp_cp" and self.memberships[a] == all_groups]
+            if same:  # cp 1 (or dp 1): the same ranks, so the same communicator, nothing new created
+                self.axes[name] = self.axes[same[0]]
+                continue
             mine = None
             for ranks in all_groups:
                 # Every rank must call new_group for every group, in the same order.
@@ -143,7 +165,7 @@ class ParallelState:
 
     @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, backend: Optional[str] = None,
-                 timeout_s: float = 600.0) -> "ParallelState":
+                 timeout_s: float = 600.0, cp: int = 1) -> "ParallelState":
         """Initialise torch.distributed from torchrun's variables (if several ranks) and build groups.
 
         With WORLD_SIZE unset or 1 no process group is created at all, so a
@@ -151,7 +173,7 @@ class ParallelState:
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        grid_groups(world, tp, pp)  # validate before any communication
+        grid_groups(world, tp, pp, cp)  # validate before any communication
         if world == 1 and not dist.is_initialized():
             use_cuda = torch.cuda.is_available() and backend != "gloo"
             return cls.single(torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
@@ -163,16 +185,16 @@ class ParallelState:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                     store=elastic_round_store(world, timeout))
         return cls(dist.get_world_size(), dist.get_rank(), tp, pp, backend=backend,
-                   timeout=timedelta(seconds=timeout_s))
+                   timeout=timedelta(seconds=timeout_s), cp=cp)
 
     @classmethod
     def init_for_test(cls, rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
-                      timeout_s: float = 120.0) -> "ParallelState":
+                      timeout_s: float = 120.0, cp: int = 1) -> "ParallelState":
         """Start a gloo process group on an explicit rendezvous (used by megalite.testing.run_distributed)."""
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
-        return cls(world_size, rank, tp, pp, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(world_size, rank, tp, pp, backend="gloo", timeout=timedelta(seconds=timeout_s), cp=cp)
 
     def destroy(self) -> None:
         """Tear the process group down (end of a run or test)."""
@@ -185,8 +207,17 @@ class ParallelState:
         return self.axes["tp"]
 
     @property
+    def cp(self) -> AxisGroup:
+        return self.axes["cp"]
+
+    @property
     def dp(self) -> AxisGroup:
         return self.axes["dp"]
+
+    @property
+    def dp_cp(self) -> AxisGroup:
+        """Every rank holding this rank's model shard: the group gradients are averaged over."""
+        return self.axes["dp_cp"]
 
     @property
     def pp(self) -> AxisGroup:
@@ -207,9 +238,15 @@ class ParallelState:
     tp_size = property(lambda self: self.tp.size)
     tp_rank = property(lambda self: self.tp.rank)
     tp_group = property(lambda self: self.tp.group)
+    cp_size = property(lambda self: self.cp.size)
+    cp_rank = property(lambda self: self.cp.rank)
+    cp_group = property(lambda self: self.cp.group)
     dp_size = property(lambda self: self.dp.size)
     dp_rank = property(lambda self: self.dp.rank)
     dp_group = property(lambda self: self.dp.group)
+    dp_cp_size = property(lambda self: self.dp_cp.size)
+    dp_cp_rank = property(lambda self: self.dp_cp.rank)
+    dp_cp_group = property(lambda self: self.dp_cp.group)
     pp_size = property(lambda self: self.pp.size)
     pp_rank = property(lambda self: self.pp.rank)
     pp_group = property(lambda self: self.pp.group)
@@ -246,11 +283,11 @@ class ParallelState:
         return getattr(self, "_background", None)
 
     def background_dp_group(self):
-        """This rank's data-parallel group again, on gloo, for off-thread work (the torch format's
-        gather of distributed-optimizer shards during an asynchronous save); the same rules as
-        :meth:`background_group`. None without data parallelism."""
-        if getattr(self, "_background_dp", None) is None and self.dp_size > 1 and dist.is_initialized():
-            for ranks in grid_groups(self.world_size, self.tp_size, self.pp_size)["dp"]:
+        """This rank's data x context group (``dp_cp``: the distributed optimizer's shards) again, on
+        gloo, for off-thread work (the torch format's gather of distributed-optimizer shards during an
+        asynchronous save); the same rules as :meth:`background_group`. None when dp_cp has one rank."""
+        if getattr(self, "_background_dp", None) is None and self.dp_cp_size > 1 and dist.is_initialized():
+            for ranks in self.memberships["dp_cp"]:
                 group = dist.new_group(ranks, backend="gloo", timeout=self.timeout)  # every rank, every group
                 if self.rank in ranks:
                     self._background_dp = group
@@ -263,4 +300,4 @@ class ParallelState:
 
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})")
+                f"cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})")

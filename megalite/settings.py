@@ -41,12 +41,12 @@ def resolve_settings(cfg: Config, world_size: int) -> RunSettings:
     """Work out the derived settings of ``cfg`` on ``world_size`` processes.
 
     Raises ConfigError (one line naming the flags) when they cannot be derived:
-    a world not divisible by tp x pp, an illegal split of layers, a global batch
+    a world not divisible by tp x pp x cp, an illegal split of layers, a global batch
     not divisible by micro-batch x dp, or a schedule that cannot run (pp, vp, m).
     """
     par, t, m = cfg.parallel, cfg.train, cfg.model
-    grid_groups(world_size, par.tp, par.pp)  # raises the one-line error for a bad world size
-    dp = world_size // (par.tp * par.pp)
+    grid_groups(world_size, par.tp, par.pp, par.cp)  # raises the one-line error for a bad world size
+    dp = world_size // (par.tp * par.pp * par.cp)  # the CP ranks of a replica read the same samples
     stage_layers = None
     try:
         if par.pipeline_balance != "measured" or par.pipeline_stage_layers is not None:

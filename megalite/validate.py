@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Tuple
 from megalite.config import Config, ConfigError
 from megalite.flags import FieldFlags, flag_fields
 from megalite.parallel_state import grid_groups
+from megalite.profiling import check_profiling_flags
 from megalite.settings import RunSettings, resolve_settings
 
 
@@ -66,7 +67,11 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
                           "for no evaluation")
     if t.skip_train and not cfg.checkpoint.load:
         raise ConfigError("--skip-train evaluates a trained model: give its checkpoint with --load DIR")
-    grid_groups(world_size, par.tp, par.pp)
+    if par.cp > 1 and par.tp * par.pp * par.cp > world_size:
+        raise ConfigError(f"--tensor-model-parallel-size {par.tp} x --pipeline-model-parallel-size {par.pp} x "
+                          f"--context-parallel-size {par.cp} = {par.tp * par.pp * par.cp} ranks, more than the world "
+                          f"size {world_size}; lower the parallel sizes or launch more processes")
+    grid_groups(world_size, par.tp, par.pp, par.cp)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
                           f"{m.num_attention_heads}")
@@ -91,6 +96,8 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
         raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                           f"{m.max_positions}")
     _validate_balance(cfg)
+    _validate_context_parallel(cfg)
+    check_profiling_flags(cfg, world_size)  # --profile-*, --wandb-* (profiling.py)
     settings = resolve_settings(cfg, world_size)  # split of layers, micro-batches, schedule
     _validate_zero_bubble(cfg, settings)
     _validate_precision_and_memory(cfg)
@@ -99,6 +106,28 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
     if cfg.data.mock_data and m.vocab_size < 2:
         raise ConfigError("--mock-data needs --vocab-size >= 2")
     return settings
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """What splitting every sequence over --context-parallel-size ranks needs (nothing when cp is 1)."""
+    m, par = cfg.model, cfg.parallel
+    if par.cp == 1:
+        return
+    chunks = 2 * par.cp * (par.tp if par.sequence_parallel else 1)
+    if m.seq_length % chunks:
+        sp = " x --tensor-model-parallel-size (with --sequence-parallel)" if par.sequence_parallel else ""
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size{sp} = "
+                          f"{chunks} (each CP rank holds two of 2 x CP load-balanced chunks); change --seq-length "
+                          f"or --context-parallel-size")
+    if par.cp_comm_type == "a2a":
+        for flag, n in (("--num-attention-heads", m.num_attention_heads), ("--num-query-groups", m.query_groups)):
+            if (n // par.tp) % par.cp:
+                raise ConfigError(f"--cp-comm-type a2a splits the heads of each rank over the CP group, but {flag} "
+                                  f"{n} / --tensor-model-parallel-size {par.tp} is not divisible by "
+                                  f"--context-parallel-size {par.cp}; use --cp-comm-type p2p or all_gather")
+    if par.cp_comm_type == "p2p" and m.attention_dropout > 0:
+        raise ConfigError(f"--cp-comm-type p2p (ring attention) does not support --attention-dropout "
+                          f"{m.attention_dropout:g}; set --attention-dropout 0 or use --cp-comm-type all_gather/a2a")
 
 
 def _validate_balance(cfg: Config) -> None:

@@ -94,7 +94,8 @@ def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Op
     load_full_weights(trainer.chunks[0], full)
     t = cfg.train
     start = validation_start(iteration, t, len(dataset)) if split == "valid" and t.eval_interval > 0 else 0
-    batches = MicroBatches(dataset, start, t.micro_batch_size, trainer.m, ps, cfg.data.num_workers, name=split)
+    batches = MicroBatches(dataset, start, t.micro_batch_size, trainer.m, ps, cfg.data.num_workers, name=split,
+                           sequence=trainer.sequence)  # packed documents as the run trained on them
     try:
         return trainer.evaluate(batches)
     except TrainingStopped as e:  # a sample outside the vocabulary: another tokenizer's data

@@ -6,7 +6,8 @@
     scheduler       the LR schedule's state_dict: num_steps and its settings (lr, min_lr, lr_warmup_iters,
                     lr_decay_iters, lr_decay_style; older checkpoints hold num_steps only)
     scaler adam_step group_steps   (the optimizer's step_state(): fp16 loss scale, Adam step counts)
-    layout          world tp pp vp dp first last stage_layers   (the parallel layout it was saved in)
+    layout          world tp pp vp dp cp first last stage_layers   (the parallel layout it was saved in;
+                    cp absent in older checkpoints: read as 1)
     config          the whole Config; model_shape: the fields a model must share to load it
     format          sharded | torch
 
@@ -79,7 +80,7 @@ def layout_of(cfg: Config, ps: ParallelState) -> Dict[str, object]:
     """The parallel layout of this run as ``meta.json`` records it (``first``/``last`` 0 when unset)."""
     par = cfg.parallel
     return {"world": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": par.vp,
-            "dp": ps.dp_size, "first": par.decoder_first_pipeline_num_layers or 0,
+            "dp": ps.dp_size, "cp": ps.cp_size, "first": par.decoder_first_pipeline_num_layers or 0,
             "last": par.decoder_last_pipeline_num_layers or 0,
             "stage_layers": list(par.pipeline_stage_layers or ())}
 
@@ -152,6 +153,9 @@ def check_meta(meta: object, path: str) -> dict:
     for name in _LAYOUT_FIELDS:
         if not typed(meta["layout"].get(name), int):
             raise bad(f"field 'layout.{name}'", "is missing or not an integer")
+    meta["layout"].setdefault("cp", 1)  # saved before context parallelism existed
+    if not typed(meta["layout"]["cp"], int) or meta["layout"]["cp"] < 1:
+        raise bad("field 'layout.cp'", "is not a positive integer")
     stage_layers = meta["layout"].get("stage_layers")
     if stage_layers is not None and not (isinstance(stage_layers, list) and all(typed(n, int) for n in stage_layers)):
         raise bad("field 'layout.stage_layers'", "is not a list of integers")

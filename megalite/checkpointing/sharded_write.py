@@ -2,6 +2,9 @@
 
 Each rank writes only what it owns, without gathering anything:
 
+"DP rank" below is the rank in ``ps.dp_cp``, the ranks holding the same model shard (data x
+context parallel; the distributed optimizer shards over that group too).
+
 * with the distributed optimizer, every DP rank owns flat ranges of its TP-local parameters
   (``MegatronOptimizer.pieces``); it writes, for each of its pieces and each global block the
   parameter holds (``layout.py``), the part of the block the piece covers as one ``"flat"``
@@ -94,7 +97,7 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
             state = {k: t.view(p.shape) for k, t in _optim_views(optimizer, pc).items()}
         for b in blocks:
             turn += 1
-            if (turn - 1) % ps.dp_size != ps.dp_rank:
+            if (turn - 1) % ps.dp_cp_size != ps.dp_cp_rank:  # the replicas: dp x cp
                 continue
             for prefix, t in [("model", p)] + [(f"optim.{k}", v) for k, v in state.items()]:
                 view = b.local(t)

@@ -20,8 +20,10 @@ its weight, sharded like it, and the settings are plain values in common.pt::
     optimizer.state.<param|exp_avg|exp_avg_sq>.<the weight's key>
     common.pt["optimizer"]["optimizer"]["param_groups"], ["optimizer"]["grad_scaler"] (fp16)
 
-Either way the state is used only when every parameter's fp32 copy equals the weight saved
-beside it. Anything else (virtual stages, experts, other sharding modes, a layout that does
+Neither layout depends on the data- or context-parallel size (Megatron shards over dp x cp, but a
+bucket is saved whole, without its padding to a multiple of that size), so a run saved with
+--context-parallel-size > 1 maps the same way. Either way the state is used only when every
+parameter's fp32 copy equals the weight saved beside it. Anything else (virtual stages, experts, other sharding modes, a layout that does
 not check out) raises :class:`Unmappable`: the caller loads the weights only.
 """
 from __future__ import annotations

@@ -2,15 +2,18 @@
 
 ::
 
-    iter_0000100/mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt    one file per (tp, pp) rank, by DP rank 0
+    iter_0000100/mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt    one file per (tp, pp) rank, by dp x cp rank 0
       args  checkpoint_version (3.0)  iteration  consumed_samples
       model | model0, model1, ...     each chunk's state_dict (one per virtual stage)
       optimizer: {state: full per-parameter fp32 state, scaler, group_steps}
-      opt_param_scheduler  rng_state (one RandomStates per DP rank)  counters  layout  model_shape
+      opt_param_scheduler  rng_state (one RandomStates per dp x cp rank)  counters  layout  model_shape
     iter_0000100/mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt.crc32.json   {"crc32", "bytes"} of that file
 
 The directory naming is Megatron's (:func:`legacy_dir`), which the Megatron-LM
 reader and writer (``megatron.py``) and the converter (``native_io.py``) share.
+The ranks of a (tp, pp) rank's dp x cp group (``ps.dp_cp``) hold the same parameters,
+so the file does not depend on dp or cp: a checkpoint loads at another dp or cp size
+(only the random states, one per dp x cp rank, are then not restored).
 """
 from __future__ import annotations
 
@@ -43,21 +46,22 @@ def _model_key(i: int, n_chunks: int) -> str:
 
 def torch_state(ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta: dict,
                 rng: dict, gather_optimizer: bool = True) -> Optional[dict]:
-    """This (tp, pp) rank's ``model_optim_rng.pt`` content on DP rank 0, None elsewhere (collective over DP).
+    """This (tp, pp) rank's ``model_optim_rng.pt`` content on dp x cp rank 0, None elsewhere (collective over
+    dp x cp, the ranks holding the same model shard).
 
-    The optimizer state is gathered over DP (``full_state_dict``: the legacy file holds every
+    The optimizer state is gathered over dp x cp (``full_state_dict``: the legacy file holds every
     parameter's whole fp32 state; without ``gather_optimizer`` it is left empty for the caller
     to fill, as an asynchronous save does in the background); ``rng`` is this rank's
-    RandomStates, gathered over DP. The tensors may be views of the live state: copy them
+    RandomStates, gathered over dp x cp. The tensors may be views of the live state: copy them
     before training goes on.
     """
     full_opt = optimizer.full_state_dict(include_main=optimizer.half, to_cpu=True) if gather_optimizer else {}
-    rngs: List[Optional[dict]] = [None] * ps.dp_size
-    if ps.dp_size > 1:
-        dist.all_gather_object(rngs, rng, group=ps.dp_group)
+    rngs: List[Optional[dict]] = [None] * ps.dp_cp_size
+    if ps.dp_cp_size > 1:
+        dist.all_gather_object(rngs, rng, group=ps.dp_cp_group)
     else:
         rngs = [rng]
-    if ps.dp_rank != 0:
+    if ps.dp_cp_rank != 0:
         return None
     models = {_model_key(i, len(chunks)): c.state_dict() for i, c in enumerate(chunks)}
     return {"args": meta["config"], "checkpoint_version": 3.0, "iteration": meta["iteration"],
@@ -84,7 +88,7 @@ class _Checksummed:
 
 
 def write_torch_state(tmp: str, ps: ParallelState, state: Optional[dict]) -> None:
-    """Write :func:`torch_state`'s content (DP rank 0; nothing elsewhere) and its checksum sidecar:
+    """Write :func:`torch_state`'s content (dp x cp rank 0; nothing elsewhere) and its checksum sidecar:
     ``model_optim_rng.pt.crc32.json`` = {"crc32": zlib.crc32 of the whole file, "bytes": its size}."""
     if state is None:
         return
@@ -154,7 +158,7 @@ def read_torch(d: str, saved: dict, here: dict, ps: ParallelState, chunks: Seque
     """Load this rank's ``model_optim_rng.pt`` of ``d`` into ``chunks`` and (with ``load_optim``) ``optimizer``.
 
     ``saved``/``here`` are the checkpoint's and this run's layouts. Returns this rank's saved
-    random states when the DP size matches, else None. The optimizer's step counts and
+    random states when the dp and cp sizes match, else None. The optimizer's step counts and
     scaler are the caller's (``meta.json``).
     """
     check_same_layout(d, saved, here, num_layers)
@@ -178,4 +182,5 @@ def read_torch(d: str, saved: dict, here: dict, ps: ParallelState, chunks: Seque
     if opt_state:
         optimizer.load_full_state_dict(opt_state)
     rngs = state["rng_state"]
-    return rngs[ps.dp_rank] if saved["dp"] == here["dp"] and len(rngs) == ps.dp_size else None
+    same = (saved["dp"], saved.get("cp", 1)) == (here["dp"], here.get("cp", 1))
+    return rngs[ps.dp_cp_rank] if same and len(rngs) == ps.dp_cp_size else None

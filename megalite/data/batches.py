@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from megalite.context_parallel.sequence import SequenceOptions
 from megalite.data.samplers import PretrainingSampler
 from megalite.parallel_state import ParallelState
 
@@ -19,17 +20,42 @@ def _collate(samples: List[dict]) -> torch.Tensor:
     return torch.from_numpy(np.stack([s["text"] for s in samples]).astype(np.int64))
 
 
+def eod_token(cfg) -> int:
+    """The end-of-document id of a run's tokenizer (Megatron's pretrain_gpt: ``tokenizer.eod``).
+
+    Without a tokenizer (--mock-data) the vocabulary is read as NullTokenizer's: its last id is eod.
+    """
+    data, vocab = cfg.data, cfg.model.vocab_size
+    if not data.tokenizer_type or data.tokenizer_type == "NullTokenizer":
+        return vocab - 1  # NullTokenizer --vocab-size N: N + 1 ids, eod N
+    from megalite.data.tokenizers import build_tokenizer
+    return build_tokenizer(data, vocab).eod
+
+
+def sequence_options(cfg, ps: ParallelState) -> Optional[SequenceOptions]:
+    """How this rank's micro-batches are laid out (packed documents, CP chunks); None: plain batches."""
+    d = cfg.data
+    flags = dict(reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+                 eod_mask_loss=d.eod_mask_loss)
+    if ps.cp_size == 1 and not any(flags.values()):
+        return None
+    return SequenceOptions(eod=eod_token(cfg) if any(flags.values()) else None, cp_size=ps.cp_size,
+                           cp_rank=ps.cp_rank, **flags)
+
+
 class MicroBatches:
     """Global batches for this DP rank, as lists of m micro-batch dicts (tokens, labels, loss_mask).
 
     Samples are read by a DataLoader over the pretraining sampler; ``num_workers``
     > 0 reads them in worker processes ahead of the training loop (``--num-workers``).
     The sampler is walked a second time alongside, so a bad sample can be named.
+    ``sequence`` (packed documents, CP) adds position_ids / segment_ids / num_tokens and keeps
+    this CP rank's chunks of each sample; the CP ranks of one DP rank read the same samples.
     """
 
     def __init__(self, dataset, consumed: int, mbs: int, m: int, ps: ParallelState, num_workers: int = 0,
-                 name: str = "train"):
-        self.m, self.device, self.dataset, self.name = m, ps.device, dataset, name
+                 name: str = "train", sequence: Optional[SequenceOptions] = None):
+        self.m, self.device, self.dataset, self.name, self.sequence = m, ps.device, dataset, name, sequence
         sampler = PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                              collate_fn=_collate, pin_memory=ps.device.type == "cuda",
@@ -48,8 +74,12 @@ class MicroBatches:
             self.last_host.append(host)  # checked on the host: no device sync per micro-batch
             text = host.to(self.device, non_blocking=True)
             self.last_indices.append(list(next(self.indices)))
-            out.append({"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
-                        "loss_mask": torch.ones(text.shape[0], text.shape[1] - 1, device=self.device)})
+            tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+            loss_mask = torch.ones(text.shape[0], text.shape[1] - 1, device=self.device)
+            if self.sequence is None:
+                out.append({"tokens": tokens, "labels": labels, "loss_mask": loss_mask})
+            else:
+                out.append(self.sequence.build(tokens, labels, loss_mask))
         return out
 
     def bad_token(self, batches: List[Dict[str, torch.Tensor]], vocab: int) -> Optional[str]:

@@ -1,5 +1,9 @@
 """Contiguous gradient (and parameter) storage with bucketed data-parallel reduction.
 
+"dp" below is the group the buffer is given: the replicas of this rank's model shard,
+dp x cp (``ParallelState.dp_cp``; with context parallelism the CP ranks of a replica hold
+partial gradients of the same samples, averaged like any other replica's).
+
 ::
 
     grad buffer (fp32 with --bf16 / --accumulate-allreduce-grads-in-fp32, else the param dtype;
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.flight_recorder import RECORDER
 from megalite.parallel_state import AxisGroup
 from megalite.tensor_parallel.comms import all_gather_flat, reduce_scatter_flat
 
@@ -52,7 +57,8 @@ class Bucket:
 
 
 class GradBuffer:
-    """Owns ``main_grad`` of every parameter; reduces it over ``dp`` (all-reduce or reduce-scatter)."""
+    """Owns ``main_grad`` of every parameter; averages it over ``dp`` (the replicas: the optimizer passes
+    ParallelState.dp_cp) by all-reduce or reduce-scatter."""
 
     def __init__(self, params: Sequence[nn.Parameter], dp: AxisGroup, *, grad_dtype: Optional[torch.dtype] = None,
                  bucket_elements: Optional[int] = None, overlap: bool = False, shard: bool = False,
@@ -141,9 +147,10 @@ class GradBuffer:
         if self.shard_grads:
             # A separate output: an in-place reduce-scatter (output inside input) is not safe on gloo.
             b.grad_out = torch.empty(b.shard[1] - b.shard[0], dtype=data.dtype, device=data.device)
-            b.grad_handle = reduce_scatter_flat(b.grad_out, data, group=self.dp.group, async_op=True)
+            b.grad_handle = RECORDER.call("dp_cp", reduce_scatter_flat, b.grad_out, data, group=self.dp.group,
+                                          async_op=True)
         else:
-            b.grad_handle = dist.all_reduce(data, group=self.dp.group, async_op=True)
+            b.grad_handle = RECORDER.call("dp_cp", dist.all_reduce, data, group=self.dp.group, async_op=True)
 
     def finish(self) -> None:
         """Complete every bucket's reduction (starting those not yet started): the mean over DP.
@@ -175,8 +182,8 @@ class GradBuffer:
             return
         for b in self.buckets:
             shard = self.param_data[b.shard[0]:b.shard[1]].clone()
-            b.param_handle = all_gather_flat(self.param_data[b.start:b.end], shard,
-                                            group=self.dp.group, async_op=True)
+            b.param_handle = RECORDER.call("dp_cp", all_gather_flat, self.param_data[b.start:b.end], shard,
+                                           group=self.dp.group, async_op=True)
             b.gather_src = shard
         if not async_op:
             self.wait_params()

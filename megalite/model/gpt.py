@@ -21,6 +21,15 @@ state dict means the same thing for every pipeline layout.
 For generation, ``forward(tokens, kv_cache)`` runs only the new tokens: their
 positions (learned or RoPE) start at ``kv_cache.seq_len``, and every attention
 layer attends over the cached keys and values (kv_cache.py).
+
+Under context parallelism (cp > 1) a chunk holds s/cp tokens of each sequence, chunks r and
+2CP-1-r (context_parallel/sequence.py); their positions are their global indices, and attention
+runs over the whole sequence through the CP group. Packed documents give each token its
+``position_ids`` (restarting per document) and ``segment_ids`` (attention stays within a
+document); every stage receives them, since RoPE and attention act in every layer::
+
+    tokens [b, s/cp] -> emb + pos(position_ids or global index) -> [s/cp, b, h] (SP: [s/cp/tp, b, h])
+                     -> layers (RoPE by position, attention over the CP group) -> logits [s/cp, b, V/tp]
 """
 from __future__ import annotations
 
@@ -30,7 +39,8 @@ import torch
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel_state import ParallelState
+from megalite.context_parallel.sequence import cp_token_index
+from megalite.parallel_state import AxisGroup, ParallelState
 from megalite.tensor_parallel.comms import reduce_scatter_to_sequence_parallel_region
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -48,9 +58,10 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, tracker: RNGTracker, seed: int,
                  layers: Optional[Iterable[int]] = None, pre_process: bool = True,
-                 post_process: bool = True, sequence_parallel: bool = False):
+                 post_process: bool = True, sequence_parallel: bool = False, cp_comm_type: str = "p2p"):
         super().__init__()
         self.cfg, self.tp, self.tracker = cfg, ps.tp, tracker
+        self.cp: AxisGroup = ps.cp
         self.sequence_parallel = sequence_parallel and ps.tp_size > 1
         self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab = cfg.padded_vocab_size(ps.tp_size)
@@ -71,7 +82,8 @@ class GPTModel(nn.Module):
 
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i, self.sequence_parallel, ps.device)
+            {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i, self.sequence_parallel, ps.device,
+                                      self.cp, cp_comm_type)
              for i in layer_ids})
 
         self.output_weight = None
@@ -142,54 +154,71 @@ class GPTModel(nn.Module):
             out[name] = module.local_from_full(pname, src) if hasattr(module, "local_from_full") else src
         return out
 
-    def embed(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """tokens [b, s] at positions offset.. -> hidden [s, b, h] (or the shard [s/tp, b, h] under SP)."""
+    def embed(self, tokens: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [b, s] at positions offset.. (or ``positions`` [s] / [b, s]) -> hidden [s, b, h]
+        (or the shard [s/tp, b, h] under SP)."""
         sp = self.sequence_parallel
         x = self.embedding.word_embeddings(tokens, reduce=not sp).transpose(0, 1).contiguous()
         s = tokens.shape[1]
-        positions = torch.arange(offset, offset + s, device=tokens.device)
+        if positions is None:
+            positions = torch.arange(offset, offset + s, device=tokens.device)
         if sp:  # each rank keeps its slice of the (summed) sequence
             x = reduce_scatter_to_sequence_parallel_region(x, self.tp)
-            positions = positions.chunk(self.tp.size)[self.tp.rank]
+            positions = positions.chunk(self.tp.size, dim=-1)[self.tp.rank]
         if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self.embedding.position_embeddings(positions)[:, None]
+            pos = self.embedding.position_embeddings(positions)  # [s, h] or [b, s, h]
+            x = x + (pos[:, None] if positions.dim() == 1 else pos.transpose(0, 1))
         if sp:
             with self.tracker.fork("tp"):
                 return dropout(x, self.cfg.hidden_dropout, self.training)
         return dropout(x, self.cfg.hidden_dropout, self.training)
 
-    def _run_layers(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rope, span=None) -> torch.Tensor:
         """The chunk's layers, with full recomputation as --recompute-method asks."""
         cfg, layers = self.cfg, list(self.decoder.layers.values())
         if cfg.recompute_granularity != "full":
             for layer in layers:
-                x = layer(x, rope)
+                x = layer(x, rope, span=span)
             return x
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":  # checkpoint the input of every group of n layers
             for i in range(0, len(layers), n):
                 group = layers[i:i + n]
-                x = checkpoint(lambda h, g=group: _run_all(g, h, rope), self.tracker, x)
+                x = checkpoint(lambda h, g=group: _run_all(g, h, rope, span), self.tracker, x)
             return x
         for i, layer in enumerate(layers):  # block: the first n layers of the chunk
-            x = checkpoint(lambda h, m=layer: m(h, rope), self.tracker, x) if i < n else layer(x, rope)
+            x = checkpoint(lambda h, m=layer: m(h, rope, span=span), self.tracker, x) if i < n \
+                else layer(x, rope, span=span)
         return x
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def _sequence(self, x: torch.Tensor, position_ids, segment_ids):
+        """(positions, span) of this chunk's tokens: positions [s] / [b, s] for embeddings and RoPE
+        (None: 0..s-1), span (q_index, segment_ids) for the CP / document attention (None: plain causal)."""
+        if self.cp.size == 1 and position_ids is None and segment_ids is None:
+            return None, None
+        s = x.shape[1] if self.pre_process else x.shape[0] * (self.tp.size if self.sequence_parallel else 1)
+        index = cp_token_index(s * self.cp.size, self.cp.size, self.cp.rank, x.device)
+        positions = position_ids if position_ids is not None else (index if self.cp.size > 1 else None)
+        span = (index, segment_ids) if self.cp.size > 1 or segment_ids is not None else None
+        return positions, span
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the chunk: tokens [b,s] (first stage) or hidden [s,b,h] in; hidden or logits out.
 
-        With ``kv_cache`` (inference) the input is the tokens after the cached ones.
+        With ``kv_cache`` (inference) the input is the tokens after the cached ones. ``position_ids``
+        [b, s] and ``segment_ids`` [b, s*cp] are a packed micro-batch's (context_parallel/sequence.py).
         """
         offset = kv_cache.seq_len if kv_cache is not None else 0
+        positions, span = self._sequence(x, position_ids, segment_ids)
         if self.pre_process:
-            x = self.embed(x, offset)
+            x = self.embed(x, offset, positions)
         rope = None
         if self.cfg.position_embedding_type == "rope":
             s = x.shape[0] * (self.tp.size if self.sequence_parallel else 1)  # RoPE acts on the full sequence
-            cos, sin = rotary_cos_sin(offset + s, self.cfg.head_dim, self.cfg.rotary_base, x.device)
-            rope = (cos[offset:], sin[offset:])
+            rope = self._rope(s, offset, positions, x.device)
         if kv_cache is None:
-            x = self._run_layers(x, rope)
+            x = self._run_layers(x, rope, span)
         else:  # no recomputation in inference; each layer appends its keys and values
             for layer in self.decoder.layers.values():
                 x = layer(x, rope, kv_cache)
@@ -208,15 +237,34 @@ class GPTModel(nn.Module):
         return linear_with_tp_weight(x, weight, self.tp, sequence_parallel=self.sequence_parallel,
                                      split_wgrad=self.split_wgrad and not self.pre_process)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over unmasked tokens; logits [s,b,V/tp], labels/mask [b,s]."""
+    def _rope(self, s: int, offset: int, positions: Optional[torch.Tensor], device):
+        """cos/sin for this chunk's s tokens: [s, 1, 1, d] by position (offset.. or ``positions`` [s]),
+        or [s, b, 1, d] for per-row ``positions`` [b, s]."""
+        cfg = self.cfg
+        if positions is None:
+            cos, sin = rotary_cos_sin(offset + s, cfg.head_dim, cfg.rotary_base, device)
+            return cos[offset:], sin[offset:]
+        cos, sin = rotary_cos_sin(s * self.cp.size, cfg.head_dim, cfg.rotary_base, device)  # every position < s
+        if positions.dim() == 1:
+            return cos[positions], sin[positions]
+        return tuple(t[:, 0, 0][positions].transpose(0, 1)[:, :, None] for t in (cos, sin))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+             num_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean cross entropy over unmasked tokens; logits [s,b,V/tp], labels/mask [b,s].
+
+        Under CP (``num_tokens``: the whole sequence's unmasked count) this rank's sum over its
+        s/cp tokens / num_tokens x cp: averaged over the CP group it is the whole sequence's mean.
+        """
         per_token = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_start,
                                                  self.cfg.vocab_size)  # [s, b]
         mask = loss_mask.t().float()
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        if num_tokens is None:
+            return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        return (per_token * mask).sum() / num_tokens.clamp(min=1.0) * self.cp.size
 
 
-def _run_all(layers, x: torch.Tensor, rope) -> torch.Tensor:
+def _run_all(layers, x: torch.Tensor, rope, span=None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, rope)
+        x = layer(x, rope, span=span)
     return x

@@ -18,7 +18,12 @@ and linear_proj / linear_fc2 reduce-scatter it back. In half precision the
 norms, softmax and loss accumulate in fp32 inside their kernels (torch's
 layer_norm/rms_norm/softmax/SDPA do for bf16 and fp16 inputs) while the saved
 activations stay 16-bit. Recomputation (``checkpoint``) wraps either the core
-attention (selective) or whole layers (full, chosen in gpt.py).
+attention (selective; the CP and packed-document attention too) or whole layers (full,
+chosen in gpt.py).
+
+Under context parallelism or with packed documents (a ``span``: the local tokens' global indices
+and the documents of the whole sequence) the core attention is context_parallel_attention, over
+the CP group; the layer around it is unchanged (its sequence is the local s/cp tokens).
 
 Generation passes a ``KVCache`` (kv_cache.py): each attention layer appends its
 new keys and values and attends over every cached position; queries then
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.context_parallel.attention import context_parallel_attention
 from megalite.model.kv_cache import KVCache
 from megalite.parallel_state import AxisGroup
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
@@ -100,10 +106,11 @@ class Attention(nn.Module):
     """Causal self-attention with heads (and query groups) split across the TP group."""
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, prefix: str,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cp: Optional[AxisGroup] = None, cp_comm_type: str = "p2p"):
         super().__init__()
         d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         self.cfg, self.tracker = cfg, tracker
+        self.cp, self.cp_comm_type = cp if cp is not None else AxisGroup([0], 0), cp_comm_type
         self.nq_local, self.nkv_local = nq // tp.size, nkv // tp.size
         self.unfused = cfg.attention_backend in ("unfused", "local")
         self.recompute = cfg.recompute_granularity == "selective"
@@ -149,8 +156,18 @@ class Attention(nn.Module):
             probs = dropout(probs, p, self.training)
             return torch.matmul(probs, v.unsqueeze(2)).view(b, nq, s, d)
 
+    def span_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor,
+                       segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Attention over the whole sequence split across the CP group, and/or within documents:
+        query at global index i attends key j iff j <= i (and both lie in one segment)."""
+        p = self.cfg.attention_dropout if self.training else 0.0  # its dropout draws from the "tp" stream
+        return context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, q_index, segment_ids,
+                                          dropout_p=p, tracker=self.tracker)
+
     def forward(self, x: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, span: Optional[tuple] = None) -> torch.Tensor:
+        """``span`` = (q_index [s], segment_ids [b, s_full] or None): this rank's tokens' global
+        indices and the documents of the whole sequence (CP and/or packed documents)."""
         d = self.cfg.head_dim
         qkv = self.linear_qkv(x)  # [s, b, (nq + 2 nkv) d / tp]; s is the full sequence under SP
         s, b, _ = qkv.shape
@@ -164,10 +181,10 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if kv_cache is not None:  # attend over the cached positions too (rope already applied to them)
             k, v = kv_cache.append(self, k, v)
-        if self.recompute:
-            out = checkpoint(self.core_attention, self.tracker, q, k, v)
-        else:
-            out = self.core_attention(q, k, v)
+        attend = self.core_attention
+        if span is not None:
+            attend = lambda q_, k_, v_: self.span_attention(q_, k_, v_, *span)  # noqa: E731
+        out = checkpoint(attend, self.tracker, q, k, v) if self.recompute else attend(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.nq_local * d)  # [s, b, nq*d/tp]
         return self.linear_proj(out)
 
@@ -204,13 +221,15 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, layer: int,
-                 sequence_parallel: bool = False, device: Optional[torch.device] = None):
+                 sequence_parallel: bool = False, device: Optional[torch.device] = None,
+                 cp: Optional[AxisGroup] = None, cp_comm_type: str = "p2p"):
         super().__init__()
         prefix = f"decoder.layers.{layer}"
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.input_layernorm = build_norm(cfg, cfg.hidden_size, device)
-        self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}.self_attention", sequence_parallel)
+        self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}.self_attention", sequence_parallel,
+                                        cp, cp_comm_type)
         self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size, device)
         self.mlp = MLP(cfg, tp, seed, f"{prefix}.mlp", sequence_parallel)
 
@@ -220,6 +239,7 @@ class TransformerLayer(nn.Module):
                 return dropout(x, self.p, self.training)
         return dropout(x, self.p, self.training)
 
-    def forward(self, x: torch.Tensor, rope=None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, kv_cache))
+    def forward(self, x: torch.Tensor, rope=None, kv_cache: Optional[KVCache] = None,
+                span: Optional[tuple] = None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, kv_cache, span))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

@@ -5,10 +5,10 @@
     model params (fp32 | bf16 | fp16)  --.main_grad-->  GradBuffer (fp32 or param dtype)
           ^                                                  | finalize_grads():
           | copy / all-gather                                |   tied-embedding sum (embedding group)
-          |                                                  |   dp all-reduce | reduce-scatter
+          |                                                  |   dp x cp all-reduce | reduce-scatter
     main params: fp32 pieces  <--.grad = main_grad slice-----+   sequence-parallel norm grads (tp)
       plain optimizer: one piece per parameter
-      distributed (ZeRO-1): the pieces of this DP rank's 1/dp shard of every bucket
+      distributed (ZeRO-1): the pieces of this rank's 1/(dp x cp) shard of every bucket
     step(): unscale + found-inf (fp16) -> global norm, clip -> Adam on the pieces -> copy back
 
 Megatron's MixedPrecision/Distributed optimizer in one class: the only
@@ -16,6 +16,11 @@ difference the distributed optimizer makes is which elements a rank owns and
 whether the reduction is an all-reduce or a reduce-scatter + all-gather.
 NVIDIA apex's FusedAdam is used when importable on a GPU run; torch's fused
 AdamW on CUDA otherwise, foreach AdamW on CPU.
+
+"The replicas" are the ranks holding the same model shard: dp x cp (``ps.dp_cp``).
+The CP ranks of a replica see different tokens of the same samples, so their
+gradients are partial sums like other replicas' and are averaged with them; the
+distributed optimizer shards over the same group.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from torch import nn
 
 from megalite.config import OptimConfig
 from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.flight_recorder import RECORDER
 from megalite.parallel_state import ParallelState
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.tensor_parallel.layers import is_counted_once
@@ -88,9 +94,9 @@ class MegatronOptimizer:
         self.shared, self.sp_params = list(shared), list(sequence_parallel_params)
         dtype = self.params[0].dtype
         self.half = dtype in (torch.bfloat16, torch.float16)
-        self.distributed = cfg.use_distributed_optimizer and ps.dp_size > 1
+        self.distributed = cfg.use_distributed_optimizer and ps.dp_cp_size > 1
         fp32_grads = dtype == torch.float32 or cfg.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
-        self.grads = GradBuffer(self.params, ps.dp, grad_dtype=torch.float32 if fp32_grads else dtype,
+        self.grads = GradBuffer(self.params, ps.dp_cp, grad_dtype=torch.float32 if fp32_grads else dtype,
                                 bucket_elements=cfg.ddp_bucket_size, overlap=cfg.overlap_grad_reduce,
                                 shard=self.distributed, deferred=self.shared if ps.embedding.size > 1 else ())
         self.pieces = self._build_pieces()
@@ -147,11 +153,11 @@ class MegatronOptimizer:
         """Tied-embedding sum over the embedding group, DP reduction, sequence-parallel norm grads."""
         if self.ps.embedding.size > 1:
             for p in self.shared:  # before the DP reduction: its bucket waits for this sum
-                dist.all_reduce(p.main_grad, group=self.ps.embedding.group)
+                RECORDER.call("embedding", dist.all_reduce, p.main_grad, group=self.ps.embedding.group)
         self.grads.finish()
         if self.sp_params and self.ps.tp_size > 1:
             flat = torch.cat([p.main_grad.view(-1) for p in self.sp_params])
-            dist.all_reduce(flat, group=self.ps.tp_group)
+            RECORDER.call("tp", dist.all_reduce, flat, group=self.ps.tp_group)
             offset = 0
             for p in self.sp_params:
                 p.main_grad.view(-1).copy_(flat[offset:offset + p.numel()])
@@ -164,10 +170,10 @@ class MegatronOptimizer:
         return [pc.main.grad for pc in self.pieces]
 
     def _all_reduce_world(self, t: torch.Tensor, op=dist.ReduceOp.SUM, over_dp: bool = True) -> torch.Tensor:
-        if over_dp and self.ps.dp_size > 1:
-            dist.all_reduce(t, op=op, group=self.ps.dp_group)
+        if over_dp and self.ps.dp_cp_size > 1:  # the replicas: dp x cp
+            RECORDER.call("dp_cp", dist.all_reduce, t, op=op, group=self.ps.dp_cp_group)
         if self.ps.mp.size > 1:
-            dist.all_reduce(t, op=op, group=self.ps.mp.group)
+            RECORDER.call("mp", dist.all_reduce, t, op=op, group=self.ps.mp.group)
         return t
 
     def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
@@ -179,7 +185,7 @@ class MegatronOptimizer:
         return bool(self._all_reduce_world(found, dist.ReduceOp.MAX).item() > 0)
 
     def grad_norm(self, grads: Optional[List[torch.Tensor]] = None) -> float:
-        """L2 norm of the whole model's gradient: each element counted once over tp, pp and dp."""
+        """L2 norm of the whole model's gradient: each element counted once over tp, pp and dp x cp."""
         grads = self._main_grads() if grads is None else grads
         counted = [g for pc, g in zip(self.pieces, grads) if is_counted_once(pc.param, self.ps.tp_rank)]
         sq = torch.zeros(1, device=self.ps.device)
@@ -338,14 +344,14 @@ class MegatronOptimizer:
 
     def full_state_dict(self, include_main: bool = True, to_cpu: bool = False, snapshot: Optional[dict] = None,
                         group=None) -> Dict[str, Dict[str, torch.Tensor]]:
-        """Every parameter's whole fp32 main weight ("param") and Adam moments (collective over dp).
+        """Every parameter's whole fp32 main weight ("param") and Adam moments (collective over dp x cp).
 
         The plain optimizer returns views of its live state (copy before the next
         step if you keep them); the distributed optimizer's shards are summed into
-        full-size tensors over the DP group (the pieces are disjoint), one state
+        full-size tensors over the dp x cp group (the pieces are disjoint), one state
         key at a time (moved to CPU with ``to_cpu`` before the next), so every rank
         returns the same. With ``snapshot`` (:meth:`state_snapshot`) the shards are read from it
-        instead of the live state, on the CPU, over ``group`` (a gloo copy of the DP group).
+        instead of the live state, on the CPU, over ``group`` (a gloo copy of the dp x cp group).
         """
         keys = snapshot["keys"] if snapshot is not None else self._state_keys(include_main)
         out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n, _ in self.named}
@@ -370,7 +376,7 @@ class MegatronOptimizer:
                     t = source(i, pc, key)
                     if t is not None:
                         flat[offsets[pc.name] + pc.start:offsets[pc.name] + pc.end] = t.view(-1)
-                dist.all_reduce(flat, group=group if group is not None else self.ps.dp_group)
+                dist.all_reduce(flat, group=group if group is not None else self.ps.dp_cp_group)
                 flat = flat.cpu() if to_cpu else flat
                 for n, p in self.named:
                     out[n][key] = flat[offsets[n]:offsets[n] + p.numel()].view(p.shape)
@@ -400,7 +406,7 @@ class MegatronOptimizer:
 
     def install_loaded(self, targets: List[Tuple[_Piece, Dict[str, torch.Tensor]]], adam_step: float) -> None:
         """Adopt :meth:`load_targets`' filled tensors as :meth:`load_full_state_dict` would (half runs'
-        weights become the loaded main weights; Adam's step is ``adam_step``); collective over DP."""
+        weights become the loaded main weights; Adam's step is ``adam_step``); collective over dp x cp."""
         with torch.no_grad():
             for pc, tensors in targets:
                 if self.half and "param" in tensors:

@@ -4,6 +4,8 @@ The executor is the only place that knows how an action becomes work::
 
     F(mb, c): input = tokens (first stage) or the received activation
               output = chunk c(input); on the last stage: loss = lm_loss / m x loss scale
+              (packed documents: every stage also gets the micro-batch's position and
+              segment ids; under CP lm_loss is the local sum / the whole sequence's count x cp)
     B(mb, c): backward from the loss (last stage) or from the received gradient
               of the output; the input's gradient becomes the next send. In a
               schedule with W actions only the input gradient: the linear
@@ -35,6 +37,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalite.context_parallel.sequence import sequence_kwargs
+from megalite.flight_recorder import RECORDER
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.p2p import P2PState
 from megalite.pipeline.actions import Comm, Compute
@@ -76,6 +80,8 @@ class PipelineExecutor:
         self.pp, self.num_stages = ps.pp_size, self.layout.num_stages
         self.shape, self.dtype = activation_shape, dtype
         self.sync = sync_timing and ps.device.type == "cuda"
+        self.fault = None  # faults.ScheduleFault for the next run (--inject-fault-kind hang / skip-send)
+        self._plans: Dict[int, tuple] = {}  # id(action list) -> (the list, its transfers): the flight recorder's
 
     def _now(self) -> float:
         if self.sync:
@@ -90,6 +96,10 @@ class PipelineExecutor:
         """
         st = StepStats()
         self.loss_scale = loss_scale
+        fault, self.fault = self.fault, None  # --inject-fault-kind hang / skip-send: this run only
+        if fault is not None:
+            actions = fault.actions(actions)
+        RECORDER.begin_run(self._plan(actions))
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}
         self._wgrads: Optional[Dict[Tuple[int, int], "WeightGradStore | _WholeBackward"]] = None
@@ -110,6 +120,9 @@ class PipelineExecutor:
             received = self._wait_input(action, p2p)
             now = self._now()
             st.p2p, start = st.p2p + (now - start), now
+            event = RECORDER.record(action.kind, mb=action.mb, chunk=action.chunk, run=RECORDER.run)
+            if fault is not None:
+                fault.during(action)
             if action.kind == "F":
                 self._forward(action, get_batch, num_microbatches, forward_only,
                               inputs, outputs, p2p.payloads, received, st)
@@ -118,6 +131,7 @@ class PipelineExecutor:
             else:
                 self._wgrads.pop((action.mb, action.chunk)).run()
             end = self._now()
+            RECORDER.done(event)
             if action.kind == "F":
                 st.forward += end - start
             else:
@@ -130,6 +144,18 @@ class PipelineExecutor:
         p2p.finish()
         st.p2p += self._now() - start
         return st
+
+    def _plan(self, actions: Sequence[object]) -> Dict[str, Dict[int, list]]:
+        """The run's transfers per direction and peer (global rank), in order: what the hang diagnosis
+        compares between neighbours. Cached per action list (the Trainer reuses its lists)."""
+        cache = self._plans
+        if id(actions) not in cache:
+            plan: Dict[str, Dict[int, list]] = {"send": {}, "recv": {}}
+            for a in actions:
+                for op in (a.ops if isinstance(a, Comm) else ()):
+                    plan[op.op].setdefault(self.ps.pp.ranks[op.peer], []).append((op.kind, op.mb, op.dst_stage))
+            cache[id(actions)] = (actions, plan)  # the list is kept alive, so its id stays its own
+        return cache[id(actions)][1]
 
     def _stage(self, chunk: int) -> int:
         return self.layout.stage(self.ps.pp_rank, chunk)
@@ -152,18 +178,18 @@ class PipelineExecutor:
                  payloads, received, st: StepStats) -> None:
         stage = self._stage(a.chunk)
         model = self.chunks[a.chunk]
+        batch = get_batch(a.mb)  # None on a rank that reads no data
         if stage == 0:
-            x = get_batch(a.mb)["tokens"]
+            x = batch["tokens"]
             inputs[(a.mb, a.chunk)] = None
         else:
             x = received
             if not forward_only:
                 x.requires_grad_()
             inputs[(a.mb, a.chunk)] = x
-        out = model(x)
+        out = model(x, **sequence_kwargs(batch))  # packed documents: positions and segments, every stage
         if stage == self.num_stages - 1:
-            batch = get_batch(a.mb)
-            loss = model.loss(out, batch["labels"], batch["loss_mask"])
+            loss = model.loss(out, batch["labels"], batch["loss_mask"], batch.get("num_tokens"))
             st.losses.append(loss.detach())
             out = loss * (self.loss_scale / m)
         else:

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megalite.flight_recorder import RECORDER
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.actions import Comm
 
@@ -32,13 +33,13 @@ class P2PState:
         # neighbour would hold this rank forever. (NCCL waits are stream syncs: left as they are.)
         self.timeout = timeout
         self.payloads: Dict[Key, torch.Tensor] = {}  # produced, to be sent by a later Comm
-        self._recvs: Dict[Key, Tuple[torch.Tensor, List]] = {}
-        self._sends: List[Tuple[torch.Tensor, List]] = []
+        self._recvs: Dict[Key, Tuple[torch.Tensor, List, int]] = {}  # + the flight recorder's event id
+        self._sends: List[Tuple[torch.Tensor, List, int]] = []
 
     def post(self, comm: Comm, ps: ParallelState, shape: Tuple[int, ...], dtype: torch.dtype) -> None:
         """Post every op of ``comm`` as one batch without waiting."""
         ops: List[dist.P2POp] = []
-        tensors: List[Tuple[str, Key, torch.Tensor]] = []
+        tensors: List[Tuple[str, Key, torch.Tensor, int]] = []
         for op in comm.ops:
             key = (op.kind, op.mb, op.dst_stage)
             peer = ps.pp.ranks[op.peer]
@@ -48,24 +49,30 @@ class P2PState:
             else:
                 t = torch.empty(shape, dtype=dtype, device=ps.device)
                 ops.append(dist.P2POp(dist.irecv, t, peer, ps.pp_group))
-            tensors.append((op.op, key, t))
+            tensors.append((op.op, key, t, RECORDER.transfer(op.op, peer, op.kind, op.mb, op.dst_stage)))
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
         # gloo returns one handle per op; NCCL may return one for the whole batch.
         per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
-        for (kind, key, t), w in zip(tensors, per_op):
+        for (kind, key, t, event), w in zip(tensors, per_op):
             if kind == "send":
-                self._sends.append((t, w))  # keep the tensor alive until the send completes
+                self._sends.append((t, w, event))  # keep the tensor alive until the send completes
             else:
-                self._recvs[key] = (t, w)
+                self._recvs[key] = (t, w, event)
 
     def take(self, key: Key) -> torch.Tensor:
         """Wait for the receive named ``key`` and hand over its buffer."""
-        t, works = self._recvs.pop(key)
+        t, works, event = self._recvs.pop(key)
+        self._wait_all(works, event)
+        return t
+
+    def _wait_all(self, works: List, event: int) -> None:
+        waiting = RECORDER.wait_on(event)  # left open when the wait fails: what the hang diagnosis reads
         for w in works:
             self._wait(w)
-        return t
+        RECORDER.done(waiting)
+        RECORDER.done(event)
 
     def _wait(self, work) -> None:
         if self.timeout is None:
@@ -75,9 +82,8 @@ class P2PState:
 
     def finish(self) -> None:
         """Wait for every send; fail loudly if the schedule left anything unmatched."""
-        for _, works in self._sends:
-            for w in works:
-                self._wait(w)
+        for _, works, event in self._sends:
+            self._wait_all(works, event)
         self._sends.clear()
         if self.payloads or self._recvs:
             raise RuntimeError(f"schedule left transfers unmatched: unsent {sorted(self.payloads)}, "

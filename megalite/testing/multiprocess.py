@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tp: int, pp: int, fn: Callable, args: tuple,
+def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Callable, args: tuple,
             queue) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -36,7 +36,8 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, fn: Callable, ar
         torch.set_num_threads(1)
         from megalite.parallel_state import ParallelState
 
-        ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp)
+        ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp,
+                                          cp=cp)
         result = fn(ps, *args)
         ps.destroy()
         queue.put((rank, "ok", result))
@@ -45,16 +46,16 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, fn: Callable, ar
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int = 1,
-                    timeout: float = 300.0) -> List[Any]:
+                    timeout: float = 300.0, cp: int = 1) -> List[Any]:
     """Run ``fn(ps, *args)`` on ``world`` ranks; return the results ordered by rank.
 
-    Each rank is a forked process with one thread and a gloo ParallelState of the given tp and pp
-    (dp = world / (tp * pp)). A rank that raises fails the call with an AssertionError carrying its
+    Each rank is a forked process with one thread and a gloo ParallelState of the given tp, pp and
+    cp (dp = world / (tp * pp * cp)). A rank that raises fails the call with an AssertionError carrying its
     traceback; ``timeout`` bounds the wait for each rank's result.
     """
     port = free_port()
     queue = _CTX.Queue()
-    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, fn, args, queue))
+    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, cp, fn, args, queue))
              for r in range(world)]
     for p in procs:
         p.start()

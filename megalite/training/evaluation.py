@@ -14,7 +14,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 
 from megalite.config import Config
-from megalite.data.batches import MicroBatches
+from megalite.data.batches import MicroBatches, sequence_options
 from megalite.data.loading import validation_start
 from megalite.parallel_state import ParallelState
 from megalite.training.stops import check_tokens
@@ -42,6 +42,7 @@ class Evaluator:
         t = cfg.train
         self.enabled = t.eval_iters > 0 and t.eval_interval > 0
         self.evaluated_at: Optional[int] = None
+        self.sequence = sequence_options(cfg, ps)  # packed documents / CP chunks, as in training
 
     def due(self, iteration: int) -> bool:
         """An evaluation follows this iteration (every --eval-interval)."""
@@ -82,4 +83,4 @@ class Evaluator:
     def _batches(self, ds, start: int, name: str) -> Optional[MicroBatches]:
         t = self.cfg.train
         return MicroBatches(ds, start, t.micro_batch_size, self.m, self.ps, self.cfg.data.num_workers,
-                            name=name) if self.needs_data else None
+                            name=name, sequence=self.sequence) if self.needs_data else None

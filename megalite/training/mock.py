@@ -28,7 +28,8 @@ class MockFeed:
         if dataset is None:
             dataset = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed if seed is None else seed,
                                      consumed + global_batches * t.global_batch_size)
-        self.data = MicroBatches(dataset, consumed, t.micro_batch_size, trainer.m, trainer.ps) \
+        self.data = MicroBatches(dataset, consumed, t.micro_batch_size, trainer.m, trainer.ps,
+                                 sequence=trainer.sequence) \
             if trainer.needs_data else None
 
     def next(self) -> List[Optional[Dict[str, torch.Tensor]]]:

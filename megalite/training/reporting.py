@@ -1,8 +1,9 @@
-"""What a run says: Megatron's iteration log line and timers, validation lines, TensorBoard, the summary.
+"""What a run says: Megatron's iteration log line and timers, validation lines, TensorBoard (and wandb),
+stragglers, the summary; it also drives --profile around each iteration.
 
 The logging rank (the last global rank) prints; every rank takes part in the few collectives
-a log interval needs (the bubble mean over the pipeline, the one-time GPU memory report).
-Time spent evaluating or saving is not counted as iteration time.
+a log interval needs (the bubble mean over the pipeline, the one-time GPU memory report, the
+straggler gather). Time spent evaluating or saving is not counted as iteration time.
 """
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import logging
 import math
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
+
+import torch
 
 from megalite.config import Config
 from megalite.data.builder import default_cache_dir
 from megalite.logging import TensorBoard, format_duration, format_log_line, format_timers, mean_over_pipeline
 from megalite.parallel_state import ParallelState
+from megalite.profiling import Profiler, WandbWriter, trace_dir
+from megalite.stragglers import StragglerMonitor, rank_work
 from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report, memory_scalars, memory_stats
 from megalite.training.evaluation import EvalResult
 from megalite.training.state import TrainState
@@ -28,10 +33,16 @@ _TIMERS = (("forward", "forward-compute"), ("backward", "backward-compute"), ("p
 class Reporter:
     """Collects each iteration's scalars and logs them every --log-interval (and at the last iteration)."""
 
-    def __init__(self, cfg: Config, ps: ParallelState, state: TrainState, padded_vocab: int, has_scaler: bool):
+    def __init__(self, cfg: Config, ps: ParallelState, state: TrainState, padded_vocab: int, has_scaler: bool,
+                 chunks: Sequence[torch.nn.Module] = ()):
         self.cfg, self.ps, self.state, self.has_scaler = cfg, ps, state, has_scaler
-        t = cfg.train
-        self.tb = TensorBoard(cfg.logging.tensorboard_dir if ps.is_logging_rank else None)
+        t, lg = cfg.train, cfg.logging
+        self.tb = TensorBoard(lg.tensorboard_dir if ps.is_logging_rank else None)
+        self.wandb = WandbWriter(cfg, ps.is_logging_rank)
+        self.profiler = Profiler(lg, ps)
+        # a collective (hostnames) when on: built at the same point on every rank
+        self.stragglers = StragglerMonitor(lg.straggler_threshold, ps, rank_work(chunks, cfg.model) if chunks else 0.0,
+                                           lg.log_interval, t.train_iters)
         self.flops = Throughput(cfg.model, t.global_batch_size, padded_vocab, ps.world_size,
                                 num_chunks=ps.pp_size * cfg.parallel.vp,
                                 peak_tflops=device_peak_tflops(ps.device, cfg.logging.peak_tflops))
@@ -47,8 +58,18 @@ class Reporter:
     def due(self, iteration: int) -> bool:
         return iteration % self.cfg.logging.log_interval == 0 or iteration == self.cfg.train.train_iters
 
-    def step(self, out: Dict[str, float]) -> None:
-        """Record the iteration just done; log the window when the interval is due (collective then)."""
+    def before_step(self) -> bool:
+        """An iteration starts: --profile may start tracing. True: time its actions with a device sync
+        (CUDA, the iterations the straggler check uses)."""
+        self.profiler.before_step(self.state.iteration)
+        return self.stragglers.cuda and self.stragglers.timed(self.state.iteration + 1)
+
+    def step(self, out: Dict[str, float], events: Sequence[dict] = ()) -> None:
+        """Record the iteration just done (``events``: its executor events, for the straggler check); log the
+        window when the interval is due (collective then)."""
+        if not self.profiler.tracing:  # a traced iteration is slower on the traced ranks only
+            self.stragglers.record(events, self.state.iteration)
+        self.profiler.after_step(self.state.iteration)
         self.history.append(out)
         self.window.append(out)
         if self.due(self.state.iteration):
@@ -67,6 +88,8 @@ class Reporter:
         bubble = mean_over_pipeline(sum(w["bubble"] for w in window) / len(window), self.ps)
         memory_lines = [] if self.memory_reported else gather_memory_report(self.ps, it)  # collective
         self.memory_reported = True
+        rows = self.stragglers.check()  # collective (when on)
+        self.profiler.log_interval()
         if not self.ps.is_logging_rank:
             return
         self.last_logged = (it, loss)
@@ -85,10 +108,15 @@ class Reporter:
         if self.cfg.logging.log_timers:
             times = {name: 1e3 * sum(w[k] for w in window) / len(window) for k, name in _TIMERS}
             logger.info(format_timers(times) + f" | pipeline bubble: {100 * float(bubble):.1f}%")
+        spread = self.stragglers.report(rows)  # names the stragglers
         scalars = {"loss-scale": last["loss_scale"]} if self.has_scaler else {}
-        self.tb.scalars({**scalars, "lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
-                         "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
-                         **self.flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device))}, it)
+        self._scalars({**scalars, "lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
+                       "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
+                       **self.flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device)), **spread}, it)
+
+    def _scalars(self, values: Dict[str, Optional[float]], step: int) -> None:
+        self.tb.scalars(values, step)
+        self.wandb.scalars(values, step)
 
     def evaluation(self, result: Optional[EvalResult]) -> None:
         """Megatron's validation lines (and TensorBoard points) for an evaluation's result."""
@@ -106,11 +134,13 @@ class Reporter:
         logger.info("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         key = "lm loss validation" if result.split == "validation" else "lm loss test"
         if not self.cfg.train.skip_train:  # as Megatron: an evaluation-only run adds no point to the curves
-            self.tb.scalars({key: loss, key + " ppl": ppl}, self.state.iteration)
+            self._scalars({key: loss, key + " ppl": ppl}, self.state.iteration)
 
     def summary(self, stop_reason: Optional[str], saved_at: Optional[int], timeline: Optional[str]) -> None:
         """The last lines of a run: what was done and where its outputs went."""
         self.tb.close()
+        self.wandb.close()
+        self.profiler.close(self.state.iteration)
         if not self.ps.is_logging_rank:
             return
         cfg, t, it = self.cfg, self.cfg.train, self.state.iteration
@@ -133,8 +163,20 @@ class Reporter:
             lines.append(f"  tensorboard: {cfg.logging.tensorboard_dir}")
         if timeline:
             lines.append(f"  pipeline timeline: {timeline}")
+        lines += self._profile_lines()
         lines += self._cache_line()
         logger.info("\n".join(lines))
+
+    def _profile_lines(self) -> List[str]:
+        lg = self.cfg.logging
+        lines = []
+        if lg.profile and self.first_iteration < lg.profile_step_end and self.state.iteration > lg.profile_step_start:
+            lines.append(f"  profiler traces: {trace_dir(lg)} (ranks {', '.join(map(str, lg.profile_ranks))}, "
+                         f"iterations {max(lg.profile_step_start, self.first_iteration) + 1}-"
+                         f"{min(lg.profile_step_end, self.state.iteration)})")
+        if lg.record_memory_history and self.ps.device.type == "cuda":
+            lines.append(f"  memory snapshot: {lg.memory_snapshot_path}")
+        return lines
 
     def _cache_line(self) -> List[str]:
         data = self.cfg.data

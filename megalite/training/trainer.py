@@ -32,10 +32,12 @@ from typing import Dict, List, Optional
 import torch
 
 from megalite.analysis.measure import balance_stages  # the composition root may use analysis
+from megalite.analysis.plan_check import PlanCheck, timeline_meta
 from megalite.checkpointing import Checkpointer, saved_stage_layers
 from megalite.config import Config, ConfigError
-from megalite.data.batches import MicroBatches
+from megalite.data.batches import MicroBatches, sequence_options
 from megalite.faults import ExitConditions, inject_fault
+from megalite.flight_recorder import RECORDER
 from megalite.logging import logged_loss, write_timeline
 from megalite.model.gpt import GPTModel
 from megalite.optim.lr_scheduler import LRScheduler
@@ -65,7 +67,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker, layo
                                par.decoder_last_pipeline_num_layers, par.pipeline_stage_layers)
         chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
                                pre_process=stage == 0, post_process=stage == layout.num_stages - 1,
-                               sequence_parallel=par.sequence_parallel)
+                               sequence_parallel=par.sequence_parallel,
+                               cp_comm_type=par.cp_comm_type)
                       .to(ps.device))
     first = [c for c in chunks if c.pre_process]
     last = [c for c in chunks if c.post_process and not c.pre_process]
@@ -99,9 +102,10 @@ class Trainer:
     def __init__(self, cfg: Config, ps: ParallelState):
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
-        if (cfg.parallel.tp, cfg.parallel.pp) != (ps.tp_size, ps.pp_size):
-            raise ConfigError(f"the config asks for tp {cfg.parallel.tp} x pp {cfg.parallel.pp} but the ParallelState "
-                              f"has tp {ps.tp_size} x pp {ps.pp_size}; build both from the same flags")
+        if (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp) != (ps.tp_size, ps.pp_size, ps.cp_size):
+            raise ConfigError(f"the config asks for tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x cp {cfg.parallel.cp} "
+                              f"but the ParallelState has tp {ps.tp_size} x pp {ps.pp_size} x cp {ps.cp_size}; "
+                              "build both from the same flags")
         settings = resolve_settings(cfg, ps.world_size)
         balanced = resolve_stage_split(cfg, ps, settings)
         if balanced is not cfg:
@@ -121,15 +125,20 @@ class Trainer:
         self.actions, self.eval_actions = (
             build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m, forward_only=fwd,
                            overlap_p2p=par.overlap_p2p_comm)[ps.pp_rank] for fwd in (False, True))
-        s = cfg.model.seq_length // (ps.tp_size if par.sequence_parallel else 1)
+        s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if par.sequence_parallel else 1)  # p2p shape
         self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
                                          dtype=cfg.model.torch_dtype, layout=layout)
-        self.needs_data = any(c.pre_process or c.post_process for c in self.chunks)
+        # packed documents: every stage's attention (and RoPE) reads the micro-batch's segments (positions)
+        d = cfg.data
+        self.needs_data = any(c.pre_process or c.post_process for c in self.chunks) or d.reset_attention_mask or (
+            d.reset_position_ids and cfg.model.position_embedding_type == "rope")
+        self.sequence = sequence_options(cfg, ps)  # packed documents / CP chunks of each micro-batch
         self.state = TrainState()
         self.last_stats: Optional[StepStats] = None
         self.checkpointer = Checkpointer(cfg, ps, self.chunks, self.optimizer, self.scheduler, self.state,
                                          self.tracker)
         self.evaluator = Evaluator(cfg, ps, self.chunks, self.m, self.needs_data, self._forward_only, self._loss)
+        self.plan_check = PlanCheck(cfg, ps, settings)  # --plan-check: the planner's figures beside the measured
 
     # -- one iteration ---------------------------------------------------------------------------
     def train_step(self, batches: List[Optional[Dict[str, torch.Tensor]]]) -> Dict[str, float]:
@@ -137,11 +146,14 @@ class Trainer:
         for c in self.chunks:
             c.train()
         self.optimizer.zero_grad(self.m)
+        RECORDER.enter_phase("schedule")  # the flight recorder's phases (hang diagnosis)
         stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m,
                                   loss_scale=self.optimizer.loss_scale)
         t0 = time.perf_counter()
+        RECORDER.enter_phase("grad reduce")
         self.optimizer.finalize_grads()
         t1 = time.perf_counter()
+        RECORDER.enter_phase("optimizer")
         updated, grad_norm = self.optimizer.step()
         if updated:
             self.scheduler.step()
@@ -179,24 +191,33 @@ class Trainer:
         t, state = self.cfg.train, self.state
         training = not t.skip_train and state.iteration < t.train_iters
         data = MicroBatches(train_ds, state.consumed_samples, t.micro_batch_size, self.m, self.ps,
-                            self.cfg.data.num_workers) if self.needs_data and training else None
+                            self.cfg.data.num_workers, sequence=self.sequence) \
+            if self.needs_data and training else None
         self.evaluator.warn_if_missing(valid_ds)
-        report = Reporter(self.cfg, self.ps, state, self.chunks[0].padded_vocab, self.optimizer.scaler is not None)
+        report = Reporter(self.cfg, self.ps, state, self.chunks[0].padded_vocab, self.optimizer.scaler is not None,
+                          chunks=self.chunks)
         stops, stop = StopRules(t, self.ps, exits), None
         try:
             while training and state.iteration < t.train_iters and stop is None:
-                inject_fault(t, state.iteration + 1, self.ps.rank)  # --inject-fault-*: tests of in-job restart
+                inject_fault(t, state.iteration + 1, self.ps.rank, self.executor)  # --inject-fault-*: tests
                 lr = self.scheduler.get_lr()
+                RECORDER.enter_phase("data")
                 batches = data.next() if data is not None else [None] * self.m
                 check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, f"iteration {state.iteration + 1}")
+                self.executor.sync = report.before_step()  # --profile; straggler timing on CUDA
+                self.plan_check.before_step(self, state.iteration + 1)
                 out = self.train_step(batches)
+                self.plan_check.after_step(self, state.iteration + 1, out)
                 state.advance(t.global_batch_size)
+                RECORDER.enter_phase("report")
                 self.checkpointer.poll()  # publishes a background save every rank has finished writing
                 stop = stops.after_step(out, state)
-                report.step({**out, "lr": lr})
+                report.step({**out, "lr": lr}, self.last_stats.events)
                 if self.evaluator.due(state.iteration):
+                    RECORDER.enter_phase("evaluation")
                     report.evaluation(self.evaluator.validate(valid_ds, state.iteration))
                 if stop is None and self.checkpointer.due(state.iteration):
+                    RECORDER.enter_phase("checkpoint")
                     self.checkpointer.save()  # with --async-save: the snapshot only (after the save in flight)
                     report.pause()
         except TrainingStopped:  # raised on every rank at the same point: the last good save still lands
@@ -208,6 +229,7 @@ class Trainer:
     def _finish(self, report: Reporter, stop: Optional[str], valid_ds, test_ds) -> None:
         """After the loop: the final save, the end-of-training evaluations, the timeline, the summary."""
         t, it = self.cfg.train, self.state.iteration
+        RECORDER.enter_phase("end of training")
         if self.cfg.checkpoint.save and self.checkpointer.saved_at != it and not t.skip_train:
             self.checkpointer.save()
         self.checkpointer.wait()  # the end of training, --exit-interval, a signal, the time limit: all written
@@ -224,5 +246,5 @@ class Trainer:
     def write_timeline(self, path: str) -> None:
         """Gather the last iteration's measured events of this pipeline and write the timeline JSON."""
         write_timeline(path, self.last_stats.events, self.ps, schedule=self.schedule_name,
-                       vp=self.cfg.parallel.vp, m=self.m, iteration=self.state.iteration)
+                       vp=self.cfg.parallel.vp, m=self.m, iteration=self.state.iteration, **timeline_meta(self))
 

@@ -52,21 +52,23 @@ def run_steps(ps: ParallelState, cfg: Config, steps: int, reference: Dict[str, t
     """
     trainer, losses, norms = _train(cfg, ps, steps)
     trainer.optimizer.finish_param_gather()
-    err = 0.0
-    if reference is not None:
-        # Relative L2 error over all of this rank's parameters. (Per tensor would be
-        # meaningless for the attention key bias: its true gradient is zero, so
-        # Adam turns round-off noise into updates.)
-        diff_sq = ref_sq = 0.0
-        for chunk in trainer.chunks:
-            expected = chunk.local_from_full(reference)
-            for name, p in chunk.named_parameters():
-                diff_sq += float((p.detach() - expected[name]).square().sum())
-                ref_sq += float(expected[name].square().sum())
-        err = (diff_sq / ref_sq) ** 0.5
+    err = param_error(trainer, reference) if reference is not None else 0.0
     extra = inspect(trainer) if inspect is not None else {}
     return {"losses": losses, "norms": norms, "param_err": err, "rank": ps.rank,
             "last_stage": ps.is_last_stage, **extra}
+
+
+def param_error(trainer, reference: Dict[str, torch.Tensor]) -> float:
+    """Relative L2 error of this rank's parameters against ``reference`` (a full state dict), sharded
+    for the trainer's layout. (Per tensor would be meaningless for the attention key bias: its true
+    gradient is zero, so Adam turns round-off noise into updates.)"""
+    diff_sq = ref_sq = 0.0
+    for chunk in trainer.chunks:
+        expected = chunk.local_from_full(reference)
+        for name, p in chunk.named_parameters():
+            diff_sq += float((p.detach() - expected[name]).square().sum())
+            ref_sq += float(expected[name].square().sum())
+    return (diff_sq / ref_sq) ** 0.5
 
 
 def full_params(trainer) -> torch.Tensor:

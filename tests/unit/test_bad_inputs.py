@@ -54,7 +54,7 @@ CASES = [
     (MOCK, "--micro-batch-size 0", 2, "--micro-batch-size must be > 0"),
     (MOCK, "--num-layrs 2", 2, "did you mean --num-layers?"),
     (MOCK, "--bf16 --fp16", 2, "--bf16 and --fp16 are exclusive"),
-    (MOCK, "--context-parallel-size 2", 2, "--context-parallel-size is not implemented yet"),
+    (MOCK, "--context-parallel-size 2", 2, "--context-parallel-size 2 = 2 ranks, more than the world size 1"),
     (MOCK, "--recompute-granularity full", 2, "--recompute-granularity full needs --recompute-method"),
     (MOCK, "--overlap-param-gather", 2, "--overlap-param-gather needs --use-distributed-optimizer"),
     (MOCK, "--save-interval 10", 2, "--save-interval needs --save DIR"),

@@ -54,3 +54,88 @@ def test_only_parallel_state_creates_groups_or_asks_the_world():
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "megalite").rglob("*.py")
                  if p.name != "parallel_state.py" and pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_world16_tp2_cp2_pp2_layout():
+    # tp-cp-dp-pp: global = tp + cp*2 + dp*4 + pp*8 (the module docstring's picture).
+    g = grid_groups(16, tp=2, pp=2, cp=2)
+    assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert g["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g["pp"] == [[r, r + 8] for r in range(8)]
+    assert g["mp"] == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    assert g["embedding"] == [[r, r + 8] for r in range(8)]
+    ps = ParallelState(16, rank=13, tp=2, pp=2, cp=2, create_groups=False)
+    assert (ps.tp_rank, ps.cp_rank, ps.dp_rank, ps.pp_rank) == (1, 0, 1, 1)  # 13 = 1 + 0*2 + 1*4 + 1*8
+    assert ps.dp_cp.ranks == [9, 11, 13, 15] and ps.dp_cp_rank == 2  # cp fastest inside dp_cp
+    assert "cp=0/2" in repr(ps)
+
+
+@pytest.mark.parametrize("world,tp,cp,pp", [(16, 2, 2, 2), (8, 2, 2, 1), (16, 1, 4, 2), (24, 2, 3, 2)])
+def test_cp_memberships_equal_megatron_core_rank_generator(world, tp, cp, pp):
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    gen = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-dp-pp")
+    ours = grid_groups(world, tp, pp, cp)
+    for token, key in [("tp", "tp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"), ("dp-cp", "dp_cp"),
+                       ("tp-pp", "mp")]:
+        assert sorted(sorted(g) for g in gen.get_ranks(token)) == ours[key], token
+
+
+def test_cp1_is_the_old_grid_and_shares_dp_communicator():
+    for world, tp, pp in [(16, 2, 4), (8, 2, 2), (12, 3, 2)]:
+        g = grid_groups(world, tp, pp)
+        assert g["dp_cp"] == g["dp"] and g["cp"] == [[r] for r in range(world)]
+    ps = ParallelState(16, rank=13, tp=2, pp=4, create_groups=False)
+    assert ps.dp_cp is ps.dp and ps.cp_size == 1 and ps.cp.ranks == [13]
+
+
+def test_world_not_divisible_by_cp_is_one_line_error():
+    with pytest.raises(ConfigError, match=r"^world size 8 is not divisible by tensor-model-parallel-size \(2\) x "
+                                          r"pipeline-model-parallel-size \(1\) x context-parallel-size \(3\); "):
+        grid_groups(8, tp=2, pp=1, cp=3)
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--context-parallel-size", "4", "--tensor-model-parallel-size", "2"], 4,
+     r"^--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 x --context-parallel-size 4 = 8 ranks, "
+     r"more than the world size 4; "),
+    (["--context-parallel-size", "3"], 4, r"^world size 4 is not divisible by .* x context-parallel-size \(3\); "),
+    (["--context-parallel-size", "4", "--seq-length", "20", "--attention-dropout", "0"], 4,
+     r"^--seq-length 20 is not divisible by 2 x --context-parallel-size = 8 \(each CP rank"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "36",
+      "--max-position-embeddings", "36", "--attention-dropout", "0"], 4,
+     r"^--seq-length 36 is not divisible by 2 x --context-parallel-size x --tensor-model-parallel-size \(with "
+     r"--sequence-parallel\) = 8 "),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2", "--hidden-size", "32"], 4,
+     r"^--cp-comm-type a2a splits the heads of each rank over the CP group, but --num-attention-heads 2 / "
+     r"--tensor-model-parallel-size 1 is not divisible by --context-parallel-size 4; use --cp-comm-type p2p or "
+     r"all_gather$"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
+     2, r"^--cp-comm-type a2a .* but --num-query-groups 1 / --tensor-model-parallel-size 1 is not divisible"),
+    (["--context-parallel-size", "2"], 2, r"^--cp-comm-type p2p \(ring attention\) does not support "
+     r"--attention-dropout 0.1; set --attention-dropout 0 or use --cp-comm-type all_gather/a2a$"),
+    (["--cp-comm-type", "ring"], 1, r"invalid choice: 'ring'"),
+])
+def test_context_parallel_flags_refused_in_one_line(argv, world, message):
+    from megalite.arguments import parse_args
+    with pytest.raises((ConfigError, SystemExit)) as err:
+        parse_args(["--mock-data", *argv], world_size=world)
+    if err.type is ConfigError:
+        assert "\n" not in str(err.value) and re.search(message, str(err.value)), str(err.value)
+
+
+def test_context_parallel_flags_map_to_config_and_dp():
+    from megalite.arguments import parse_args
+    from megalite.settings import resolve_settings
+    cfg = parse_args(["--mock-data", "--context-parallel-size", "2", "--cp-comm-type", "all_gather",
+                      "--tensor-model-parallel-size", "2", "--global-batch-size", "16", "--micro-batch-size", "2",
+                      "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"], world_size=16)
+    assert (cfg.parallel.cp, cfg.parallel.cp_comm_type) == (2, "all_gather")
+    assert cfg.data.reset_position_ids and cfg.data.reset_attention_mask and cfg.data.eod_mask_loss
+    settings = resolve_settings(cfg, 16)
+    assert (settings.dp, settings.num_microbatches) == (4, 2)  # dp = 16 / (tp 2 x cp 2): cp ranks share samples
+    plain = parse_args(["--mock-data"], world_size=1)
+    assert (plain.parallel.cp, plain.parallel.cp_comm_type) == (1, "p2p")
+    assert not (plain.data.reset_position_ids or plain.data.reset_attention_mask or plain.data.eod_mask_loss)

@@ -9,7 +9,8 @@ from benchmarks.bench_plan import GPT2, LLAMA, compare
 from megalite.arguments import parse_args
 from megalite.config import ModelConfig
 from megalite.analysis.planner import (GiB, Layout, _in_flight_pattern, _simulate, activation_bytes_per_rank,
-                                       estimate_memory, plan)
+                                       estimate_memory)
+from megalite.analysis.search import plan
 from megalite.analysis.simulate import simulate_schedule
 
 PARTS = ("weights", "grads", "optimizer", "activations")
