@@ -10,7 +10,13 @@ defined below. The two are timed step by step in alternation (A B, B A, ...)
 so that load from other processes on the machine hits both alike. The table
 gives median and min wall time per step, the median process CPU time (steadier
 on a shared machine when --threads 1), tokens/s, and megalite / plain both as
-a ratio of medians and as the median of the per-pair ratios.
+a ratio of medians and as the median of the per-pair ratios. A third row runs
+megalite's step with the flight recorder off (``no-rec``: the hang diagnosis'
+ring buffer), and a last line prices the recorder per event and per step of a
+deeper pipeline (its events counted from the schedule's action lists).
+``--recorder-pp N`` also times the recorder on and off, step by step, on an N-rank
+gloo pipeline of a small model (1F1B, 4N micro-batches: many transfers and
+waits per unit of compute, the recorder's worst case).
 
   python benchmarks/bench_overhead.py                  # pretrain_gpt.py's default model
   python benchmarks/bench_overhead.py --llama          # RMSNorm, SwiGLU, RoPE, untied, no bias
@@ -33,7 +39,10 @@ from torch import nn
 
 from megalite.arguments import parse_args
 from megalite.config import Config, ModelConfig
+from megalite.flight_recorder import RECORDER, FlightRecorder
 from megalite.parallel_state import ParallelState
+from megalite.pipeline.actions import Comm, Compute
+from megalite.pipeline.registry import build_schedule
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 
@@ -220,6 +229,8 @@ def main(argv: Sequence[str] = None) -> int:
     p.add_argument("--llama", action="store_true", help="RMSNorm, SwiGLU, RoPE, untied, no biases")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 warmup + 6 timed steps each")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler tables")
+    p.add_argument("--recorder-pp", type=int, default=0, help="also time the flight recorder on/off on a pipeline "
+                   "of this many gloo ranks (0: not)")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.warmup = 6, 1
@@ -230,9 +241,11 @@ def main(argv: Sequence[str] = None) -> int:
     trainer = Trainer(cfg, ParallelState.single())
     plain = PlainTrainer(cfg)
     batches = make_batches(cfg, trainer, 4)
-    impls = {"megalite": trainer.train_step, "plain": plain.train_step}
+    impls = {"megalite": trainer.train_step, "no-rec": without_recorder(trainer.train_step),
+             "plain": plain.train_step}
     n_params = {"megalite": sum(q.numel() for q in trainer.params),
                 "plain": sum(q.numel() for q in plain.model.parameters())}
+    n_params["no-rec"] = n_params["megalite"]
     wall: Dict[str, List[float]] = {k: [] for k in impls}
     cpu: Dict[str, List[float]] = {k: [] for k in impls}
     for name, step in impls.items():
@@ -247,10 +260,80 @@ def main(argv: Sequence[str] = None) -> int:
             wall[name].append(w)
             cpu[name].append(c)
     print_table(a, cfg, wall, cpu, n_params)
+    print_recorder_cost(wall, cpu)
+    if a.recorder_pp:
+        pipeline_recorder_rows(a.recorder_pp, a.steps, a.warmup)
     if a.profile:
         for name, step in impls.items():
             profile(name, step, batches, max(2, a.steps), 25)
     return 0
+
+
+def without_recorder(step: Callable[[List[Batch]], dict]) -> Callable[[List[Batch]], dict]:
+    """``step`` with the flight recorder off (what --flight-recorder-size 0 runs)."""
+    def run(batch: List[Batch]) -> dict:
+        RECORDER.enabled = False
+        try:
+            return step(batch)
+        finally:
+            RECORDER.enabled = True
+    return run
+
+
+def print_recorder_cost(wall: Dict[str, List[float]], cpu: Dict[str, List[float]]) -> None:
+    """The recorder's price: measured on this step (per-pair medians), per event (CPU time), and per step of a
+    pp 4 interleaved pipeline."""
+    rec, n = FlightRecorder(), 200_000
+    t0 = time.process_time()
+    for i in range(n // 2):
+        rec.done(rec.record("F", mb=i, chunk=0, run=1))
+    for i in range(n // 4):
+        rec.wait_on(rec.transfer("recv", 1, "F", i, 1))
+    per_event = (time.process_time() - t0) / n
+    actions = build_schedule("interleaved_1f1b", 4, 2, 16)[1]
+    events = sum(1 if isinstance(x, Compute) else 2 * len(x.ops) for x in actions if isinstance(x, (Compute, Comm)))
+    pair, pair_cpu = (statistics.median(x / y for x, y in zip(d["megalite"], d["no-rec"])) for d in (wall, cpu))
+    print(f"flight recorder on / off - 1: median wall {100 * (pair - 1):+.2f}%, median cpu "
+          f"{100 * (pair_cpu - 1):+.2f}% (per-pair); {1e6 * per_event:.2f} us cpu per event; a pp 4 x vp 2 rank "
+          f"with 16 micro-batches records {events} events per step: {1e3 * events * per_event:.2f} ms")
+
+
+def _recorder_on_off(ps, cfg: Config, steps: int, warmup: int) -> Dict[str, List[float]]:
+    """One pipeline rank: train steps alternating recorder on / off (every rank alike); wall and CPU times."""
+    trainer = Trainer(cfg, ps)
+    feed = MockFeed(trainer, 4)
+    batches = [feed.next() for _ in range(4)]
+    times: Dict[str, List[float]] = {"on": [], "off": [], "on cpu": [], "off cpu": []}
+    for i in range(warmup + steps):
+        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            RECORDER.enabled = mode == "on"
+            t0, c0 = time.perf_counter(), time.process_time()
+            trainer.train_step(batches[i % len(batches)])
+            if i >= warmup:
+                times[mode].append(time.perf_counter() - t0)
+                times[mode + " cpu"].append(time.process_time() - c0)
+    RECORDER.enabled = True
+    return times
+
+
+def pipeline_recorder_rows(pp: int, steps: int, warmup: int) -> None:
+    """The recorder on and off on a ``pp``-rank pipeline (hidden 64, 4 layers per stage, seq 64, 4 pp micro-batches)."""
+    model = ModelConfig(num_layers=4 * pp, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1024)
+    cfg = common.mock_config(model, 2, 2 * 4 * pp, seed=1234, train_iters=10_000, pp=pp)
+    times = common.run_distributed(_recorder_on_off, pp, cfg, steps, warmup, pp=pp)
+    def med(key: str, agg) -> float:  # per step: the slowest rank's wall time, the ranks' summed CPU time
+        return statistics.median(agg(t[key][i] for t in times) for i in range(steps))
+
+    def pair(key: str, agg) -> float:
+        return statistics.median(agg(t["on" + key][i] for t in times) / agg(t["off" + key][i] for t in times)
+                                 for i in range(steps))
+    print(f"\nflight recorder on a pp {pp} pipeline (gloo, 1F1B, {4 * pp} micro-batches of 2 x 64 tokens, hidden 64, "
+          f"{steps} steps each, alternating)")
+    print(f"{'recorder':<10} {'median ms':>10} {'cpu ms':>9}")
+    for k in ("on", "off"):
+        print(f"{k:<10} {1e3 * med(k, max):>10.2f} {1e3 * med(k + ' cpu', sum):>9.2f}")
+    print(f"on / off - 1: wall {100 * (pair('', max) - 1):+.2f}%, cpu {100 * (pair(' cpu', sum) - 1):+.2f}% "
+          f"(median of per-step ratios; wall: slowest rank, cpu: all ranks)")
 
 
 def print_table(a: argparse.Namespace, cfg: Config, wall: Dict[str, List[float]],
