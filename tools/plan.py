@@ -11,10 +11,21 @@ loaded rank (weights, fp32 grads, optimizer state, activations in flight for the
 and the step time (FLOPs at --efficiency of the peak, tensor-parallel and data-parallel
 traffic, the pipeline simulator's bubble). Layouts over (1 - --headroom) x --gpu-memory are
 dropped; the best one's pretrain_gpt.py flags are printed last. Bad input: one line, exit 2.
+
+Calibrated mode: give one or more measured runs' timelines (pretrain_gpt.py --timeline-out, which
+also records the run's layout and step timers) or a stage-cost file (--save-calibration), and the
+step time of every layout and schedule comes from those measured costs instead of the hardware
+model (megalite/analysis/calibrate.py: per-token costs of a layer, the output layer, the embedding
+and tensor-parallel communication, scaled by tp, cp and micro-batch, timed by the pipeline simulator):
+
+    python tools/plan.py --num-gpus 8 --gpu-memory 80 --num-layers 8 --hidden-size 512 \
+        --num-attention-heads 8 --global-batch-size 64 --seq-length 1024 --calibrate run_pp4.json run_tp2.json \
+        --schedules zb_h1 interleaved_1f1b
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -22,7 +33,10 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.analysis.planner import GiB, Hardware, plan, why_no_plan  # noqa: E402
+from megalite.analysis.planner import GiB, Hardware  # noqa: E402
+from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa: E402
+from megalite.analysis.calibrate import CalibrationError, load_calibration  # noqa: E402
+from megalite.pipeline.registry import SCHEDULES  # noqa: E402
 from megalite.throughput import peak_tflops_for  # noqa: E402
 
 _LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
@@ -70,10 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--headroom", type=float, default=0.15,
                    help="memory kept free for temporaries, allocator slack and the CUDA context (fraction)")
     h.add_argument("--top", type=int, default=10, help="rows to print")
+    h.add_argument("--context-parallel-sizes", type=int, nargs="+", metavar="CP",
+                   help="context-parallel sizes to search (default: 1, and 2, 4, 8 from --seq-length 8192)")
+    h.add_argument("--schedules", nargs="+", default=[], choices=sorted(SCHEDULES), metavar="NAME",
+                   help=f"pipeline schedules to try besides Megatron's default for each layout "
+                        f"({', '.join(SCHEDULES)})")
+    h.add_argument("--params-dtype", choices=("bfloat16", "float16", "float32"),
+                   help="weights' precision (default bfloat16, or the calibration timeline's)")
+    h.add_argument("--device", choices=("cuda", "cpu"), help="what the memory estimate counts (CPU kernels save "
+                   "more for RMSNorm, less for SDPA); default cuda, or the calibration timeline's")
+    c = p.add_argument_group("calibrated mode")
+    c.add_argument("--calibrate", nargs="+", metavar="JSON", help="measured runs' --timeline-out files (fitted "
+                   "together: e.g. one pipelined run and one tensor-parallel run), or one --save-calibration file")
+    c.add_argument("--save-calibration", metavar="JSON", help="write the fitted stage costs here")
     return p
 
 
-def model_config(a: argparse.Namespace) -> ModelConfig:
+def read_documents(paths: Sequence[str]) -> List[tuple]:
+    docs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                docs.append((path, json.load(f)))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--calibrate {path}: cannot read it as JSON ({e})") from None
+    return docs
+
+
+def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelConfig:
     """The preset (if any) with every model flag given on the command line applied on top."""
     if a.model_size is None and (a.num_layers is None or a.hidden_size is None or a.num_attention_heads is None):
         raise ValueError("give --model-size or --num-layers, --hidden-size and --num-attention-heads")
@@ -87,7 +125,8 @@ def model_config(a: argparse.Namespace) -> ModelConfig:
         kw["untie_embeddings_and_output_weights"] = True
     if a.disable_bias_linear:
         kw["add_bias_linear"] = False
-    return ModelConfig(seq_length=a.seq_length, params_dtype="bfloat16", attention_backend="auto", **kw)
+    dtype = a.params_dtype or (meta or {}).get("params_dtype", "bfloat16")
+    return ModelConfig(seq_length=a.seq_length, params_dtype=dtype, attention_backend="auto", **kw)
 
 
 def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
@@ -110,31 +149,50 @@ def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
         out.append("--disable-bias-linear")
     out += ["--hidden-dropout", f"{cfg.hidden_dropout:g}", "--attention-dropout", f"{cfg.attention_dropout:g}",
             "--seq-length", str(cfg.seq_length), "--max-position-embeddings", str(cfg.seq_length),
-            "--global-batch-size", str(global_batch_size), "--bf16"]
+            "--global-batch-size", str(global_batch_size)]
+    out += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(cfg.params_dtype, [])
     return out
+
+
+def calibrated(calibration, layout, global_batch_size: int) -> tuple:
+    """(seconds, bubble) of ``layout`` from the measured costs."""
+    p = calibration.predict(layout, global_batch_size)
+    return p.step_s, p.bubble
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        cfg = model_config(a)
+        docs = read_documents(a.calibrate or [])
+        meta = next((d for _, d in docs if "events" in d), {})
+        cfg = model_config(a, meta)
+        calibration = load_calibration(cfg, docs) if docs else None
         peak = a.peak_tflops or peak_tflops_for(a.gpu)
         if peak is None:
             raise ValueError(f"--gpu {a.gpu!r} is not in the peak table (A100, H100, H200, B200); give --peak-tflops")
         if min(a.num_gpus, a.gpu_memory, a.global_batch_size, a.seq_length) <= 0:
             raise ValueError("--num-gpus, --gpu-memory, --global-batch-size and --seq-length must be > 0")
-    except ValueError as e:
+    except (ValueError, CalibrationError) as e:
         print(f"tools/plan.py: error: {e}", file=sys.stderr)
         return 2
+    if calibration is not None and a.save_calibration:
+        with open(a.save_calibration, "w") as f:
+            json.dump(calibration.to_json(), f, indent=1)
     hw = Hardware(peak, a.efficiency, a.intra_node_gbps, a.inter_node_gbps, a.gpus_per_node)
-    plans = plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom)
+    device = a.device or meta.get("device", "cuda")
+    step_time = None if calibration is None else lambda layout: calibrated(calibration, layout, a.global_batch_size)
+    search = dict(cp_sizes=tuple(a.context_parallel_sizes or default_cp_sizes(a.seq_length)),
+                  schedules=tuple(a.schedules))
+    plans = plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, device=device,
+                 step_time=step_time, **search)
     tokens = a.global_batch_size * a.seq_length
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
           f"{f' (groups {cfg.num_query_groups})' if cfg.num_query_groups else ''}, ffn {cfg.ffn_size}, seq "
           f"{cfg.seq_length}, vocab {cfg.vocab_size}; {a.num_gpus} x {a.gpu_memory:g} GiB at {peak:g} TFLOP/s "
-          f"(x {a.efficiency:g}), global batch {a.global_batch_size}")
+          f"(x {a.efficiency:g}), global batch {a.global_batch_size}"
+          + (f"; step times calibrated on {', '.join(n for n, _ in docs)}" if calibration is not None else ""))
     if not plans:  # the batch (a flag to fix: exit 2) or memory (no answer: exit 1), whichever rules them out
-        why, bad_batch = why_no_plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom)
+        why, bad_batch = why_no_plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, **search)
         print(f"tools/plan.py: error: {why}" if bad_batch else why, file=sys.stderr)
         return 2 if bad_batch else 1
     print(f"{len(plans)} layouts fit; the best {min(a.top, len(plans))} (GiB per device, most loaded rank):")
