@@ -32,6 +32,7 @@ from typing import Dict, List
 from common import mock_config, run_distributed  # first: puts the repository on sys.path
 import torch
 
+from megalite.analysis.plan_check import SavedBytes  # also what a run's predicted-vs-measured block counts
 from megalite.config import Config, ModelConfig, OptimConfig
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel_state import ParallelState
@@ -50,33 +51,6 @@ def make_config(a, tp=1, pp=1, dp=1, sp=False, dtype="bfloat16", backend="unfuse
                       attention_backend=backend, **model)
     return mock_config(mdl, a.mbs, a.mbs * m * dp, seed=1, train_iters=10,
                        optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True), tp=tp, pp=pp, sequence_parallel=sp)
-
-
-class SavedBytes:
-    """Context: bytes of every distinct storage autograd saves inside it, weights excluded
-    (a matmul saves its weight for backward, but the weight is held anyway)."""
-
-    def __init__(self, params=()):
-        self.storages: Dict[int, int] = {}
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in self.skip:
-            self.storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def theory_per_layer(a, t: int, sp: bool, recompute: str) -> float:
