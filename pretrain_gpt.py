@@ -104,7 +104,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(cfg, signals: ExitSignals, start: float) -> int:
     par = cfg.parallel
     ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
-                                timeout_s=60.0 * par.distributed_timeout_minutes, cp=par.cp)
+                                timeout_s=60.0 * par.distributed_timeout_minutes, cp=par.cp,
+                                ep=par.ep, etp=par.etp)
     log = setup_logging(ps.is_logging_rank, ps.rank)
     start_hang_watch(cfg, ps, signals)  # flight recorder, SIGUSR1, diagnosis of a hang or a signal
     try:

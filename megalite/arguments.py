@@ -27,9 +27,7 @@ from megalite.validate import validate
 __all__ = ["NOT_IMPLEMENTED", "build_parser", "config_from_args", "declared_fields", "parse_args", "validate"]
 
 # Flags a later milestone implements: recognised so they fail loudly instead of being ignored.
-NOT_IMPLEMENTED: Dict[str, str] = {
-    "--expert-model-parallel-size": "expert parallelism", "--num-experts": "mixture of experts",
-}
+NOT_IMPLEMENTED: Dict[str, str] = {}
 
 # Choice sets a field names by key because config.py may not import the pipeline package.
 _CHOICES: Dict[str, Tuple[str, ...]] = {"schedules": tuple(SCHEDULES)}
@@ -122,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                 g.add_argument(flag.name, help=flag.help, **options)
     for flag in NOT_IMPLEMENTED:  # recognised to fail with a clear line; listed in the epilog, not as options
         p.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
-    p.epilog = ("Recognised but not implemented yet (they stop with an error): "
-                + ", ".join(f"{f} ({what})" for f, what in NOT_IMPLEMENTED.items()) + ".")
+    if NOT_IMPLEMENTED:
+        p.epilog = ("Recognised but not implemented yet (they stop with an error): "
+                    + ", ".join(f"{f} ({what})" for f, what in NOT_IMPLEMENTED.items()) + ".")
     return p
 
 

@@ -14,6 +14,7 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
+from megalite.config_moe import MOE, ExpertParallelFields, MoELoggingFields, MoEModelFields
 from megalite.flags import HelpGroup, derived
 
 
@@ -30,6 +31,7 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     "network size", "regularization", "training", "initialization", "learning rate", "checkpointing",
     "mixed precision", "activation recomputation", "distributed", "validation", "data and dataloader",
     "tokenizer", "logging"))
+HELP_GROUPS = HELP_GROUPS + (MOE,)  # Megatron's "moe" group (config_moe.py)
 
 
 def _query_groups(a: argparse.Namespace) -> Optional[int]:
@@ -76,7 +78,7 @@ def layer_list(text: str) -> Tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(MoEModelFields):
     num_layers: int = NETWORK("--num-layers", 4, "transformer layers", gt=0)
     hidden_size: int = NETWORK("--hidden-size", 256, "transformer hidden size", gt=0)
     ffn_hidden_size: Optional[int] = NETWORK(  # None: 4h (or 8h/3 rounded for SwiGLU)
@@ -179,7 +181,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(ExpertParallelFields):
     tp: int = DISTRIBUTED("--tensor-model-parallel-size", 1, "ranks sharing each layer (tensor parallelism)", gt=0)
     pp: int = DISTRIBUTED("--pipeline-model-parallel-size", 1,
                           "pipeline stages (the data-parallel size is the rest of the world)", gt=0)
@@ -384,7 +386,7 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(MoELoggingFields):
     log_interval: int = LOGGING("--log-interval", 10, "iterations between log lines", gt=0)
     tensorboard_dir: Optional[str] = LOGGING("--tensorboard-dir", None,
                                              "write the log line's scalars as TensorBoard events here")

@@ -24,6 +24,20 @@ writers share their work over it. ``dp`` stays the pure data axis: the sampler
 reads by dp rank, so the CP ranks of one dp rank read the same samples. With
 CP=1, ``dp_cp`` has exactly ``dp``'s members.
 
+Mixtures of experts see each pipeline stage's N = TP x CP x DP ranks through a second grid,
+ETP x EP x EDP = N (megatron-core's expert rank generator, order ``tp-ep-dp-pp``)::
+
+    global_rank = etp_rank + ep_rank * ETP + edp_rank * ETP * EP + pp_rank * N
+
+    world 8, TP=2, PP=2 (DP=2), EP=2, ETP=1 (EDP=2):
+      ep groups   [0,1] [2,3] [4,5] [6,7]     (tokens are exchanged here; experts split over it)
+      edp groups  [0,2] [1,3] [4,6] [5,7]     (the replicas of an expert: its gradients reduce here)
+      tp_cp       [0,1] [2,3] ...             (the ranks splitting one micro-batch's tokens)
+      stage       [0,1,2,3] [4,5,6,7]         (every rank of a stage: expert loads are counted here)
+
+Expert groups are created on first use (``init_expert_groups``, called by every rank as it builds
+its first MoE chunk); a group with the same members as another reuses its communicator.
+
 This is the only module that creates process groups or asks torch.distributed
 for the world's rank and size (a test enforces it). Everything else receives a
 ``ParallelState`` (or one of its ``AxisGroup`` members) as an argument.
@@ -101,6 +115,38 @@ def grid_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, Lis
     return groups
 
 
+def expert_grid_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
+                       etp: Optional[int] = None) -> Dict[str, List[List[int]]]:
+    """The expert grid's groups (``etp``, ``ep``, ``edp``, ``expert_mp`` = etp x ep) and the MoE helpers
+    ``tp_cp`` (tp x cp) and ``stage`` (tp x cp x dp), without creating any process group."""
+    etp = tp if etp is None else etp
+    stage = world_size // pp
+    if ep < 1 or etp < 1 or stage % (ep * etp):
+        raise ConfigError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not "
+                          f"divide the {stage} ranks of a pipeline stage (tp x cp x dp); change ep or etp")
+    edp = stage // (ep * etp)
+    out: Dict[str, List[List[int]]] = {k: [] for k in ("etp", "ep", "edp", "expert_mp", "stage")}
+    for p in range(pp):
+        base = p * stage
+        out["stage"].append(list(range(base, base + stage)))
+        for d in range(edp):
+            for e in range(ep):
+                out["etp"].append([base + t + e * etp + d * etp * ep for t in range(etp)])
+            for t in range(etp):
+                out["ep"].append([base + t + e * etp + d * etp * ep for e in range(ep)])
+            out["expert_mp"].append([base + t + e * etp + d * etp * ep for e in range(ep) for t in range(etp)])
+        for e in range(ep):
+            for t in range(etp):
+                out["edp"].append([base + t + e * etp + d * etp * ep for d in range(edp)])
+    dense = grid_groups(world_size, tp, pp, cp)
+    tp_cp = {}
+    for g in dense["tp"]:
+        key = tuple(next(c for c in dense["cp"] if g[0] in c))
+        tp_cp.setdefault(key, set()).update(r for c in key for r in next(t for t in dense["tp"] if c in t))
+    out["tp_cp"] = sorted(sorted(v) for v in tp_cp.values())
+    return {k: sorted(sorted(g) for g in v) for k, v in out.items()}
+
+
 def elastic_round_store(world_size: int, timeout: timedelta) -> Optional["dist.Store"]:
     """This restart round's own view of torchrun's store, or None (then env:// as usual).
 
@@ -130,8 +176,10 @@ class ParallelState:
     def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1,
                  create_groups: bool = True, backend: Optional[str] = None,
                  device: Optional[torch.device] = None, timeout: Optional[timedelta] = None,
-                 cp: int = 1):
+                 cp: int = 1, ep: int = 1, etp: Optional[int] = None):
         self.world_size, self.rank = world_size, rank
+        self.expert_memberships = expert_grid_groups(world_size, tp, pp, cp, ep, etp)  # validated now
+        self._create_groups = create_groups
         self.backend = backend
         # How long a blocking wait may last before the job is declared hung: every group gets it
         # (new_group would otherwise use torch's default, 30 min for gloo) and gloo point-to-point
@@ -157,6 +205,28 @@ class ParallelState:
                     mine = AxisGroup(ranks, ranks.index(rank), handle)
             self.axes[name] = mine if mine is not None else AxisGroup([rank], 0, None)
 
+    def init_expert_groups(self) -> None:
+        """Create the expert grid's groups (idempotent). Every rank must make the first call at the same
+        point (GPTModel does, building an MoE model); a group whose members equal an existing group's
+        reuses its communicator."""
+        if "ep" in self.axes:
+            return
+        use_dist = self._create_groups and self.world_size > 1
+        for name, all_groups in self.expert_memberships.items():
+            # the same partition of the world as an existing axis: its communicators (decided from the
+            # whole partition, never from this rank's own group, so every rank makes the same calls)
+            same = [a for a, groups in self.memberships.items() if groups == all_groups and a in self.axes]
+            same += [a for a in self.expert_memberships if a in self.axes and self.expert_memberships[a] == all_groups]
+            if same:
+                self.axes[name] = self.axes[same[0]]
+                continue
+            mine = None
+            for ranks in all_groups:  # every rank calls new_group for every group, in the same order
+                handle = dist.new_group(ranks, timeout=self.timeout) if use_dist and len(ranks) > 1 else None
+                if self.rank in ranks:
+                    mine = AxisGroup(ranks, ranks.index(self.rank), handle)
+            self.axes[name] = mine
+
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def single(cls, device: Optional[torch.device] = None) -> "ParallelState":
@@ -165,7 +235,7 @@ class ParallelState:
 
     @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, backend: Optional[str] = None,
-                 timeout_s: float = 600.0, cp: int = 1) -> "ParallelState":
+                 timeout_s: float = 600.0, cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> "ParallelState":
         """Initialise torch.distributed from torchrun's variables (if several ranks) and build groups.
 
         With WORLD_SIZE unset or 1 no process group is created at all, so a
@@ -174,6 +244,7 @@ class ParallelState:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         grid_groups(world, tp, pp, cp)  # validate before any communication
+        expert_grid_groups(world, tp, pp, cp, ep, etp)
         if world == 1 and not dist.is_initialized():
             use_cuda = torch.cuda.is_available() and backend != "gloo"
             return cls.single(torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
@@ -185,16 +256,18 @@ class ParallelState:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                     store=elastic_round_store(world, timeout))
         return cls(dist.get_world_size(), dist.get_rank(), tp, pp, backend=backend,
-                   timeout=timedelta(seconds=timeout_s), cp=cp)
+                   timeout=timedelta(seconds=timeout_s), cp=cp, ep=ep, etp=etp)
 
     @classmethod
     def init_for_test(cls, rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
-                      timeout_s: float = 120.0, cp: int = 1) -> "ParallelState":
+                      timeout_s: float = 120.0, cp: int = 1, ep: int = 1,
+                      etp: Optional[int] = None) -> "ParallelState":
         """Start a gloo process group on an explicit rendezvous (used by megalite.testing.run_distributed)."""
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
-        return cls(world_size, rank, tp, pp, backend="gloo", timeout=timedelta(seconds=timeout_s), cp=cp)
+        return cls(world_size, rank, tp, pp, backend="gloo", timeout=timedelta(seconds=timeout_s), cp=cp, ep=ep,
+                   etp=etp)
 
     def destroy(self) -> None:
         """Tear the process group down (end of a run or test)."""
@@ -234,6 +307,23 @@ class ParallelState:
     @property
     def position_embedding(self) -> AxisGroup:
         return self.axes["position_embedding"]
+
+    def _expert_axis(self, name: str) -> AxisGroup:
+        self.init_expert_groups()
+        return self.axes[name]
+
+    ep = property(lambda self: self._expert_axis("ep"), doc="the ranks one layer's experts are split over")
+    etp = property(lambda self: self._expert_axis("etp"), doc="the ranks one expert is split over (its TP)")
+    edp = property(lambda self: self._expert_axis("edp"), doc="the replicas of this rank's experts")
+    expert_mp = property(lambda self: self._expert_axis("expert_mp"), doc="etp x ep: where tokens are exchanged")
+    tp_cp = property(lambda self: self._expert_axis("tp_cp"), doc="the ranks sharing one micro-batch's tokens")
+    stage = property(lambda self: self._expert_axis("stage"), doc="every rank of this pipeline stage")
+    ep_size = property(lambda self: len(self.expert_memberships["ep"][0]))
+    ep_rank = property(lambda self: self.ep.rank)
+    etp_size = property(lambda self: len(self.expert_memberships["etp"][0]))
+    etp_rank = property(lambda self: self.etp.rank)
+    edp_size = property(lambda self: len(self.expert_memberships["edp"][0]))
+    edp_rank = property(lambda self: self.edp.rank)
 
     tp_size = property(lambda self: self.tp.size)
     tp_rank = property(lambda self: self.tp.rank)
@@ -292,6 +382,16 @@ class ParallelState:
                 if self.rank in ranks:
                     self._background_dp = group
         return getattr(self, "_background_dp", None)
+
+    def background_edp_group(self):
+        """This rank's expert data-parallel group again, on gloo, for off-thread work (as
+        :meth:`background_dp_group`); None when it has one rank."""
+        if getattr(self, "_background_edp", None) is None and self.edp_size > 1 and dist.is_initialized():
+            for ranks in self.expert_memberships["edp"]:
+                group = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
+                if self.rank in ranks:
+                    self._background_edp = group
+        return getattr(self, "_background_edp", None)
 
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process)."""

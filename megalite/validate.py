@@ -16,6 +16,7 @@ from megalite.flags import FieldFlags, flag_fields
 from megalite.parallel_state import grid_groups
 from megalite.profiling import check_profiling_flags
 from megalite.settings import RunSettings, resolve_settings
+from megalite.validate_moe import validate_moe
 
 
 def _number(value: float) -> str:
@@ -95,6 +96,7 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_positions:
         raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                           f"{m.max_positions}")
+    validate_moe(cfg, world_size)
     _validate_balance(cfg)
     _validate_context_parallel(cfg)
     check_profiling_flags(cfg, world_size)  # --profile-*, --wandb-* (profiling.py)

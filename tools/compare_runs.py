@@ -178,7 +178,8 @@ def worker(args) -> int:
     cfg = cfg.with_(checkpoint=replace(cfg.checkpoint, save=None))  # never writes a checkpoint
     par = cfg.parallel
     ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
-                                timeout_s=60.0 * par.distributed_timeout_minutes)
+                                timeout_s=60.0 * par.distributed_timeout_minutes, cp=par.cp,
+                                ep=par.ep, etp=par.etp)
     try:
         trainer = Trainer(cfg, ps)
         if cfg.checkpoint.load:

@@ -148,13 +148,15 @@ def start_save(cfg, ps: ParallelState, model_parts, optimizer, scheduler, train_
 
             def write() -> None:
                 write_sharded(tmp, ps, shards, rng, process_group=group)
-        elif copy and optimizer.distributed:  # the DP gather of the optimizer shards moves into the background
+        elif copy and any(part.shard_grads for part in optimizer.grads.parts):  # the DP gather of the optimizer shards moves into the background
             state = keep(torch_state(ps, model_parts, optimizer, meta, rng, gather_optimizer=False), "state")
             own = optimizer.state_snapshot(optimizer.half, lambda t, where: keep(t, ("optim",) + where))
             dp_group = ps.background_dp_group()
+            edp_group = ps.background_edp_group() if optimizer.has_experts else None
 
             def write() -> None:
-                full = optimizer.full_state_dict(to_cpu=True, snapshot=own, group=dp_group)  # collective, gloo
+                full = optimizer.full_state_dict(to_cpu=True, snapshot=own, group=dp_group,
+                                                 expert_group=edp_group)  # collective, gloo
                 if state is not None:
                     state["optimizer"]["state"] = full
                 write_torch_state(tmp, ps, state)

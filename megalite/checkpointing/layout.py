@@ -8,6 +8,11 @@ A local parameter is one or more rectangular blocks of its global tensor::
     vocabulary tables     [vocab, h]: the real rows this rank owns (TP padding is never saved)
     replicated            the whole tensor (written by TP rank 0 only)
 
+Expert weights (MoE) are sharded over the expert tensor-parallel group instead of TP: their
+linear modules carry that group as ``module.tp``, so blocks use the module's own group (for
+dense modules it is the chunk's TP group). Their names carry the global expert index, so a
+name exists only on the EP rank holding that expert.
+
 The last stage's copy of a tied embedding is not saved; it is read from the
 word embeddings. The same blocks describe what a rank writes and what it needs
 to read, in any (tp, pp, vp) layout.
@@ -63,6 +68,8 @@ def param_blocks(chunk: GPTModel, name: str, p: nn.Parameter, for_write: bool) -
         return [_rows(WORD_EMBEDDINGS if name == "output_weight" else name, (vocab, h), start, 0, real_end - start)]
     module_name, _, pname = name.rpartition(".")
     module = chunk.get_submodule(module_name)
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        tp = module.tp  # the group the module shards over: TP, or ETP for an expert's linear layers
     if isinstance(module, ColumnParallelLinear):
         total = sum(module.output_sizes)
         shape = (total,) + tuple(p.shape[1:])
@@ -75,7 +82,7 @@ def param_blocks(chunk: GPTModel, name: str, p: nn.Parameter, for_write: bool) -
         out, loc = p.shape
         return [Block(name, (out, loc * tp.size), (0, tp.rank * loc), (0, out), (out, loc))]
     if for_write and tp.rank != 0:
-        return []  # replicated over TP: written once
+        return []  # replicated over TP (ETP for an expert's bias): written once
     return [_rows(name, tuple(p.shape), 0, 0, p.shape[0])]
 
 

@@ -42,6 +42,10 @@ FORMAT_VERSION = 1
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
                 "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
                 "max_positions", "openai_gelu")  # checkpoints older than a field lack it: not compared
+# MoE shape fields: recorded (and compared, a missing one read as dense) only when either side is MoE,
+# so a dense checkpoint's meta.json stays as it was
+MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+                    "moe_shared_expert_gate", "moe_router_enable_expert_bias")
 
 __all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_meta", "check_model_shape",
            "stage_counts", "saved_stage_layers"]
@@ -79,10 +83,23 @@ class RandomStates:
 def layout_of(cfg: Config, ps: ParallelState) -> Dict[str, object]:
     """The parallel layout of this run as ``meta.json`` records it (``first``/``last`` 0 when unset)."""
     par = cfg.parallel
-    return {"world": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": par.vp,
-            "dp": ps.dp_size, "cp": ps.cp_size, "first": par.decoder_first_pipeline_num_layers or 0,
-            "last": par.decoder_last_pipeline_num_layers or 0,
-            "stage_layers": list(par.pipeline_stage_layers or ())}
+    out = {"world": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": par.vp,
+           "dp": ps.dp_size, "cp": ps.cp_size, "first": par.decoder_first_pipeline_num_layers or 0,
+           "last": par.decoder_last_pipeline_num_layers or 0,
+           "stage_layers": list(par.pipeline_stage_layers or ())}
+    if getattr(cfg.model, "num_experts", None) is not None:  # dense layouts keep their old keys
+        out.update(ep=ps.ep_size, etp=ps.etp_size)
+    return out
+
+
+def _shape_of(model: ModelConfig) -> Dict[str, object]:
+    """``meta.json``'s ``model_shape``: the dense fields, plus the MoE ones for an MoE model."""
+    fields = SHAPE_FIELDS + (MOE_SHAPE_FIELDS if getattr(model, "num_experts", None) is not None else ())
+    return {f: _plain(getattr(model, f)) for f in fields}
+
+
+def _plain(v: object) -> object:
+    return list(v) if isinstance(v, tuple) else v  # as JSON reads it back (moe_layer_freq may be a tuple)
 
 
 def run_meta(cfg: Config, ps: ParallelState, optimizer, scheduler, train_state: "TrainState") -> dict:
@@ -98,7 +115,7 @@ def run_meta(cfg: Config, ps: ParallelState, optimizer, scheduler, train_state: 
             "nan_iters": counters["nan_iters"], "scheduler": scheduler.state_dict(),
             "scaler": steps["scaler"], "adam_step": steps["adam_step"], "group_steps": steps["group_steps"],
             "layout": layout_of(cfg, ps), "config": json.loads(json.dumps(asdict(cfg), default=str)),
-            "model_shape": {f: getattr(cfg.model, f) for f in SHAPE_FIELDS}}
+            "model_shape": _shape_of(cfg.model)}
 
 
 def check_model_shape(saved: dict, model: ModelConfig, where: str) -> None:
@@ -106,6 +123,10 @@ def check_model_shape(saved: dict, model: ModelConfig, where: str) -> None:
     fields = [f for f in SHAPE_FIELDS if f != "max_positions" or model.position_embedding_type == "learned_absolute"]
     diffs = [f"{f} {saved[f]} (checkpoint) vs {getattr(model, f)} (run)"
              for f in fields if f in saved and saved[f] != getattr(model, f)]
+    if saved.get("num_experts") is not None or getattr(model, "num_experts", None) is not None:
+        here = _shape_of(model)  # a dense side reads as num_experts None
+        diffs += [f"{f} {saved.get(f)} (checkpoint) vs {here.get(f)} (run)" for f in MOE_SHAPE_FIELDS
+                  if (f in saved or f == "num_experts") and saved.get(f) != here.get(f)]
     if diffs:
         raise CheckpointError(f"{where} does not fit this model: {'; '.join(diffs)}; pass the model flags it was "
                               f"saved with")

@@ -14,6 +14,10 @@ context parallel; the distributed optimizer shards over that group too).
   ``<prefix>/<block key>#<lo>``; the DP ranks' entries together cover each block once.
 * without it (or at dp 1), whole blocks (``<prefix>/<block key>``, no ``"flat"``), spread over
   the DP ranks round-robin (block ``j`` of a rank's list is written by DP rank ``j % dp``).
+* MoE expert weights (``p.expert_parallel``) are replicated over the expert data-parallel group
+  (``ps.edp``), not dp x cp: their whole blocks are dealt round-robin over edp (a turn count of
+  their own, so dense blocks are dealt as without experts), and the distributed optimizer's
+  pieces of them cover each block once over edp.
 
 Every index entry carries ``"crc32"``: ``zlib.crc32`` of the stored tensor's bytes (contiguous,
 little-endian), computed from the bytes written. Save time and bytes written per rank fall as
@@ -72,12 +76,13 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
     for pc in optimizer.pieces:
         pieces.setdefault(id(pc.param), []).append(pc)
     optimized = {id(p) for _, p in optimizer.named}
+    sharded = {id(p) for part in optimizer.grads.parts if part.shard_grads for p in part.params}  # ZeRO-1
     out: List[Shard] = []
-    turn = 0  # whole blocks go round-robin over the DP ranks
+    turns = {False: 0, True: 0}  # whole blocks go round-robin over the DP (dense) or EDP (expert) ranks
     for (i, name), blocks in chunk_blocks(chunks, for_write=True).items():
         param = params[(i, name)]
         p = param.detach()
-        if optimizer.distributed and id(param) in optimized:
+        if id(param) in sharded:
             rs = math.prod(p.shape[1:])
             for b in blocks:
                 a, z = b.local_rows[0] * rs, b.local_rows[1] * rs
@@ -95,9 +100,11 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
         if id(param) in optimized:
             pc = pieces[id(param)][0]  # the plain optimizer: one piece per parameter
             state = {k: t.view(p.shape) for k, t in _optim_views(optimizer, pc).items()}
+        expert = bool(getattr(param, "expert_parallel", False))
+        size, rank = (ps.edp_size, ps.edp_rank) if expert else (ps.dp_cp_size, ps.dp_cp_rank)
         for b in blocks:
-            turn += 1
-            if (turn - 1) % ps.dp_cp_size != ps.dp_cp_rank:  # the replicas: dp x cp
+            turns[expert] += 1
+            if (turns[expert] - 1) % size != rank:  # the replicas: dp x cp (edp for experts)
                 continue
             for prefix, t in [("model", p)] + [(f"optim.{k}", v) for k, v in state.items()]:
                 view = b.local(t)

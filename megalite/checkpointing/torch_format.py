@@ -2,7 +2,7 @@
 
 ::
 
-    iter_0000100/mp_rank_<tp:02d>[_<pp:03d>]/model_optim_rng.pt    one file per (tp, pp) rank, by dp x cp rank 0
+    iter_0000100/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/model_optim_rng.pt    one file per (tp, pp[, ep]) rank
       args  checkpoint_version (3.0)  iteration  consumed_samples
       model | model0, model1, ...     each chunk's state_dict (one per virtual stage)
       optimizer: {state: full per-parameter fp32 state, scaler, group_steps}
@@ -14,6 +14,10 @@ reader and writer (``megatron.py``) and the converter (``native_io.py``) share.
 The ranks of a (tp, pp) rank's dp x cp group (``ps.dp_cp``) hold the same parameters,
 so the file does not depend on dp or cp: a checkpoint loads at another dp or cp size
 (only the random states, one per dp x cp rank, are then not restored).
+
+With expert parallelism (ep > 1) the ranks of one dp x cp group hold different experts: the
+directory gains the EP rank, as Megatron-LM names it, and the first rank of the group holding
+each EP rank's experts writes that file. Such a checkpoint loads only at the same ep and etp.
 """
 from __future__ import annotations
 
@@ -35,9 +39,27 @@ CRC_SUFFIX = ".crc32.json"  # the checksum sidecar next to each model_optim_rng.
 __all__ = ["legacy_dir", "CRC_SUFFIX", "torch_state", "write_torch_state", "read_torch", "check_same_layout"]
 
 
-def legacy_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """Megatron's per-rank directory name: ``mp_rank_TT`` (no pipeline) or ``mp_rank_TT_PPP``."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+def legacy_dir(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """Megatron's per-rank directory name: ``mp_rank_TT`` (no pipeline) or ``mp_rank_TT_PPP``, with
+    ``_EEE`` (the expert-parallel rank) appended when ep > 1."""
+    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+            + (f"_{ep_rank:03d}" if ep_size > 1 else ""))
+
+
+def _ep(ps: ParallelState):
+    """(ep rank, ep size): (0, 1) for a grid without experts."""
+    return getattr(ps, "ep_rank", 0), getattr(ps, "ep_size", 1)
+
+
+def _writes_file(ps: ParallelState) -> bool:
+    """Whether this rank writes its (tp, pp[, ep]) file: dp x cp rank 0, or with ep > 1 the lowest dp x cp
+    rank holding its EP rank's experts (collective over dp x cp when ep > 1)."""
+    ep_rank, ep_size = _ep(ps)
+    if ep_size == 1 or ps.dp_cp_size == 1:
+        return ps.dp_cp_rank == 0
+    eps: List[int] = [0] * ps.dp_cp_size
+    dist.all_gather_object(eps, ep_rank, group=ps.dp_cp_group)
+    return eps.index(ep_rank) == ps.dp_cp_rank
 
 
 def _model_key(i: int, n_chunks: int) -> str:
@@ -46,8 +68,8 @@ def _model_key(i: int, n_chunks: int) -> str:
 
 def torch_state(ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta: dict,
                 rng: dict, gather_optimizer: bool = True) -> Optional[dict]:
-    """This (tp, pp) rank's ``model_optim_rng.pt`` content on dp x cp rank 0, None elsewhere (collective over
-    dp x cp, the ranks holding the same model shard).
+    """This (tp, pp[, ep]) rank's ``model_optim_rng.pt`` content on its writer (:func:`_writes_file`), None
+    elsewhere (collective over dp x cp).
 
     The optimizer state is gathered over dp x cp (``full_state_dict``: the legacy file holds every
     parameter's whole fp32 state; without ``gather_optimizer`` it is left empty for the caller
@@ -61,7 +83,7 @@ def torch_state(ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta:
         dist.all_gather_object(rngs, rng, group=ps.dp_cp_group)
     else:
         rngs = [rng]
-    if ps.dp_cp_rank != 0:
+    if not _writes_file(ps):
         return None
     models = {_model_key(i, len(chunks)): c.state_dict() for i, c in enumerate(chunks)}
     return {"args": meta["config"], "checkpoint_version": 3.0, "iteration": meta["iteration"],
@@ -88,11 +110,11 @@ class _Checksummed:
 
 
 def write_torch_state(tmp: str, ps: ParallelState, state: Optional[dict]) -> None:
-    """Write :func:`torch_state`'s content (dp x cp rank 0; nothing elsewhere) and its checksum sidecar:
+    """Write :func:`torch_state`'s content (its writer; nothing elsewhere) and its checksum sidecar:
     ``model_optim_rng.pt.crc32.json`` = {"crc32": zlib.crc32 of the whole file, "bytes": its size}."""
     if state is None:
         return
-    d = os.path.join(tmp, legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size))
+    d = os.path.join(tmp, legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size, *_ep(ps)))
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, "model_optim_rng.pt")
     with open(path, "wb") as f:
@@ -104,8 +126,16 @@ def write_torch_state(tmp: str, ps: ParallelState, state: Optional[dict]) -> Non
 
 
 def check_same_layout(d: str, saved: dict, here: dict, num_layers: int) -> None:
-    """A torch-format checkpoint loads only into its own tp, pp, vp and layers per stage: one line otherwise."""
+    """A torch-format checkpoint loads only into its own tp, pp, vp, ep, etp and layers per stage: one line
+    otherwise."""
     split = lambda layout: stage_counts(layout, num_layers)  # noqa: E731
+    experts = lambda layout: (layout.get("ep", 1), layout.get("etp", layout["tp"]))  # noqa: E731
+    if experts(saved) != experts(here):
+        (ep, etp), (ep_here, etp_here) = experts(saved), experts(here)
+        raise CheckpointError(
+            f"{d} is a torch-format checkpoint saved with expert parallelism ep={ep} etp={etp}; this run has "
+            f"ep={ep_here} etp={etp_here}: run with --expert-model-parallel-size {ep} "
+            f"--expert-tensor-parallel-size {etp}, or save with --ckpt-format sharded, which loads into any layout")
     if any(saved[k] != here[k] for k in ("tp", "pp", "vp")) or split(saved) != split(here):
         raise CheckpointError(
             f"{d} is a torch-format checkpoint saved with tp={saved['tp']} pp={saved['pp']} vp={saved['vp']} "
@@ -162,7 +192,7 @@ def read_torch(d: str, saved: dict, here: dict, ps: ParallelState, chunks: Seque
     scaler are the caller's (``meta.json``).
     """
     check_same_layout(d, saved, here, num_layers)
-    path = os.path.join(d, legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size), "model_optim_rng.pt")
+    path = os.path.join(d, legacy_dir(ps.tp_rank, ps.pp_rank, ps.pp_size, *_ep(ps)), "model_optim_rng.pt")
     error = None
     try:  # each rank reads its own file: a damaged one must stop every rank before the next collective
         if not os.path.exists(path):

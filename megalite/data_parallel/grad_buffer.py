@@ -62,8 +62,11 @@ class GradBuffer:
 
     def __init__(self, params: Sequence[nn.Parameter], dp: AxisGroup, *, grad_dtype: Optional[torch.dtype] = None,
                  bucket_elements: Optional[int] = None, overlap: bool = False, shard: bool = False,
-                 deferred: Sequence[nn.Parameter] = ()):
+                 deferred: Sequence[nn.Parameter] = (), average_over: Optional[int] = None):
         self.dp, self.shard_grads = dp, shard
+        # The sum over dp is divided by this (default dp's size): an MoE expert's replicas (expert DP) divide
+        # by the dense replicas' count instead, as their gradients already hold the other ranks' tokens.
+        self.average_over = average_over or dp.size
         self.overlap = overlap and dp.size > 1
         self.params = [p for p in params if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
@@ -143,7 +146,7 @@ class GradBuffer:
     def _start_reduce(self, b: Bucket) -> None:
         data = self.grad_data[b.start:b.end]
         # Average before the sum (as Megatron): a sum of fp16 gradients can overflow where the mean would not.
-        data.mul_(1.0 / self.dp.size)
+        data.mul_(1.0 / self.average_over)
         if self.shard_grads:
             # A separate output: an in-place reduce-scatter (output inside input) is not safe on gloo.
             b.grad_out = torch.empty(b.shard[1] - b.shard[0], dtype=data.dtype, device=data.device)
@@ -164,6 +167,8 @@ class GradBuffer:
                     raise RuntimeError("a parameter's .grad was replaced during backward; "
                                        "gradients must accumulate into the data-parallel buffer")
         if self.dp.size == 1:
+            if self.average_over != 1:
+                self.grad_data.mul_(1.0 / self.average_over)
             return
         for b in self.buckets:
             if b.grad_handle is None:

@@ -48,6 +48,8 @@ from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallel
                                              set_tp_attributes, vocab_range, vocab_shard)
 from megalite.tensor_parallel.random import RNGTracker, checkpoint, full_normal
 from megalite.model.kv_cache import KVCache
+from megalite.moe import MoELayer
+from megalite.moe.router import Router
 from megalite.model.transformer import TransformerLayer, build_norm, dropout, rotary_cos_sin
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -58,7 +60,8 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, tracker: RNGTracker, seed: int,
                  layers: Optional[Iterable[int]] = None, pre_process: bool = True,
-                 post_process: bool = True, sequence_parallel: bool = False, cp_comm_type: str = "p2p"):
+                 post_process: bool = True, sequence_parallel: bool = False, cp_comm_type: str = "p2p",
+                 moe_dispatcher: str = "allgather"):
         super().__init__()
         self.cfg, self.tp, self.tracker = cfg, ps.tp, tracker
         self.cp: AxisGroup = ps.cp
@@ -81,9 +84,14 @@ class GPTModel(nn.Module):
                 self.embedding.position_embeddings = pos
 
         self.decoder = nn.Module()
+        def moe(i: int) -> Optional[MoELayer]:
+            return MoELayer(cfg, ps, seed, f"decoder.layers.{i}.mlp", self.sequence_parallel, moe_dispatcher,
+                            i) if cfg.is_moe_layer(i) else None
+        if cfg.is_moe:
+            ps.init_expert_groups()  # every rank, at its first chunk (a collective when groups are new)
         self.decoder.layers = nn.ModuleDict(
             {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i, self.sequence_parallel, ps.device,
-                                      self.cp, cp_comm_type)
+                                      self.cp, cp_comm_type, mlp=moe(i))
              for i in layer_ids})
 
         self.output_weight = None
@@ -106,9 +114,13 @@ class GPTModel(nn.Module):
                     cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, WORD_EMBEDDINGS))
                 set_tp_attributes(self.output_weight, True, 0)
                 self.output_weight.shared = True
-        for p in self.parameters():
-            p.sequence_parallel = self.sequence_parallel and not p.tensor_parallel
+        for p in self.parameters():  # an expert's weights see whole tokens of their own group, never SP shards
+            p.sequence_parallel = (self.sequence_parallel and not p.tensor_parallel
+                                   and not getattr(p, "expert_parallel", False))
         self.to(dtype=cfg.torch_dtype)
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.keep_fp32()
         if cfg.torch_compile:
             for layer in self.decoder.layers.values():
                 layer.compile()

@@ -192,9 +192,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP or SwiGLU (gate and up fused in one column-parallel matmul)."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, seed: int, prefix: str, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, seed: int, prefix: str, sequence_parallel: bool = False,
+                 ffn: Optional[int] = None):
         super().__init__()
-        ffn = cfg.ffn_size
+        ffn = ffn or cfg.ffn_size
         self.swiglu = cfg.swiglu
         # "tanh": Megatron-LM's fused bias-GeLU and HF GPT-2's "gelu_new" (README, conversion)
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
@@ -218,11 +219,12 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))); ``mlp`` may be given (an MoE
+    block, megalite.moe, built by the model)."""
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, layer: int,
                  sequence_parallel: bool = False, device: Optional[torch.device] = None,
-                 cp: Optional[AxisGroup] = None, cp_comm_type: str = "p2p"):
+                 cp: Optional[AxisGroup] = None, cp_comm_type: str = "p2p", mlp: Optional[nn.Module] = None):
         super().__init__()
         prefix = f"decoder.layers.{layer}"
         self.tracker, self.p = tracker, cfg.hidden_dropout
@@ -231,7 +233,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}.self_attention", sequence_parallel,
                                         cp, cp_comm_type)
         self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size, device)
-        self.mlp = MLP(cfg, tp, seed, f"{prefix}.mlp", sequence_parallel)
+        self.mlp = mlp if mlp is not None else MLP(cfg, tp, seed, f"{prefix}.mlp", sequence_parallel)  # or MoE
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # each TP rank holds other positions: masks must differ

@@ -33,6 +33,7 @@ from torch import nn
 
 from megalite.config import OptimConfig
 from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.data_parallel.grad_buffers import GradBuffers
 from megalite.flight_recorder import RECORDER
 from megalite.parallel_state import ParallelState
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -91,14 +92,21 @@ class MegatronOptimizer:
         self.cfg, self.ps = cfg, ps
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in self.named]
-        self.shared, self.sp_params = list(shared), list(sequence_parallel_params)
+        self.shared, self.sp_params = list(shared), [p for p in sequence_parallel_params if p.requires_grad]
         dtype = self.params[0].dtype
         self.half = dtype in (torch.bfloat16, torch.float16)
         self.distributed = cfg.use_distributed_optimizer and ps.dp_cp_size > 1
         fp32_grads = dtype == torch.float32 or cfg.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
-        self.grads = GradBuffer(self.params, ps.dp_cp, grad_dtype=torch.float32 if fp32_grads else dtype,
-                                bucket_elements=cfg.ddp_bucket_size, overlap=cfg.overlap_grad_reduce,
-                                shard=self.distributed, deferred=self.shared if ps.embedding.size > 1 else ())
+        experts = [p for p in self.params if getattr(p, "expert_parallel", False)]  # MoE: their own replicas
+        self.has_experts = bool(experts)
+        buffer = dict(grad_dtype=torch.float32 if fp32_grads else dtype, bucket_elements=cfg.ddp_bucket_size,
+                      overlap=cfg.overlap_grad_reduce)
+        parts = [GradBuffer([p for p in self.params if not getattr(p, "expert_parallel", False)], ps.dp_cp,
+                            shard=self.distributed, deferred=self.shared if ps.embedding.size > 1 else (), **buffer)]
+        if experts:
+            parts.append(GradBuffer(experts, ps.edp, shard=cfg.use_distributed_optimizer and ps.edp_size > 1,
+                                    average_over=ps.dp_cp_size, **buffer))
+        self.grads = GradBuffers(parts)
         self.pieces = self._build_pieces()
         groups = [{"params": [pc.main for pc in self.pieces if pc.param.ndim > 1], "weight_decay": cfg.weight_decay},
                   {"params": [pc.main for pc in self.pieces if pc.param.ndim <= 1], "weight_decay": 0.0}]
@@ -113,13 +121,12 @@ class MegatronOptimizer:
         """This rank's main parameters: whole params (plain) or its shard of every bucket (ZeRO-1)."""
         names = {id(p): n for n, p in self.named}
         pieces = []
-        if not self.distributed:
-            for n, p in self.named:
-                # fp32 weights are their own main weights; half weights get an fp32 copy.
+        whole = {id(p) for part in self.grads.parts if not part.shard_grads for p in part.params}
+        for n, p in self.named:
+            if id(p) in whole:  # fp32 weights are their own main weights; half weights get an fp32 copy.
                 main = p if not self.half else nn.Parameter(p.detach().float().clone())
                 pieces.append(_Piece(n, p, 0, p.numel(), main))
-            return pieces
-        for b in self.grads.buckets:
+        for b in [b for part in self.grads.parts if part.shard_grads for b in part.buckets]:
             s0, s1 = b.shard
             for p in b.params:
                 a, e = self.grads.index[p]
@@ -188,10 +195,26 @@ class MegatronOptimizer:
         """L2 norm of the whole model's gradient: each element counted once over tp, pp and dp x cp."""
         grads = self._main_grads() if grads is None else grads
         counted = [g for pc, g in zip(self.pieces, grads) if is_counted_once(pc.param, self.ps.tp_rank)]
+        if self.has_experts:
+            return self._moe_grad_norm(grads)
         sq = torch.zeros(1, device=self.ps.device)
         if counted:
             sq += torch.stack([torch.linalg.vector_norm(g) for g in counted]).square().sum()
         return float(self._all_reduce_world(sq, over_dp=self.distributed).sqrt())
+
+    def _moe_grad_norm(self, grads: List[torch.Tensor]) -> float:
+        """The norm with experts: one sum over the world, each replica's share divided by its replica
+        count (dp x cp for dense weights, expert DP for experts) unless the optimizer shards them."""
+        sq = torch.zeros(2, device=self.ps.device)
+        for pc, g in zip(self.pieces, grads):
+            if is_counted_once(pc.param, self.ps.tp_rank):
+                sq[int(getattr(pc.param, "expert_parallel", False))] += torch.linalg.vector_norm(g).square()
+        for k, part in enumerate(self.grads.parts):
+            if not part.shard_grads:
+                sq[k] /= part.dp.size
+        if self.ps.world_size > 1:
+            RECORDER.call("world", dist.all_reduce, sq)
+        return float(sq.sum().sqrt())
 
     def step(self) -> Tuple[bool, Optional[float]]:
         """Update the weights; returns (update applied, global grad norm or None when skipped on overflow)."""
@@ -215,12 +238,12 @@ class MegatronOptimizer:
         if self.half:
             for pc in self.pieces:
                 pc.model_slice.copy_(pc.main.detach().view(-1))
-        if self.distributed:  # with overlap, the next forward waits bucket by bucket
-            self.grads.gather_params(async_op=self.cfg.overlap_param_gather)
+        # ZeRO-1 (buffers that shard): with overlap, the next forward waits bucket by bucket
+        self.grads.gather_params(async_op=self.cfg.overlap_param_gather)
 
     def install_param_gather_hooks(self, modules: Sequence[nn.Module]) -> None:
         """With --overlap-param-gather: each module waits for its weights' gather on first use."""
-        if self.distributed and self.cfg.overlap_param_gather:
+        if self.cfg.overlap_param_gather:
             self.grads.install_param_gather_hooks(modules)
 
     def set_lr(self, lr: float) -> None:
@@ -292,8 +315,7 @@ class MegatronOptimizer:
 
     def _sync_loaded_weights(self) -> None:
         """After a load, every rank's weights must hold every shard: gather them (ZeRO-1)."""
-        if self.distributed:
-            self.grads.gather_params()
+        self.grads.gather_params()  # no-op for buffers that do not shard
 
     def _load_piece(self, pc: _Piece, entry: Dict[str, object]) -> None:
         if "param" in entry:  # absent for fp32 weights saved once, as the model's own
@@ -343,8 +365,9 @@ class MegatronOptimizer:
         return {"keys": keys, "pieces": pieces, "step": self._step_value()}
 
     def full_state_dict(self, include_main: bool = True, to_cpu: bool = False, snapshot: Optional[dict] = None,
-                        group=None) -> Dict[str, Dict[str, torch.Tensor]]:
-        """Every parameter's whole fp32 main weight ("param") and Adam moments (collective over dp x cp).
+                        group=None, expert_group=None) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Every parameter's whole fp32 main weight ("param") and Adam moments (collective over dp x cp,
+        and over expert DP for an MoE's experts: ``expert_group`` is that group's gloo copy for a snapshot).
 
         The plain optimizer returns views of its live state (copy before the next
         step if you keep them); the distributed optimizer's shards are summed into
@@ -359,26 +382,31 @@ class MegatronOptimizer:
         def source(i: int, pc: _Piece, key: str) -> Optional[torch.Tensor]:
             return snapshot["pieces"][i].get(key) if snapshot is not None else self._source(pc, key)
 
-        if not self.distributed:  # one piece per parameter: views, no copies
-            for i, pc in enumerate(self.pieces):
-                for key in keys:
-                    t = source(i, pc, key)
-                    if t is not None:
-                        out[pc.name][key] = (t.cpu() if to_cpu else t).float().view(pc.param.shape)
-        else:
+        groups = [group, expert_group]  # gloo copies for a snapshot; None: the buffer's own group
+        for k, part in enumerate(self.grads.parts):
+            members = {id(p) for p in part.params}
+            mine = [(i, pc) for i, pc in enumerate(self.pieces) if id(pc.param) in members]
+            if not part.shard_grads:  # one piece per parameter: views, no copies
+                for i, pc in mine:
+                    for key in keys:
+                        t = source(i, pc, key)
+                        if t is not None:
+                            out[pc.name][key] = (t.cpu() if to_cpu else t).float().view(pc.param.shape)
+                continue
+            named = [(n, p) for n, p in self.named if id(p) in members]
             offsets, total = {}, 0
-            for n, p in self.named:
+            for n, p in named:
                 offsets[n], total = total, total + p.numel()
             device = torch.device("cpu") if snapshot is not None else self.ps.device
             for key in keys:
                 flat = torch.zeros(total, device=device)
-                for i, pc in enumerate(self.pieces):
+                for i, pc in mine:
                     t = source(i, pc, key)
                     if t is not None:
                         flat[offsets[pc.name] + pc.start:offsets[pc.name] + pc.end] = t.view(-1)
-                dist.all_reduce(flat, group=group if group is not None else self.ps.dp_cp_group)
+                dist.all_reduce(flat, group=groups[k] if groups[k] is not None else part.dp.group)
                 flat = flat.cpu() if to_cpu else flat
-                for n, p in self.named:
+                for n, p in named:
                     out[n][key] = flat[offsets[n]:offsets[n] + p.numel()].view(p.shape)
         step = snapshot["step"] if snapshot is not None else self._step_value()
         if step is not None:

@@ -17,7 +17,8 @@ The executor is the only place that knows how an action becomes work::
               stage, and B then W of the first stage leaves it fewer idle gaps
               (ZB-V's greedy order at pp 4, m 4: simulated bubble 12.5% split,
               25.0% unsplit; its phase order does equally well either way)
-    W(mb, c): run the weight GEMMs B(mb, c) left (zero-bubble schedules)
+    W(mb, c): run the weight GEMMs B(mb, c) left (zero-bubble schedules); expert
+              linears (megalite.moe) are built on the same split, so theirs wait too
     Comm:     post one batch of sends/receives (p2p.P2PState); a compute waits
               only for the receive it reads, sends are waited at the end
 
@@ -39,6 +40,7 @@ import torch
 
 from megalite.context_parallel.sequence import sequence_kwargs
 from megalite.flight_recorder import RECORDER
+from megalite.moe import set_aux_loss_scale
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.p2p import P2PState
 from megalite.pipeline.actions import Comm, Compute
@@ -92,10 +94,15 @@ class PipelineExecutor:
             forward_only: bool = False, loss_scale: float = 1.0) -> StepStats:
         """Run ``actions``; ``get_batch(mb)`` gives tokens/labels/loss_mask of micro-batch ``mb``.
 
-        Backward starts from ``loss / num_microbatches * loss_scale`` (fp16 loss scaling).
+        Backward starts from ``loss / num_microbatches * loss_scale`` (fp16 loss scaling). MoE
+        auxiliary losses (load balancing, z-loss) get the same factor, times cp: the LM loss of a CP
+        rank is its local sum over the whole sequence's count x cp, so both sides of the dp_cp
+        gradient average carry the same weight.
         """
         st = StepStats()
         self.loss_scale = loss_scale
+        if not forward_only:
+            set_aux_loss_scale(loss_scale / num_microbatches * self.ps.cp_size)
         fault, self.fault = self.fault, None  # --inject-fault-kind hang / skip-send: this run only
         if fault is not None:
             actions = fault.actions(actions)

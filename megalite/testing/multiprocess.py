@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "megalite.parallel_state", "megalite.training"])
@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Callable, args: tuple,
-            queue) -> None:
+            queue, experts: Optional[dict] = None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Cal
         from megalite.parallel_state import ParallelState
 
         ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp,
-                                          cp=cp)
+                                          cp=cp, **(experts or {}))
         result = fn(ps, *args)
         ps.destroy()
         queue.put((rank, "ok", result))
@@ -46,16 +46,18 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Cal
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int = 1,
-                    timeout: float = 300.0, cp: int = 1) -> List[Any]:
+                    timeout: float = 300.0, cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> List[Any]:
     """Run ``fn(ps, *args)`` on ``world`` ranks; return the results ordered by rank.
 
     Each rank is a forked process with one thread and a gloo ParallelState of the given tp, pp and
-    cp (dp = world / (tp * pp * cp)). A rank that raises fails the call with an AssertionError carrying its
+    cp (dp = world / (tp * pp * cp)), and for mixtures of experts the expert grid's ep and etp (None:
+    the same as tp). A rank that raises fails the call with an AssertionError carrying its
     traceback; ``timeout`` bounds the wait for each rank's result.
     """
     port = free_port()
     queue = _CTX.Queue()
-    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, cp, fn, args, queue))
+    experts = {"ep": ep, "etp": etp} if (ep, etp) != (1, None) else None  # dense: the old signature
+    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, cp, fn, args, queue, experts))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -40,6 +40,7 @@ from megalite.faults import ExitConditions, inject_fault
 from megalite.flight_recorder import RECORDER
 from megalite.logging import logged_loss, write_timeline
 from megalite.model.gpt import GPTModel
+from megalite.moe import update_expert_bias
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
 from megalite.parallel_state import ParallelState
@@ -68,7 +69,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker, layo
         chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
                                pre_process=stage == 0, post_process=stage == layout.num_stages - 1,
                                sequence_parallel=par.sequence_parallel,
-                               cp_comm_type=par.cp_comm_type)
+                               cp_comm_type=par.cp_comm_type, moe_dispatcher=par.moe_token_dispatcher_type)
                       .to(ps.device))
     first = [c for c in chunks if c.pre_process]
     last = [c for c in chunks if c.post_process and not c.pre_process]
@@ -106,6 +107,9 @@ class Trainer:
             raise ConfigError(f"the config asks for tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x cp {cfg.parallel.cp} "
                               f"but the ParallelState has tp {ps.tp_size} x pp {ps.pp_size} x cp {ps.cp_size}; "
                               "build both from the same flags")
+        if cfg.model.is_moe and (cfg.parallel.ep, cfg.parallel.expert_tp) != (ps.ep_size, ps.etp_size):
+            raise ConfigError(f"the config asks for ep {cfg.parallel.ep} x etp {cfg.parallel.expert_tp} but the "
+                              f"ParallelState has ep {ps.ep_size} x etp {ps.etp_size}; build both from the same flags")
         settings = resolve_settings(cfg, ps.world_size)
         balanced = resolve_stage_split(cfg, ps, settings)
         if balanced is not cfg:
@@ -157,6 +161,8 @@ class Trainer:
         updated, grad_norm = self.optimizer.step()
         if updated:
             self.scheduler.step()
+            if self.cfg.model.moe_router_enable_expert_bias:
+                update_expert_bias(self.chunks, self.ps)  # DeepSeek-V3 balancing: after the weights move
         else:
             self.state.skipped_iters += 1
         t2 = time.perf_counter()

@@ -136,7 +136,7 @@ def test_query_groups_need_the_gqa_flag():
     (["--skip-train"], 1, r"--skip-train evaluates a trained model: give its checkpoint with --load DIR"),
     (["--train-iter", "5"], 1, r"unrecognized argument --train-iter; did you mean --train-iters\?"),
     (["--tensor-parallel-size", "2"], 1, r"did you mean --tensor-model-parallel-size\?"),
-    (["--num-experts", "4"], 1, r"--num-experts is not implemented yet"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, r"--num-experts 6 is not divisible"),
     (["--save-interval", "10"], 1, r"--save-interval needs --save DIR"),
     (["--save", "/tmp/x", "--save-interval", "0"], 1, r"--save-interval must be > 0"),
     (["--ckpt-format", "torch_dist"], 1, r"invalid choice: 'torch_dist'"),

@@ -1,0 +1,65 @@
+"""Up-front checks of the mixture-of-experts flags (validate.py calls them): one ConfigError line each."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from megalite.config import Config, ConfigError
+from megalite.config_moe import ExpertParallelFields, MoEModelFields
+
+
+def _flag(cls, name: str) -> str:
+    return next(f.metadata["cli"].own.name for f in fields(cls) if f.name == name)
+
+
+def validate_moe(cfg: Config, world_size: int) -> None:
+    """Experts against the rank grid and the model; MoE flags without --num-experts are refused."""
+    m, par = cfg.model, cfg.parallel
+    if not m.is_moe:
+        defaults = MoEModelFields()
+        given = [_flag(MoEModelFields, f.name) for f in fields(MoEModelFields)
+                 if f.name != "num_experts" and getattr(m, f.name) != getattr(defaults, f.name)]
+        given += [_flag(ExpertParallelFields, f) for f in ("ep", "etp") if getattr(par, f) not in (1, None)]
+        if given:
+            raise ConfigError(f"{given[0]} is a mixture-of-experts flag but --num-experts is not set; add "
+                              f"--num-experts N or drop {given[0]}")
+        return
+    n, ep, etp, k = m.num_experts, par.ep, par.expert_tp, m.moe_router_topk
+    if n % ep:
+        raise ConfigError(f"--num-experts {n} is not divisible by --expert-model-parallel-size {ep}; each "
+                          f"expert-parallel rank holds num_experts / ep experts")
+    per_stage = par.tp * par.cp * (world_size // (par.tp * par.pp * par.cp) if world_size % (par.tp * par.pp * par.cp)
+                                   == 0 else 1)
+    if per_stage % (ep * etp):
+        raise ConfigError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} "
+                          f"does not divide the {per_stage} ranks of a pipeline stage (tp x cp x dp); change ep "
+                          f"or etp")
+    if k > n:
+        raise ConfigError(f"--moe-router-topk {k} is more than --num-experts {n}; lower the top-k")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"--moe-expert-capacity-factor must be > 0, got {m.moe_expert_capacity_factor:g}; "
+                          f"leave it unset for dropless routing")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if isinstance(m.moe_layer_freq, tuple) and len(m.moe_layer_freq) != m.num_layers:
+        raise ConfigError(f"--moe-layer-freq lists {len(m.moe_layer_freq)} layers but --num-layers is "
+                          f"{m.num_layers}; give one 0/1 per layer")
+    if m.num_moe_layers == 0:
+        raise ConfigError("--moe-layer-freq makes no layer an MoE layer; mark at least one layer 1")
+    if par.tp > 1 and not par.sequence_parallel:
+        raise ConfigError("mixture of experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                          "(each rank routes its own sequence shard)")
+    if m.moe_ffn_size % etp:
+        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by "
+                          f"--expert-tensor-parallel-size {etp}")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None and shared % par.tp:
+        raise ConfigError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
+                          f"--tensor-model-parallel-size {par.tp}")
+    if m.moe_shared_expert_gate and shared is None:
+        raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias (auxiliary-loss-free balancing) needs "
+                          "--moe-router-score-function sigmoid")
+    if m.add_bias_linear and etp > 1:
+        raise ConfigError(f"expert biases are not supported with --expert-tensor-parallel-size {etp}; add "
+                          f"--disable-bias-linear or use --expert-tensor-parallel-size 1")
