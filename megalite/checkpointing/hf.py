@@ -1,4 +1,5 @@
-"""Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` folders as a conversion source and target.
+"""Hugging Face ``GPT2LMHeadModel``, ``LlamaForCausalLM`` (and, through hf_moe.py, ``MixtralForCausalLM`` and
+``Qwen2MoeForCausalLM``) folders as a conversion source and target.
 
 A folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). The tensor names and layouts that differ::
@@ -26,6 +27,8 @@ import torch
 
 from megalite.checkpointing.interchange import (OUTPUT, POSITIONS, WORD, ModelSource, SourceInfo, check_tensors,
                                                 full_shape, layer_names, post_names, pre_names)
+from megalite.checkpointing.hf_moe import (MODEL_TYPES, MOE_ARCHS, QWEN2_MOE, check_zero_qkv_bias, from_hf_moe,
+                                           moe_architecture, moe_config, moe_fields, to_hf_moe)
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.config import ModelConfig
 
@@ -45,7 +48,9 @@ _GELU_TANH = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python_tanh", 
 
 
 def architecture_for(cfg: ModelConfig) -> str:
-    """Which HF class can hold this model exactly; one line saying why neither can."""
+    """Which HF class can hold this model exactly; one line saying why none can."""
+    if cfg.is_moe:
+        return moe_architecture(cfg)
     gpt2 = (cfg.normalization == "LayerNorm" and not cfg.swiglu and cfg.position_embedding_type == "learned_absolute"
             and cfg.add_bias_linear and cfg.query_groups == cfg.num_attention_heads)
     if gpt2:
@@ -71,7 +76,7 @@ def _layer_map(cfg: ModelConfig, arch: str, i: int) -> Dict[str, str]:
         pairs = {"input_layernorm": "input_layernorm", "self_attention.linear_proj": "self_attn.o_proj",
                  "pre_mlp_layernorm": "post_attention_layernorm", "mlp.linear_fc2": "mlp.down_proj"}
     out = {}
-    for n in layer_names(cfg):
+    for n in layer_names(cfg, i):
         module, _, param = n.rpartition(".")
         if module in pairs:
             out[n] = p + pairs[module] + "." + param
@@ -94,30 +99,36 @@ def to_hf_layer(cfg: ModelConfig, arch: str, i: int, t: Dict[str, torch.Tensor])
     out = {}
     for ours, theirs in _layer_map(cfg, arch, i).items():
         out[theirs] = t[ours].t().contiguous() if theirs.endswith(_CONV1D) else t[ours]
-    if arch == LLAMA:
+    if arch != GPT2:
         p, d = f"model.layers.{i}.", cfg.head_dim
         qkv = [cfg.num_attention_heads * d, cfg.query_groups * d, cfg.query_groups * d]
         for param in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
             for name, part in zip(("q_proj", "k_proj", "v_proj"),
                                   t[f"self_attention.linear_qkv.{param}"].split(qkv, dim=0)):
                 out[f"{p}self_attn.{name}.{param}"] = part
-            gate, up = t[f"mlp.linear_fc1.{param}"].chunk(2, dim=0)
-            out[f"{p}mlp.gate_proj.{param}"], out[f"{p}mlp.up_proj.{param}"] = gate, up
+            if not cfg.is_moe_layer(i):
+                gate, up = t[f"mlp.linear_fc1.{param}"].chunk(2, dim=0)
+                out[f"{p}mlp.gate_proj.{param}"], out[f"{p}mlp.up_proj.{param}"] = gate, up
+        if cfg.is_moe_layer(i):
+            out.update(to_hf_moe(cfg, arch, i, t))
     return out
 
 
-def from_hf_layer(cfg: ModelConfig, arch: str, i: int, get) -> Dict[str, torch.Tensor]:
-    """One layer in megalite's names from ``get(hf name)``."""
+def from_hf_layer(cfg: ModelConfig, arch: str, i: int, get, has=lambda name: False) -> Dict[str, torch.Tensor]:
+    """One layer in megalite's names from ``get(hf name)`` (``has(hf name)``: whether the files hold it)."""
     out = {}
     for ours, theirs in _layer_map(cfg, arch, i).items():
         out[ours] = get(theirs).t().contiguous() if theirs.endswith(_CONV1D) else get(theirs)
-    if arch == LLAMA:
+    if arch != GPT2:
         p = f"model.layers.{i}."
         for param in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
             out[f"self_attention.linear_qkv.{param}"] = torch.cat(
                 [get(f"{p}self_attn.{n}.{param}") for n in ("q_proj", "k_proj", "v_proj")], dim=0)
-            out[f"mlp.linear_fc1.{param}"] = torch.cat(
-                [get(f"{p}mlp.gate_proj.{param}"), get(f"{p}mlp.up_proj.{param}")], dim=0)
+            if not cfg.is_moe_layer(i):
+                out[f"mlp.linear_fc1.{param}"] = torch.cat(
+                    [get(f"{p}mlp.gate_proj.{param}"), get(f"{p}mlp.up_proj.{param}")], dim=0)
+        if cfg.is_moe_layer(i):
+            out.update(from_hf_moe(cfg, arch, i, get, has))
     return out
 
 
@@ -135,14 +146,18 @@ def hf_config(cfg: ModelConfig, arch: str) -> dict:
                 "n_ctx": cfg.max_positions, "layer_norm_epsilon": cfg.layernorm_epsilon,
                 "activation_function": "gelu_new" if cfg.openai_gelu else "gelu", "resid_pdrop": cfg.hidden_dropout,
                 "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True}
-    return {**common, "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.layernorm_epsilon,
-            "rope_theta": float(cfg.rotary_base),
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-            "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
-            "attention_dropout": cfg.attention_dropout}
+    out = {**common, "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
+           "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.layernorm_epsilon,
+           "rope_theta": float(cfg.rotary_base),
+           "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+           "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
+           "attention_dropout": cfg.attention_dropout}
+    if arch in MOE_ARCHS:
+        del out["attention_bias"], out["mlp_bias"]
+        out.update(moe_config(cfg, arch))
+    return out
 
 
 def _require(ok: bool, where: str, what: str) -> None:
@@ -170,19 +185,21 @@ def config_from_hf(c: dict, where: str, divisible_by: int) -> Tuple[ModelConfig,
                           untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
                           openai_gelu=act in _GELU_TANH, params_dtype=dtype)
         return cfg, GPT2
-    if arch == LLAMA or (not arch and c.get("model_type") == "llama"):
+    arch = arch or {"llama": LLAMA, **MODEL_TYPES}.get(c.get("model_type"), "")
+    if arch in (LLAMA,) + MOE_ARCHS:
         h, heads = c["hidden_size"], c["num_attention_heads"]
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
         _require(rope.get("rope_type", rope.get("type", "default")) == "default", where,
                  f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is used")
-        _require(c.get("head_dim", h // heads) == h // heads, where, "head_dim differs from hidden_size/heads")
+        _require((c.get("head_dim") or h // heads) == h // heads, where, "head_dim differs from hidden_size/heads")
         _require(c.get("hidden_act", "silu") == "silu", where, f"activation {c.get('hidden_act')!r} is used")
         _require(float(theta).is_integer(), where, f"rope_theta {theta} is not an integer")
         bias = bool(c.get("attention_bias", False))
         _require(bool(c.get("mlp_bias", False)) == bias, where, "attention and MLP biases differ")
         kv = c.get("num_key_value_heads") or heads
-        cfg = ModelConfig(num_layers=c["num_hidden_layers"], hidden_size=h, ffn_hidden_size=c["intermediate_size"],
+        moe = moe_fields(c, arch, where) if arch in MOE_ARCHS else {"ffn_hidden_size": c["intermediate_size"]}
+        cfg = ModelConfig(num_layers=c["num_hidden_layers"], hidden_size=h, **moe,
                           num_attention_heads=heads, num_query_groups=kv if kv != heads else None,
                           seq_length=c["max_position_embeddings"], max_position_embeddings=c["max_position_embeddings"],
                           vocab_size=c["vocab_size"], make_vocab_size_divisible_by=divisible_by,
@@ -192,9 +209,9 @@ def config_from_hf(c: dict, where: str, divisible_by: int) -> Tuple[ModelConfig,
                           rotary_base=int(theta), add_bias_linear=bias,
                           untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
                           params_dtype=dtype)
-        return cfg, LLAMA
+        return cfg, arch
     raise CheckpointError(f"{where} describes {arch or c.get('model_type') or 'an unknown model'}; the hf loader "
-                          f"reads {GPT2} and {LLAMA}")
+                          f"reads {GPT2}, {LLAMA} and {', '.join(MOE_ARCHS)}")
 
 
 # -- tokenizer files ------------------------------------------------------------------------------
@@ -273,6 +290,9 @@ class HFSource(ModelSource):
         self._files = {("transformer." + n if self.arch == GPT2 and not n.startswith(("transformer.", "lm_head"))
                         else n): (fn, n) for n, fn in files.items()}
         self.info = SourceInfo(kind="hf", tokenizer_files=find_tokenizer(root))
+        if self.arch == QWEN2_MOE and raw.get("qkv_bias", True):  # must be zero (hf_moe.py): checked up front
+            for i in range(self.cfg.num_layers):
+                check_zero_qkv_bias(self._get, i, "the HF weights")
 
     def _get(self, name: str) -> torch.Tensor:
         if name not in self._files:
@@ -290,8 +310,8 @@ class HFSource(ModelSource):
         return self._top(pre_names(self.cfg))
 
     def layer(self, i: int) -> Dict[str, torch.Tensor]:
-        out = from_hf_layer(self.cfg, self.arch, i, self._get)
-        check_tensors(self.cfg, out, layer_names(self.cfg), f"the HF weights (layer {i})")
+        out = from_hf_layer(self.cfg, self.arch, i, self._get, lambda n: n in self._files)
+        check_tensors(self.cfg, out, layer_names(self.cfg, i), f"the HF weights (layer {i})")
         return out
 
     def post(self) -> Dict[str, torch.Tensor]:
@@ -336,7 +356,7 @@ def _hf_order(cfg: ModelConfig, arch: str) -> List[Tuple[str, Tuple[int, ...]]]:
     top = _top_map(cfg, arch)
     out = [(top[n], full_shape(cfg, n)) for n in pre_names(cfg)]
     for i in range(cfg.num_layers):
-        shaped = to_hf_layer(cfg, arch, i, {n: zero(n) for n in layer_names(cfg)})
+        shaped = to_hf_layer(cfg, arch, i, {n: zero(n) for n in layer_names(cfg, i)})
         out += [(n, tuple(t.shape)) for n, t in shaped.items()]
     return out + [(top[n], full_shape(cfg, n)) for n in post_names(cfg)]
 

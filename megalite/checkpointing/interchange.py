@@ -8,6 +8,9 @@ same stream, and every saver shards that stream into its own files::
     source.layer(i)   input_layernorm.*, self_attention.linear_qkv.* [(nq + 2 nkv) d, h] as [Q; K; V],
                       self_attention.linear_proj.*, pre_mlp_layernorm.*,
                       mlp.linear_fc1.* ([gate; up] for SwiGLU), mlp.linear_fc2.*
+                      an MoE layer instead: mlp.router.weight [E, h] (+ router.expert_bias [E], fp32),
+                      mlp.experts.local_experts.<e>.linear_fc{1,2}.* (e global; expert ffn),
+                      mlp.shared_experts.linear_fc{1,2}.* (+ shared_experts.gate_weight [1, h])
     source.post()     decoder.final_layernorm.*, output_layer.weight [vocab, h] (untied only)
 
 Names and layouts are megalite's full (tp = 1) ones, so a megalite -> megalite
@@ -36,14 +39,43 @@ def layer_prefix(i: int) -> str:
     return f"decoder.layers.{i}."
 
 
-def layer_names(cfg: ModelConfig) -> List[str]:
-    """Names (relative to ``decoder.layers.N.``) of one layer's tensors."""
+def layer_names(cfg: ModelConfig, i: Optional[int] = None) -> List[str]:
+    """Names (relative to ``decoder.layers.N.``) of layer ``i``'s tensors (``i`` None: a dense layer's)."""
     norms = ["weight", "bias"] if cfg.normalization == "LayerNorm" else ["weight"]
     linear = ["weight", "bias"] if cfg.add_bias_linear else ["weight"]
     out = [f"input_layernorm.{p}" for p in norms]
     out += [f"self_attention.linear_qkv.{p}" for p in linear] + [f"self_attention.linear_proj.{p}" for p in linear]
     out += [f"pre_mlp_layernorm.{p}" for p in norms]
-    return out + [f"mlp.linear_fc1.{p}" for p in linear] + [f"mlp.linear_fc2.{p}" for p in linear]
+    if i is None or not cfg.is_moe_layer(i):
+        return out + [f"mlp.linear_fc1.{p}" for p in linear] + [f"mlp.linear_fc2.{p}" for p in linear]
+    out += ["mlp.router.weight"] + (["mlp.router.expert_bias"] if cfg.moe_router_enable_expert_bias else [])
+    for e in range(cfg.num_experts):
+        out += [f"mlp.experts.local_experts.{e}.linear_fc{k}.{p}" for k in (1, 2) for p in linear]
+    if cfg.moe_shared_expert_intermediate_size:
+        out += [f"mlp.shared_experts.linear_fc{k}.{p}" for k in (1, 2) for p in linear]
+        out += ["mlp.shared_experts.gate_weight"] if cfg.moe_shared_expert_gate else []
+    return out
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (sharded over expert TP and EP, not TP)."""
+    return ".experts.local_experts." in "." + name
+
+
+def expert_of(name: str) -> Optional[int]:
+    """The global expert index of a routed expert's tensor, else None."""
+    if not is_expert(name):
+        return None
+    return int(("." + name).split(".experts.local_experts.", 1)[1].split(".", 1)[0])
+
+
+def _ffn_of(cfg: ModelConfig, name: str) -> int:
+    """The hidden size of the MLP ``name`` belongs to: dense, a routed expert's or the shared expert's."""
+    if is_expert(name):
+        return cfg.moe_ffn_size
+    if ".shared_experts." in "." + name:
+        return cfg.moe_shared_expert_intermediate_size
+    return cfg.ffn_size
 
 
 def pre_names(cfg: ModelConfig) -> List[str]:
@@ -57,7 +89,7 @@ def post_names(cfg: ModelConfig) -> List[str]:
 
 def full_shape(cfg: ModelConfig, name: str) -> Tuple[int, ...]:
     """The full (unsharded, unpadded) shape of tensor ``name`` (global or layer-relative)."""
-    h, d, ffn = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
+    h, d, ffn = cfg.hidden_size, cfg.head_dim, _ffn_of(cfg, name)
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
     fc1 = 2 * ffn if cfg.swiglu else ffn
     rows = {"linear_qkv": (qkv, h), "linear_proj": (h, cfg.num_attention_heads * d), "linear_fc1": (fc1, h),
@@ -66,6 +98,10 @@ def full_shape(cfg: ModelConfig, name: str) -> Tuple[int, ...]:
         return (cfg.vocab_size, h)
     if name == POSITIONS:
         return (cfg.max_positions, h)
+    if name.endswith(("router.weight", "router.expert_bias")):
+        return (cfg.num_experts, h) if name.endswith("weight") else (cfg.num_experts,)
+    if name.endswith("shared_experts.gate_weight"):
+        return (1, h)
     module, _, param = name.rpartition(".")
     kind = module.rpartition(".")[2]
     if kind in rows:
@@ -79,7 +115,8 @@ def column_pieces(cfg: ModelConfig, name: str) -> Optional[List[int]]:
         d = cfg.head_dim
         return [cfg.num_attention_heads * d, cfg.query_groups * d, cfg.query_groups * d]
     if ".linear_fc1." in "." + name:
-        return [cfg.ffn_size, cfg.ffn_size] if cfg.swiglu else [cfg.ffn_size]
+        ffn = _ffn_of(cfg, name)
+        return [ffn, ffn] if cfg.swiglu else [ffn]
     return None
 
 
@@ -131,6 +168,17 @@ class Layout:
     first: Optional[int] = None
     last: Optional[int] = None
     stage_layers: Optional[Tuple[int, ...]] = None  # a general split (--pipeline-stage-layers)
+    ep: int = 1  # expert parallel: the torch formats write one file per (tp, pp, ep) rank
+    etp: Optional[int] = None  # expert tensor parallel (None: tp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def files(self) -> int:
+        """Files per pipeline rank in the per-rank formats: tp x ep, indexed tp rank + tp x ep rank."""
+        return self.tp * self.ep
 
     def stages(self, num_layers: int) -> List[Tuple[int, int, range]]:
         """(pp_rank, chunk, global layers) of every chunk, in the order the layers run."""
@@ -146,17 +194,26 @@ class Layout:
 
 def check_fits(cfg: ModelConfig, layout: Layout) -> None:
     """One line when the model cannot be split as ``layout`` asks (nothing written yet)."""
-    tp = layout.tp
+    tp, etp = layout.tp, layout.expert_tp
     problems = []
     if cfg.num_attention_heads % tp:
         problems.append(f"{cfg.num_attention_heads} attention heads")
     if cfg.query_groups % tp:
         problems.append(f"{cfg.query_groups} query groups")
-    if cfg.ffn_size % tp:
+    if cfg.ffn_size % tp and not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
         problems.append(f"ffn hidden size {cfg.ffn_size}")
+    if cfg.is_moe and (cfg.moe_shared_expert_intermediate_size or 0) % tp:
+        problems.append(f"shared expert size {cfg.moe_shared_expert_intermediate_size}")
     if problems:
         raise CheckpointError(f"target tensor-parallel size {tp} does not divide the model's "
                               f"{' and '.join(problems)}; choose a tp that divides them")
+    if (layout.ep > 1 or layout.etp is not None) and not cfg.is_moe:
+        raise CheckpointError("--target-expert-parallel-size / --target-expert-tensor-parallel-size need a "
+                              "mixture-of-experts model; this one is dense")
+    if cfg.is_moe and (cfg.num_experts % layout.ep or cfg.moe_ffn_size % etp):
+        raise CheckpointError(f"target expert-parallel size {layout.ep} x expert tensor-parallel size {etp} does "
+                              f"not fit the model's {cfg.num_experts} experts of ffn {cfg.moe_ffn_size} (ep must "
+                              f"divide the experts, etp the expert ffn)")
     try:
         validate_partition(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last, layout.stage_layers)
     except ValueError as e:
@@ -166,7 +223,8 @@ def check_fits(cfg: ModelConfig, layout: Layout) -> None:
 def model_config_from_dict(d: dict) -> ModelConfig:
     """A ModelConfig from a saved dict, ignoring fields this version does not know."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in d.items() if k in known})
+    # JSON holds tuples (moe_layer_freq's pattern, ...) as lists
+    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known})
 
 
 @dataclass
@@ -216,8 +274,9 @@ def stream_to_ranks(source: ModelSource, layout: Layout, sharder: Sharder,
                     progress: Callable[[str], None]) -> None:
     """Read ``source`` in layer order and hand each pipeline rank's shards to ``write`` once complete.
 
-    ``sharder(full tensors, index of the layer inside its chunk or None)`` returns every tp
-    rank's entries; ``write(pp_rank, [per tp rank: {chunk: {name: tensor}}])`` is called
+    ``sharder(full tensors, index of the layer inside its chunk or None)`` returns every file's
+    entries (``layout.files``: tp rank + tp x ep rank); ``write(pp_rank, [per file: {chunk: {name:
+    tensor}}])`` is called
     when the rank's last chunk is filled, so only unfinished ranks are held in memory.
     A tied embedding is handed to the last stage again as ``TIED_COPY`` when it is not the first.
     """
@@ -226,7 +285,7 @@ def stream_to_ranks(source: ModelSource, layout: Layout, sharder: Sharder,
     pending: Dict[int, List[Dict[int, Dict[str, torch.Tensor]]]] = {}
     word: Optional[torch.Tensor] = None
     for s, (r, c, layers) in enumerate(stages):
-        chunk = [f.setdefault(c, {}) for f in pending.setdefault(r, [{} for _ in range(layout.tp)])]
+        chunk = [f.setdefault(c, {}) for f in pending.setdefault(r, [{} for _ in range(layout.files)])]
 
         def add(parts: List[Dict[str, torch.Tensor]]) -> None:
             for rank, part in enumerate(parts):

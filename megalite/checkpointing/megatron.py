@@ -13,6 +13,13 @@ Megatron-Core's tensors differ from megalite's full ones in two places::
                       transformer_engine spec: linear_qkv.layer_norm_* / linear_fc1.layer_norm_*
 
 SwiGLU's ``linear_fc1`` is [gate_r; up_r] on each tp rank, exactly as megalite.
+
+Mixtures of experts (``--num-experts``, SequentialMLP, expert TP = TP): with ep > 1 the directories
+are ``mp_rank_TT[_PPP]_EEE`` and each holds its EP rank's experts under their *local* index
+(``mlp.experts.local_experts.<e mod E/ep>.*``; TEGroupedMLP's ``mlp.experts.linear_fc1.weight<e>``
+is read too); ``mlp.router.expert_bias`` is a (persistent) buffer; ``router.local_tokens_per_expert``, run state
+that older megatron-core versions saved, is not read. Under the transformer_engine spec an MoE layer keeps its own
+``pre_mlp_layernorm`` (only the dense MLP fuses it into ``linear_fc1``).
 Files are read with ``weights_only`` plus the allow-list of ``safe_load.py``
 (Namespace, signal enums, numpy arrays and dtypes, inert stand-ins for
 Megatron's own enums); nothing in them runs. Optimizer and RNG state are not converted (as Megatron's
@@ -27,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors,
-                                                layer_names, merge_tp, post_names, pre_names, split_tp,
+                                                expert_of, layer_names, merge_tp, post_names, pre_names, split_tp,
                                                 stream_to_ranks)
 from megalite.checkpointing.torch_format import legacy_dir  # Megatron's mp_rank_TT[_PPP] naming, which ours is
 from megalite.checkpointing.safe_load import CheckpointError, MegatronValue, load_megatron_file
@@ -61,11 +68,25 @@ def tanh_gelu(ns: argparse.Namespace) -> bool:
             and not getattr(ns, "swiglu", False))
 
 
-def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: str) -> Tuple[ModelConfig, Layout]:
-    """megalite's ModelConfig and the files' layout from a Megatron run's arguments."""
+def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: str,
+                     moe: bool = False) -> Tuple[ModelConfig, Layout]:
+    """megalite's ModelConfig and the files' layout from a Megatron run's arguments (``moe``: the reader
+    handles mixtures of experts; torch_dist's does not yet, so without it ``num_experts`` is refused)."""
     heads, hidden = ns.num_attention_heads, ns.hidden_size
     unsupported = [f for f, bad in (("qk_layernorm", getattr(ns, "qk_layernorm", False)),
-                                    ("num_experts", getattr(ns, "num_experts", None)),
+                                    ("num_experts (in this format)", getattr(ns, "num_experts", None) and not moe),
+                                    ("moe_grouped_gemm with the legacy GroupedMLP",
+                                     getattr(ns, "moe_use_legacy_grouped_gemm", False)),
+                                    ("moe_router_topk_scaling_factor",
+                                     _arg(ns, "moe_router_topk_scaling_factor", default=1.0) != 1.0),
+                                    ("moe_router_num_groups", _arg(ns, "moe_router_num_groups", default=1) > 1),
+                                    ("expert_tensor_parallel_size != tensor_model_parallel_size",
+                                     _arg(ns, "expert_tensor_parallel_size", default=ns.tensor_model_parallel_size)
+                                     != ns.tensor_model_parallel_size and getattr(ns, "num_experts", None)),
+                                    ("moe_router_load_balancing_type "
+                                     + str(getattr(ns, "moe_router_load_balancing_type", "")),
+                                     _arg(ns, "moe_router_load_balancing_type", default="aux_loss")
+                                     not in ("aux_loss", "seq_aux_loss", "none")),
                                     ("apply_layernorm_1p", getattr(ns, "apply_layernorm_1p", False)),
                                     ("rotary_percent != 1", _arg(ns, "rotary_percent", default=1.0) != 1.0),
                                     ("kv_channels != hidden/heads",
@@ -96,12 +117,47 @@ def config_from_args(ns: argparse.Namespace, true_vocab: Optional[int], where: s
         rotary_base=int(_arg(ns, "rotary_base", default=10000)),
         untie_embeddings_and_output_weights=bool(getattr(ns, "untie_embeddings_and_output_weights", False)),
         add_bias_linear=bool(_arg(ns, "add_bias_linear", default=True)),
-        params_dtype="bfloat16" if bf16 else "float16" if fp16 else "float32")
+        params_dtype="bfloat16" if bf16 else "float16" if fp16 else "float32", **_moe_from_args(ns))
     vp = _arg(ns, "virtual_pipeline_model_parallel_size", default=1)
+    ep = _arg(ns, "expert_model_parallel_size", default=1) if cfg.is_moe else 1
     layout = Layout(tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, vp=vp,
                     first=_arg(ns, "decoder_first_pipeline_num_layers"),
-                    last=_arg(ns, "decoder_last_pipeline_num_layers"))
+                    last=_arg(ns, "decoder_last_pipeline_num_layers"), ep=ep)
     return cfg, layout
+
+
+_MOE_ARGS = ("moe_router_topk", "moe_router_score_function", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+             "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy")
+
+
+def _moe_from_args(ns: argparse.Namespace) -> dict:
+    """ModelConfig's MoE fields from Megatron's args (nothing for a dense run)."""
+    if not getattr(ns, "num_experts", None):
+        return {}
+    freq = _arg(ns, "moe_layer_freq", default=1)
+    out = {k: getattr(ns, k) for k in _MOE_ARGS if getattr(ns, k, None) is not None}
+    return dict(out, num_experts=ns.num_experts, moe_ffn_hidden_size=_arg(ns, "moe_ffn_hidden_size"),
+                moe_layer_freq=tuple(freq) if isinstance(freq, (list, tuple)) else int(freq),
+                moe_router_pre_softmax=bool(getattr(ns, "moe_router_pre_softmax", False)),
+                moe_shared_expert_intermediate_size=_arg(ns, "moe_shared_expert_intermediate_size"),
+                moe_shared_expert_gate=bool(getattr(ns, "moe_shared_expert_gate", False)),
+                moe_router_enable_expert_bias=bool(getattr(ns, "moe_router_enable_expert_bias", False)),
+                moe_grouped_gemm=bool(getattr(ns, "moe_grouped_gemm", False)))
+
+
+def _moe_args(cfg: ModelConfig, layout: Layout) -> dict:
+    """The MoE entries of Megatron's args for ``cfg`` (the dense defaults for a dense model)."""
+    if not cfg.is_moe:
+        return dict(num_experts=None, expert_model_parallel_size=1)
+    freq = cfg.moe_layer_freq
+    return dict({k: getattr(cfg, k) for k in _MOE_ARGS}, num_experts=cfg.num_experts,
+                moe_ffn_hidden_size=cfg.moe_ffn_size, moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
+                moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+                moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=cfg.moe_shared_expert_gate, moe_shared_expert_overlap=False,
+                moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias, moe_grouped_gemm=False,
+                moe_use_legacy_grouped_gemm=False, moe_router_topk_scaling_factor=None,
+                expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp)
 
 
 def args_for(cfg: ModelConfig, layout: Layout, tokenizer: Dict[str, Optional[str]],
@@ -137,7 +193,8 @@ def args_for(cfg: ModelConfig, layout: Layout, tokenizer: Dict[str, Optional[str
                                                if vp and layout.first is None and layout.last is None else None),
         decoder_first_pipeline_num_layers=layout.first, decoder_last_pipeline_num_layers=layout.last,
         transformer_impl=getattr(ns, "transformer_impl", "local"), data_parallel_size=1,
-        world_size=layout.tp * layout.pp, consumed_train_samples=0, consumed_valid_samples=0)
+        world_size=layout.tp * layout.pp, consumed_train_samples=0, consumed_valid_samples=0,
+        **_moe_args(cfg, layout))
     vals.update({k: v for k, v in tokenizer.items() if v is not None})
     for k, v in vals.items():
         setattr(ns, k, v)
@@ -163,13 +220,18 @@ def qkv_from_megatron(cfg: ModelConfig, full: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)], dim=0)
 
 
-def megatron_name(rel: str, te: bool) -> str:
+def megatron_name(rel: str, te: bool, experts_per_rank: int = 0) -> str:
     """Megatron-Core's name of a layer-relative parameter; with ``te`` the norms fused into the next
-    linear layer (Transformer Engine's and torch_dist's names)."""
+    linear layer (Transformer Engine's and torch_dist's names; an MoE layer's pre-MLP norm stays its
+    own). ``experts_per_rank``: a routed expert's index becomes local to its EP rank."""
     if te:
         for local, fused in _TE_NORMS.items():
-            if rel.startswith(local):
+            if rel.startswith(local) and not (experts_per_rank and local == "pre_mlp_layernorm."):
                 return fused + rel[len(local):]
+    g = expert_of(rel)
+    if g is not None:
+        head, tail = rel.split(f".local_experts.{g}.", 1)
+        return f"{head}.local_experts.{g % experts_per_rank}.{tail}"
     return rel
 
 
@@ -223,7 +285,8 @@ class MegatronSource(ModelSource):
                                   f"common.pt (torch_dist format): it is not a Megatron-LM checkpoint (megalite's "
                                   f"checkpoints convert with --loader megalite)")
         single = os.path.join(self.dir, "mp_rank_00", "model_optim_rng.pt")
-        first = single if os.path.exists(single) else os.path.join(self.dir, "mp_rank_00_000", "model_optim_rng.pt")
+        first = next((p for p in (os.path.join(self.dir, d, "model_optim_rng.pt") for d in  # (ep: _EEE last)
+                                  ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000")) if os.path.exists(p)), single)
         state = load_megatron_file(first)
         ns = state.get("args") if isinstance(state, dict) else None
         if not isinstance(ns, argparse.Namespace):
@@ -236,42 +299,55 @@ class MegatronSource(ModelSource):
         vocab, self.vocab_note = megatron_vocab(ns, rows, true_vocab)
         check_vocab_fits(vocab, rows, self.vocab_note, first)
         self.vocab_guessed = not vocab  # nothing says which rows are padding: all are kept
-        self.cfg, self.layout = config_from_args(ns, vocab or rows, first)
+        self.cfg, self.layout = config_from_args(ns, vocab or rows, first, moe=True)
         self.te = any(k.endswith("layer_norm_weight") for k in model)
         self.where = self.layout.stage_of_layer(self.cfg.num_layers)
-        for t in range(self.layout.tp):  # every file present before anything is converted
-            for r in range(self.layout.pp):
-                path = os.path.join(self.dir, legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
+        for r in range(self.layout.pp):  # every file present before anything is converted
+            for t, e in self._ranks():
+                path = self._path(t, r, e)
                 if not os.path.exists(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete (its args say "
-                                          f"tp={self.layout.tp} pp={self.layout.pp})")
+                                          f"tp={self.layout.tp} pp={self.layout.pp} ep={self.layout.ep})")
         self.info = SourceInfo(iteration=it, kind="megatron",
                                tokenizer={k: getattr(ns, k, None) for k in TOKENIZER_FIELDS})
         self._open_rank: Optional[int] = None
-        self._files: List[dict] = []
+        self._files: Dict[Tuple[int, int], dict] = {}
 
-    def _chunk(self, pp_rank: int, chunk: int) -> List[dict]:
+    def _ranks(self) -> List[Tuple[int, int]]:
+        return [(t, e) for e in range(self.layout.ep) for t in range(self.layout.tp)]
+
+    def _path(self, t: int, pp_rank: int, e: int) -> str:
+        lay = self.layout
+        return os.path.join(self.dir, legacy_dir(t, pp_rank, lay.pp, e, lay.ep), "model_optim_rng.pt")
+
+    def _chunk(self, pp_rank: int, chunk: int) -> Dict[Tuple[int, int], dict]:
         if self._open_rank != pp_rank:
-            self._files = []  # release the previous rank's maps first
-            for t in range(self.layout.tp):
-                self._files.append(load_megatron_file(
-                    os.path.join(self.dir, legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")))
+            self._files = {}  # release the previous rank's maps first
+            for t, e in self._ranks():
+                self._files[(t, e)] = load_megatron_file(self._path(t, pp_rank, e))
             self._open_rank = pp_rank
         key = "model" if self.layout.vp == 1 else f"model{chunk}"
-        if key not in self._files[0]:
+        if key not in self._files[(0, 0)]:
             raise CheckpointError(f"{self.dir}: pipeline rank {pp_rank}'s files have no {key!r}; their args say "
                                   f"vp={self.layout.vp}")
-        return [f[key] for f in self._files]
+        return {te: f[key] for te, f in self._files.items()}
 
     def _read(self, pp_rank: int, chunk: int, names: Dict[str, str]) -> Dict[str, torch.Tensor]:
         """megalite name -> full tensor, for {megalite name: Megatron name in that chunk}."""
-        shards = self._chunk(pp_rank, chunk)
+        files, tp = self._chunk(pp_rank, chunk), self.layout.tp
         out = {}
         for ours, theirs in names.items():
+            g = expert_of(ours)  # an expert's shards are in its EP rank's files (expert TP = TP)
+            e = 0 if g is None else g // (self.cfg.num_experts // self.layout.ep)
+            shards = [files[(t, e)] for t in range(tp)]
+            if theirs not in shards[0] and g is not None:  # TEGroupedMLP: mlp.experts.linear_fc1.weight<local e>
+                head, tail = theirs.split(".local_experts.", 1)
+                local, rest = tail.split(".", 1)
+                theirs = f"{head}.{rest}{local}"
             if theirs not in shards[0]:
                 raise CheckpointError(f"{self.dir}: pipeline rank {pp_rank} chunk {chunk} has no tensor {theirs!r}; "
                                       f"the files do not match their stored args")
-            out[ours] = _merge(self.cfg, theirs, [s[theirs] for s in shards])
+            out[ours] = _merge(self.cfg, ours if g is not None else theirs, [s[theirs] for s in shards])
         return out
 
     def pre(self) -> Dict[str, torch.Tensor]:
@@ -281,8 +357,9 @@ class MegatronSource(ModelSource):
 
     def layer(self, i: int) -> Dict[str, torch.Tensor]:
         r, c, j = self.where[i]
-        rel = layer_names(self.cfg)
-        out = self._read(r, c, {n: f"decoder.layers.{j}." + megatron_name(n, self.te) for n in rel})
+        rel = layer_names(self.cfg, i)
+        per = self.cfg.num_experts // self.layout.ep if self.cfg.is_moe_layer(i) else 0
+        out = self._read(r, c, {n: f"decoder.layers.{j}." + megatron_name(n, self.te, per) for n in rel})
         check_tensors(self.cfg, out, rel, f"{self.dir} layer {i}")
         return out
 
@@ -292,7 +369,7 @@ class MegatronSource(ModelSource):
         return out
 
     def close(self) -> None:
-        self._files, self._open_rank = [], None
+        self._files, self._open_rank = {}, None
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -306,26 +383,39 @@ def save_megatron(source: ModelSource, out: str, layout: Layout, tokenizer: Dict
     ns = args_for(cfg, layout, tokenizer, base_args)
     d = os.path.join(out, f"iter_{it:07d}")
 
+    per = cfg.num_experts // layout.ep if cfg.is_moe else 0
+
     def shard(tensors: Dict[str, torch.Tensor], j: Optional[int]) -> List[Dict[str, torch.Tensor]]:
-        parts: List[Dict[str, object]] = [{} for _ in range(tp)]
+        parts: List[Dict[str, object]] = [{} for _ in range(layout.files)]  # file t + tp x ep rank
+        moe = j is not None and any(".mlp.router." in n for n in tensors)
         for name, t in tensors.items():
-            if j is not None:  # a layer: Megatron numbers layers from 0 inside each chunk
-                name = f"decoder.layers.{j}." + name.split(".", 3)[3]
             ours = WORD if name == TIED_COPY else name
+            g = expert_of(name)
+            if j is not None:  # a layer: Megatron numbers layers from 0 inside each chunk (experts per EP rank)
+                name = f"decoder.layers.{j}." + megatron_name(name.split(".", 3)[3], False, per if moe else 0)
             name = "output_layer.weight" if name == TIED_COPY else name
-            for r, s in enumerate(_split(cfg, ours, t, tp)):
-                parts[r][name] = s
-        extra = [f"decoder.layers.{j}.{m}._extra_state" for m in LINEARS] if j is not None else []
+            files = range(layout.files) if g is None else range(g // per * tp, g // per * tp + tp)
+            for f, s in zip(files, _split(cfg, ours, t, tp) * layout.ep):
+                parts[f][name] = s
+        extra = []
+        if j is not None:
+            linears = [m for m in LINEARS if not (moe and m.startswith("mlp."))]
+            if moe and cfg.moe_shared_expert_intermediate_size:
+                linears += [f"mlp.shared_experts.linear_fc{k}" for k in (1, 2)]
+            extra = [f"decoder.layers.{j}.{m}._extra_state" for m in linears]
         if any(n.startswith("decoder.final_layernorm") for n in tensors):  # the last stage, tied or not
             extra.append("output_layer._extra_state")
-        for p in parts:
+        for f, p in enumerate(parts):
             p.update({e: None for e in extra})  # what Megatron-Core's linear layers put in their state dicts
+            if moe:
+                p.update({f"decoder.layers.{j}.mlp.experts.local_experts.{e}.linear_fc{k}._extra_state": None
+                          for e in range(per) for k in (1, 2)})
         return parts
 
     def write(pp_rank: int, files: List[Dict[int, Dict[str, torch.Tensor]]]) -> None:
-        for t, chunks in enumerate(files):
+        for f, chunks in enumerate(files):
             models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in sorted(chunks.items())}
-            path = os.path.join(d, legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
+            path = os.path.join(d, legacy_dir(f % tp, pp_rank, layout.pp, f // tp, layout.ep), "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"args": ns, "checkpoint_version": 3.0, "iteration": it, **models,
                         "num_floating_point_operations_so_far": 0}, path)

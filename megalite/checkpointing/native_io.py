@@ -17,16 +17,17 @@ import os
 import pickle
 import shutil
 from dataclasses import asdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors, layer_names,
-                                                layer_prefix, merge_tp, model_config_from_dict, post_names,
-                                                pre_names, split_tp, stream_to_ranks)
+from megalite.checkpointing.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors,
+                                                expert_of, layer_names, layer_prefix, merge_tp,
+                                                model_config_from_dict, post_names, pre_names, split_tp,
+                                                stream_to_ranks)
 from megalite.checkpointing.protocol import iteration_dir, read_json, read_latest
-from megalite.checkpointing.run_state import FORMAT_VERSION, SHAPE_FIELDS
+from megalite.checkpointing.run_state import FORMAT_VERSION, MOE_SHAPE_FIELDS, SHAPE_FIELDS
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
 from megalite.checkpointing.sharded import quiet_single_process, read_index
 from megalite.checkpointing.sharded_read import read_whole
@@ -75,7 +76,8 @@ class MegaliteSource(ModelSource):
             self.format = self.meta.get("format", "sharded")
             lay = self.meta["layout"]  # the layout it was trained in: the converter's default target
             self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None,
-                                 lay.get("last") or None, tuple(lay.get("stage_layers") or ()) or None)
+                                 lay.get("last") or None, tuple(lay.get("stage_layers") or ()) or None,
+                                 int(lay.get("ep", 1)), lay.get("etp"))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{meta_path} is damaged ({type(e).__name__}: {e}); restore it from the run "
                                   f"that saved the checkpoint") from None
@@ -84,13 +86,13 @@ class MegaliteSource(ModelSource):
             self.index = read_index(self.dir)
         else:
             self.where = self.layout.stage_of_layer(self.cfg.num_layers)
-            for t in range(self.layout.tp):  # every file present before anything is converted
-                for r in range(self.layout.pp):
-                    path = os.path.join(self.dir, legacy_dir(t, r, self.layout.pp), "model_optim_rng.pt")
-                    if not os.path.exists(path):
-                        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+            self._need = self._needed()
+            for r in range(self.layout.pp):  # every file needed present before anything is converted
+                for t, e in set(self._need.values()):
+                    if not os.path.exists(self._path(t, r, e)):
+                        raise CheckpointError(f"{self._path(t, r, e)} is missing: the checkpoint is incomplete")
             self._open_rank: Optional[int] = None
-            self._files: List[dict] = []
+            self._files: Dict[Tuple[int, int], dict] = {}
 
     # -- sharded: blocks through torch.distributed.checkpoint --------------------------------------
     def _read_sharded(self, names: List[str]) -> Dict[str, torch.Tensor]:
@@ -98,25 +100,49 @@ class MegaliteSource(ModelSource):
         return read_whole(self.dir, self.index, names)
 
     # -- torch: one pipeline rank's files, mapped ------------------------------------------------
-    def _chunk(self, pp_rank: int, chunk: int) -> List[dict]:
+    def _path(self, t: int, pp_rank: int, e: int = 0) -> str:
+        lay = self.layout
+        return os.path.join(self.dir, legacy_dir(t, pp_rank, lay.pp, e, lay.ep), "model_optim_rng.pt")
+
+    def _needed(self) -> Dict[tuple, Tuple[int, int]]:
+        """Which file (tp rank, ep rank) each part comes from: ("dense", t) for tp rank t's dense shards, and
+        ("expert", e, k) for ep rank e's experts at expert-TP shard k (file tp rank t holds shard t mod etp).
+        A run writes file (t, e) only where one of its ranks has both: the first present one is taken."""
+        lay, pp0 = self.layout, 0
+        first = lambda options: next((o for o in options if os.path.exists(self._path(o[0], pp0, o[1]))),  # noqa
+                                     options[0])
+        need: Dict[tuple, Tuple[int, int]] = {("dense", t): first([(t, e) for e in range(lay.ep)])
+                                              for t in range(lay.tp)}
+        for e in range(lay.ep) if self.cfg.is_moe else ():
+            for k in range(lay.expert_tp):
+                need[("expert", e, k)] = first([(t, e) for t in range(k, lay.tp, lay.expert_tp)] or [(k, e)])
+        return need
+
+    def _chunk(self, pp_rank: int, chunk: int) -> Dict[tuple, dict]:
         if self._open_rank != pp_rank:
-            self._files = []  # release the previous rank's maps before opening the next
-            for t in range(self.layout.tp):
-                path = os.path.join(self.dir, legacy_dir(t, pp_rank, self.layout.pp), "model_optim_rng.pt")
+            self._files = {}  # release the previous rank's maps before opening the next
+            for t, e in set(self._need.values()):
+                path = self._path(t, pp_rank, e)
                 if not os.path.exists(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-                self._files.append(safe_torch_load(path, mmap=True))
+                self._files[(t, e)] = safe_torch_load(path, mmap=True)
             self._open_rank = pp_rank
         key = "model" if self.layout.vp == 1 else f"model{chunk}"
-        return [f[key] for f in self._files]
+        return {role: self._files[te][key] for role, te in self._need.items()}
 
     def _read_torch(self, pp_rank: int, chunk: int, names: List[str]) -> Dict[str, torch.Tensor]:
-        shards = self._chunk(pp_rank, chunk)
+        files, lay = self._chunk(pp_rank, chunk), self.layout
         out = {}
         for n in names:
-            if n not in shards[0]:
+            g = expert_of(n)
+            if g is None:
+                shards = [files[("dense", t)].get(n) for t in range(lay.tp)]
+            else:  # expert g sits in its ep rank's files, split over expert TP
+                e = g // (self.cfg.num_experts // lay.ep)
+                shards = [files[("expert", e, k)].get(n) for k in range(lay.expert_tp)]
+            if any(s is None for s in shards):
                 raise CheckpointError(f"{self.dir}: no tensor {n!r} in pipeline rank {pp_rank}'s files")
-            out[n] = merge_tp(self.cfg, n, [s[n] for s in shards]).clone()
+            out[n] = merge_tp(self.cfg, n, shards).clone()
         return out
 
     def _read(self, names: List[str], pp_rank: int, chunk: int) -> Dict[str, torch.Tensor]:
@@ -130,7 +156,7 @@ class MegaliteSource(ModelSource):
         return out
 
     def layer(self, i: int) -> Dict[str, torch.Tensor]:
-        rel = layer_names(self.cfg)
+        rel = layer_names(self.cfg, i)
         r, c = self.where[i][:2] if self.format != "sharded" else (0, 0)
         got = self._read([layer_prefix(i) + n for n in rel], r, c)
         out = {n: got[layer_prefix(i) + n] for n in rel}
@@ -153,7 +179,7 @@ class MegaliteSource(ModelSource):
         return full
 
     def close(self) -> None:
-        self._files, self._open_rank = [], None
+        self._files, self._open_rank = {}, None
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -161,16 +187,20 @@ def _meta(cfg: ModelConfig, info: SourceInfo, layout: Layout, fmt: str, tokenize
     """meta.json of a converted checkpoint: weights only (no optimizer, no RNG; the layout marks it converted)."""
     full = Config(model=cfg, parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp,
                                                      decoder_first_pipeline_num_layers=layout.first,
-                                                     decoder_last_pipeline_num_layers=layout.last),
+                                                     decoder_last_pipeline_num_layers=layout.last,
+                                                     ep=layout.ep, etp=layout.etp),
                   data=DataConfig(**{k: v for k, v in tokenizer.items() if k in TOKENIZER_FIELDS}))
+    lay = {"world": layout.tp * layout.pp * layout.ep, "tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "dp": 1,
+           "first": layout.first or 0, "last": layout.last or 0, "converted_from": info.kind}
+    if cfg.is_moe:  # as a run records an MoE layout (run_state.layout_of)
+        lay.update(ep=layout.ep, etp=layout.expert_tp)
+    shape = SHAPE_FIELDS + (MOE_SHAPE_FIELDS if cfg.is_moe else ())
     return {"format_version": FORMAT_VERSION, "format": fmt, "iteration": info.iteration, "consumed_samples": 0,
             "skipped_iters": 0, "nan_iters": 0, "scheduler": {"num_steps": info.iteration}, "scaler": None,
             "adam_step": 0.0, "group_steps": [],
-            # never equal to a run's layout, so no RNG file is looked for
-            "layout": {"world": layout.tp * layout.pp, "tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "dp": 1,
-                       "first": layout.first or 0, "last": layout.last or 0, "converted_from": info.kind},
+            "layout": lay,  # never equal to a run's layout (converted_from), so no RNG file is looked for
             "config": json.loads(json.dumps(asdict(full), default=str)),
-            "model_shape": {f: getattr(cfg, f) for f in SHAPE_FIELDS}}
+            "model_shape": {f: list(v) if isinstance(v, tuple) else v for f in shape for v in [getattr(cfg, f)]}}
 
 
 def _whole_key(name: str, t: torch.Tensor) -> str:
@@ -225,6 +255,27 @@ def save_sharded(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[
     _write_finish(out, _meta(cfg, source.info, layout, "sharded", tokenizer), it)
 
 
+def shard_files(cfg: ModelConfig, layout: Layout, tensors: Dict[str, torch.Tensor],
+                rename: Callable[[str], str]) -> List[Dict[str, torch.Tensor]]:
+    """Each per-rank file's entries (``layout.files``: file tp rank + tp x ep rank) of full ``tensors``:
+    dense ones split over tp in every file; expert e's only in its ep rank's files, the expert-TP shard
+    ``tp rank mod etp`` (the shard the run's rank of that tp rank holds, etp dividing tp), stored under
+    ``rename(name)``. Clones: a shard must not keep the full tensor alive."""
+    tp, ep, etp = layout.tp, layout.ep, layout.expert_tp
+    out: List[Dict[str, torch.Tensor]] = [{} for _ in range(layout.files)]
+    for n, t in tensors.items():
+        g = expert_of(n)
+        if g is None:
+            for f, s in enumerate(split_tp(cfg, WORD if n == TIED_COPY else n, t, tp) * ep):
+                out[f][rename(n)] = s.clone()
+            continue
+        e = g // (cfg.num_experts // ep)
+        shards = split_tp(cfg, n, t, etp)
+        for r in range(tp):
+            out[r + tp * e][rename(n)] = shards[r % etp].clone()
+    return out
+
+
 def save_torch(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
                progress: Callable[[str], None]) -> None:
     """Write ``source`` in megalite's torch (legacy, per tp/pp rank) format for ``layout``."""
@@ -233,14 +284,12 @@ def save_torch(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[st
     meta = _meta(cfg, source.info, layout, "torch", tokenizer)
 
     def shard(tensors: Dict[str, torch.Tensor], _: Optional[int]) -> List[Dict[str, torch.Tensor]]:
-        # clones: a shard must not keep the full tensor alive
-        split = {n: split_tp(cfg, WORD if n == TIED_COPY else n, t, tp) for n, t in tensors.items()}
-        return [{n: s[r].clone() for n, s in split.items()} for r in range(tp)]
+        return shard_files(cfg, layout, tensors, lambda n: n)
 
     def write(pp_rank: int, files: List[Dict[int, Dict[str, torch.Tensor]]]) -> None:
-        for t, chunks in enumerate(files):
+        for f, chunks in enumerate(files):
             models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in chunks.items()}
-            path = os.path.join(d, legacy_dir(t, pp_rank, layout.pp), "model_optim_rng.pt")
+            path = os.path.join(d, legacy_dir(f % tp, pp_rank, layout.pp, f // tp, layout.ep), "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"args": meta["config"], "checkpoint_version": 3.0, "iteration": it, "consumed_samples": 0,
                         **models, "optimizer": {"state": {}, "scaler": None, "group_steps": []},

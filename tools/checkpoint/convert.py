@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     vp.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int)
     p.add_argument("--target-decoder-first-pipeline-num-layers", type=int)
     p.add_argument("--target-decoder-last-pipeline-num-layers", type=int)
+    p.add_argument("--target-expert-parallel-size", type=int, help="MoE, per-rank formats (megalite torch, megatron): "
+                   "files per EP rank (mp_rank_TT[_PPP]_EEE); default: the source's (1 for hf)")
+    p.add_argument("--target-expert-tensor-parallel-size", type=int,
+                   help="MoE, megalite torch format: the expert TP the run will use (dividing the target tp; "
+                        "default: the source's, else the target tp)")
     p.add_argument("--ckpt-format", choices=["sharded", "torch"], default="sharded",
                    help="megalite saver: layout-free sharded (default) or the per-rank torch format")
     p.add_argument("--target-format", choices=["torch", "torch_dist"], default="torch",
@@ -97,7 +102,8 @@ def target_layout(a: argparse.Namespace, src: ModelSource) -> Layout:
     """The target layout from the flags, defaulting to the source's own (tp = pp = 1 for hf)."""
     base = getattr(src, "layout", Layout())
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_model_parallel_size",
-                 "num_layers_per_virtual_pipeline_stage"):  # 0 would silently mean "the source's"
+                 "num_layers_per_virtual_pipeline_stage", "expert_parallel_size",
+                 "expert_tensor_parallel_size"):  # 0 would silently mean "the source's"
         v = getattr(a, "target_" + flag)
         if v is not None and v < 1:
             raise CheckpointError(f"--target-{flag.replace('_', '-')} must be >= 1, got {v}")
@@ -126,7 +132,28 @@ def target_layout(a: argparse.Namespace, src: ModelSource) -> Layout:
     # an explicit tp/pp/split asks for a new layout; otherwise the source's own split is kept
     stage_layers = None if explicit or a.target_virtual_pipeline_model_parallel_size or \
         a.target_num_layers_per_virtual_pipeline_stage else base.stage_layers
-    return Layout(tp, pp, vp, first, last, stage_layers)
+    ep = a.target_expert_parallel_size or base.ep
+    etp = a.target_expert_tensor_parallel_size or (base.etp if base.etp not in (None, base.tp) else None)
+    return Layout(tp, pp, vp, first, last, stage_layers, ep, etp)
+
+
+def check_moe_target(a: argparse.Namespace, src: ModelSource, layout: Layout) -> None:
+    """One line for a mixture-of-experts conversion this converter cannot write (nothing written yet)."""
+    moe = src.cfg.is_moe
+    if moe and (isinstance(src, TorchDistSource) or (a.saver == "megatron" and a.target_format == "torch_dist")):
+        raise CheckpointError("mixture-of-experts models convert to and from Megatron-LM's legacy torch format "
+                              "(mp_rank_* folders), not torch_dist yet: use --target-format torch, or save the "
+                              "Megatron run with --ckpt-format torch")
+    if not moe or a.saver == "hf":
+        return
+    etp = layout.expert_tp
+    if a.saver == "megatron" and etp != layout.tp:
+        raise CheckpointError(f"--saver megatron writes experts split like the dense layers (expert tp = tp = "
+                              f"{layout.tp}); --target-expert-tensor-parallel-size {etp} is not supported there")
+    if a.saver == "megalite" and a.ckpt_format == "torch" and layout.tp % etp:
+        raise CheckpointError(f"the torch format holds an expert tp rank's shard in the file of tp rank t = that "
+                              f"rank mod etp, so etp must divide tp ({layout.tp}); got {etp}: use --ckpt-format "
+                              f"sharded, which loads into any layout")
 
 
 def tokenizer_for_target(a: argparse.Namespace, src: ModelSource, final: str, tmp: str) -> Dict[str, Optional[str]]:
@@ -190,12 +217,16 @@ def convert(a: argparse.Namespace) -> None:
     if a.saver == "hf":
         architecture_for(src.cfg)
     check_fits(src.cfg, layout)
+    check_moe_target(a, src, layout)
     tmp = prepare_target(a.save_dir)
     cfg = src.cfg
     total = cfg.num_layers + 2
     print(f"converting {a.loader} -> {a.saver}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads / {cfg.query_groups} query groups, vocab {cfg.vocab_size}"
-          + (f"; target tp={layout.tp} pp={layout.pp} vp={layout.vp}" if a.saver != "hf" else ""), flush=True)
+          + (f"; {cfg.num_experts} experts (top-{cfg.moe_router_topk}) in {cfg.num_moe_layers} layers"
+             if cfg.is_moe else "")
+          + (f"; target tp={layout.tp} pp={layout.pp} vp={layout.vp}" if a.saver != "hf" else "")
+          + (f" ep={layout.ep} etp={layout.expert_tp}" if a.saver != "hf" and cfg.is_moe else ""), flush=True)
     done = [0]
 
     def progress(what: str) -> None:
