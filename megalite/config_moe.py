@@ -111,6 +111,11 @@ class ExpertParallelFields:
         "--moe-token-dispatcher-type", "allgather", "allgather: every expert-parallel rank sees all tokens; "
         "alltoall: each token is sent to its experts' ranks only", choices=("allgather", "alltoall"))
 
+    overlap_moe_expert_parallel_comm: bool = MOE(
+        "--overlap-moe-expert-parallel-comm", False, "with --pipeline-schedule dualpipev: run each paired forward "
+        "and backward of two micro-batches side by side (the forward on a second thread with communicators of its "
+        "own), so one's expert all-to-alls overlap the other's compute; needs dropout 0")
+
     @property
     def expert_tp(self) -> int:
         return self.etp if self.etp is not None else self.tp  # type: ignore[attr-defined]

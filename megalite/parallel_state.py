@@ -44,12 +44,14 @@ for the world's rank and size (a test enforces it). Everything else receives a
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,13 +64,38 @@ logger = logging.getLogger(__name__)
 AXES: Tuple[str, ...] = ("tp", "cp", "dp", "pp")
 
 
+_THREAD = threading.local()  # .shadow: this thread's collectives use the groups' second communicators
+
+
+@contextlib.contextmanager
+def shadow_groups() -> Iterator[None]:
+    """Within the block, on this thread, every AxisGroup that has a second communicator (``shadow``) hands
+    that one out as ``group``: a forward running beside a backward on another thread (paired DualPipeV
+    micro-batches) then issues its collectives on communicators of its own, in an order every rank
+    shares, while the backward's keep theirs."""
+    previous = getattr(_THREAD, "shadow", False)
+    _THREAD.shadow = True
+    try:
+        yield
+    finally:
+        _THREAD.shadow = previous
+
+
 @dataclass
 class AxisGroup:
     """One rank's view of one parallel group: its members, its rank in it, the handle."""
 
     ranks: List[int]
     rank: int  # this process's index inside ``ranks``
-    group: Optional["dist.ProcessGroup"] = None  # None when size == 1 or not distributed
+    handle: Optional["dist.ProcessGroup"] = None  # None when size == 1 or not distributed
+    shadow: Optional["dist.ProcessGroup"] = None  # the same members' second communicator (shadow_groups)
+
+    @property
+    def group(self) -> Optional["dist.ProcessGroup"]:
+        """The communicator this thread uses (``handle``, or ``shadow`` inside shadow_groups)."""
+        if self.shadow is not None and getattr(_THREAD, "shadow", False):
+            return self.shadow
+        return self.handle
 
     @property
     def size(self) -> int:
@@ -227,6 +254,28 @@ class ParallelState:
                     mine = AxisGroup(ranks, ranks.index(self.rank), handle)
             self.axes[name] = mine
 
+    SHADOWED = ("tp", "cp", "tp_cp", "ep", "etp", "expert_mp")  # the groups a forward's compute talks on
+
+    def init_shadow_groups(self) -> None:
+        """A second communicator for each group a forward computes with (idempotent; every rank calls it
+        at the same point); axes with the same partition of the world share it."""
+        if getattr(self, "_shadowed", False):
+            return
+        self.init_expert_groups()
+        self._shadowed = True
+        made: Dict[tuple, Optional["dist.ProcessGroup"]] = {}
+        use_dist = self._create_groups and self.world_size > 1
+        for name in self.SHADOWED:
+            groups = {**self.memberships, **self.expert_memberships}[name]
+            key = tuple(map(tuple, groups))
+            if key not in made:
+                made[key] = None
+                for ranks in groups:  # every rank, every group, in the same order
+                    handle = dist.new_group(ranks, timeout=self.timeout) if use_dist and len(ranks) > 1 else None
+                    if self.rank in ranks:
+                        made[key] = handle
+            self.axes[name].shadow = made[key]
+
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def single(cls, device: Optional[torch.device] = None) -> "ParallelState":
@@ -309,8 +358,7 @@ class ParallelState:
         return self.axes["position_embedding"]
 
     def _expert_axis(self, name: str) -> AxisGroup:
-        self.init_expert_groups()
-        return self.axes[name]
+        return self.init_expert_groups() or self.axes[name]
 
     ep = property(lambda self: self._expert_axis("ep"), doc="the ranks one layer's experts are split over")
     etp = property(lambda self: self._expert_axis("etp"), doc="the ranks one expert is split over (its TP)")
@@ -384,8 +432,7 @@ class ParallelState:
         return getattr(self, "_background_dp", None)
 
     def background_edp_group(self):
-        """This rank's expert data-parallel group again, on gloo, for off-thread work (as
-        :meth:`background_dp_group`); None when it has one rank."""
+        """The expert data-parallel group on gloo, as :meth:`background_dp_group` (None: one rank)."""
         if getattr(self, "_background_edp", None) is None and self.edp_size > 1 and dist.is_initialized():
             for ranks in self.expert_memberships["edp"]:
                 group = dist.new_group(ranks, backend="gloo", timeout=self.timeout)

@@ -23,6 +23,13 @@ def validate_moe(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{given[0]} is a mixture-of-experts flag but --num-experts is not set; add "
                               f"--num-experts N or drop {given[0]}")
         return
+    if par.overlap_moe_expert_parallel_comm:
+        if par.pipeline_schedule != "dualpipev":
+            raise ConfigError("--overlap-moe-expert-parallel-comm overlaps the forward and backward DualPipeV "
+                              "pairs; add --pipeline-schedule dualpipev")
+        if m.hidden_dropout or m.attention_dropout:
+            raise ConfigError("--overlap-moe-expert-parallel-comm runs two micro-batches at once, which dropout's "
+                              "shared random state does not allow; set --hidden-dropout 0 --attention-dropout 0")
     n, ep, etp, k = m.num_experts, par.ep, par.expert_tp, m.moe_router_topk
     if n % ep:
         raise ConfigError(f"--num-experts {n} is not divisible by --expert-model-parallel-size {ep}; each "
@@ -57,6 +64,11 @@ def validate_moe(cfg: Config, world_size: int) -> None:
                           f"--tensor-model-parallel-size {par.tp}")
     if m.moe_shared_expert_gate and shared is None:
         raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    ck = cfg.checkpoint
+    if ck.ckpt_format == "torch" and (ck.save or ck.load) and par.tp % etp:
+        raise ConfigError(f"--ckpt-format torch writes one file per tensor-parallel rank, which cannot hold the "
+                          f"expert shards of --expert-tensor-parallel-size {etp} (not a divisor of "
+                          f"--tensor-model-parallel-size {par.tp}); use --ckpt-format sharded")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         raise ConfigError("--moe-router-enable-expert-bias (auxiliary-loss-free balancing) needs "
                           "--moe-router-score-function sigmoid")

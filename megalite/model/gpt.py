@@ -180,7 +180,7 @@ class GPTModel(nn.Module):
         if self.cfg.position_embedding_type == "learned_absolute":
             pos = self.embedding.position_embeddings(positions)  # [s, h] or [b, s, h]
             x = x + (pos[:, None] if positions.dim() == 1 else pos.transpose(0, 1))
-        if sp:
+        if sp and self.cfg.hidden_dropout > 0 and self.training:  # each TP rank's own mask
             with self.tracker.fork("tp"):
                 return dropout(x, self.cfg.hidden_dropout, self.training)
         return dropout(x, self.cfg.hidden_dropout, self.training)

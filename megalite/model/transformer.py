@@ -31,6 +31,7 @@ start at the cache's offset, so the causal mask is aligned to the bottom right.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Tuple
 
@@ -133,8 +134,8 @@ class Attention(nn.Module):
         # SDPA's is_causal aligns its mask top-left: right when s == sk; a cached step (s < sk) needs its own.
         mask = None if sk == q.shape[2] else _cached_causal_mask(q.shape[2], sk, q.device)
         causal = dict(attn_mask=mask, is_causal=mask is None)
-        # Heads differ per TP rank, so their dropout masks must too.
-        with self.tracker.fork("tp"):
+        # Heads differ per TP rank, so their dropout masks must too (no dropout: no random state touched).
+        with self.tracker.fork("tp") if p > 0 else contextlib.nullcontext():
             if not self.unfused:
                 if self.nkv_local == self.nq_local:
                     return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal)
@@ -236,7 +237,7 @@ class TransformerLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, tp, seed, f"{prefix}.mlp", sequence_parallel)  # or MoE
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # each TP rank holds other positions: masks must differ
+        if self.sequence_parallel and self.p > 0 and self.training:  # each TP rank holds other positions
             with self.tracker.fork("tp"):
                 return dropout(x, self.p, self.training)
         return dropout(x, self.p, self.training)

@@ -43,6 +43,7 @@ from megalite.flight_recorder import RECORDER
 from megalite.moe import set_aux_loss_scale
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.p2p import P2PState
+from megalite.pipeline.pairing import paired_backward, run_pair
 from megalite.pipeline.actions import Comm, Compute
 from megalite.pipeline.stage_layout import StageLayout
 from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_split
@@ -83,6 +84,7 @@ class PipelineExecutor:
         self.shape, self.dtype = activation_shape, dtype
         self.sync = sync_timing and ps.device.type == "cuda"
         self.fault = None  # faults.ScheduleFault for the next run (--inject-fault-kind hang / skip-send)
+        self.pair_forward_backward = False  # DualPipeV pairs side by side (--overlap-moe-expert-parallel-comm)
         self._plans: Dict[int, tuple] = {}  # id(action list) -> (the list, its transfers): the flight recorder's
 
     def _now(self) -> float:
@@ -117,13 +119,23 @@ class PipelineExecutor:
                     enable_weight_grad_split(chunk)
         p2p = P2PState(self.ps.timeout if self.ps.backend == "gloo" else None)
         t0 = self._now()
-        for action in actions:
+        i = -1
+        while i + 1 < len(actions):
+            i += 1
+            action = actions[i]
             start = self._now()
             if isinstance(action, Comm):
                 p2p.post(action, self.ps, self.shape, self.dtype)
                 st.p2p += self._now() - start
                 continue
             assert isinstance(action, Compute)
+            j = paired_backward(self, actions, i, p2p) if self.pair_forward_backward and not forward_only else None
+            if j is not None:  # --overlap-moe-expert-parallel-comm: F and the next B side by side (pairing.py)
+                run_pair(self, action, actions[j], get_batch, num_microbatches, inputs, outputs, p2p, st, t0)
+                for comm in actions[i + 1:j]:  # the transfers placed between them: after both
+                    p2p.post(comm, self.ps, self.shape, self.dtype)
+                i = j
+                continue
             received = self._wait_input(action, p2p)
             now = self._now()
             st.p2p, start = st.p2p + (now - start), now

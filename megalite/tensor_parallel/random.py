@@ -15,6 +15,7 @@ Two concerns live here:
 from __future__ import annotations
 
 import contextlib
+import threading
 import zlib
 from typing import Dict, Iterator, Sequence
 
@@ -84,13 +85,13 @@ class RNGTracker:
         self.states = {k: v.clone() for k, v in states.items() if k != "default"}
 
 
-_RECOMPUTING = False  # inside a checkpoint's recomputation (a forward run a second time)
+_RECOMPUTING = threading.local()  # .on: inside a checkpoint's recomputation (a forward run a second time)
 
 
 def is_recomputing() -> bool:
     """True while a checkpointed forward runs again in backward: what it counts (MoE routing statistics)
     was counted by its first run."""
-    return _RECOMPUTING
+    return getattr(_RECOMPUTING, "on", False)
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -110,14 +111,13 @@ class _Checkpoint(torch.autograd.Function):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         current = ctx.tracker.get_states()
         ctx.tracker.set_states(ctx.rng_states)  # the same dropout masks as the first forward
-        global _RECOMPUTING
-        outer, _RECOMPUTING = _RECOMPUTING, True
+        outer, _RECOMPUTING.on = getattr(_RECOMPUTING, "on", False), True
         try:
             with torch.enable_grad():
                 out = ctx.fn(*inputs)
         finally:
             ctx.tracker.set_states(current)
-            _RECOMPUTING = outer
+            _RECOMPUTING.on = outer
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -128,10 +128,14 @@ class Trainer:
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)
         self.actions, self.eval_actions = (
             build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m, forward_only=fwd,
-                           overlap_p2p=par.overlap_p2p_comm)[ps.pp_rank] for fwd in (False, True))
+                           overlap_p2p=par.overlap_p2p_comm or par.overlap_moe_expert_parallel_comm)[ps.pp_rank]
+            for fwd in (False, True))
         s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if par.sequence_parallel else 1)  # p2p shape
         self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
                                          dtype=cfg.model.torch_dtype, layout=layout)
+        if par.overlap_moe_expert_parallel_comm:  # DualPipeV's F/B pairs side by side (executor.py)
+            ps.init_shadow_groups()
+            self.executor.pair_forward_backward = True
         # packed documents: every stage's attention (and RoPE) reads the micro-batch's segments (positions)
         d = cfg.data
         self.needs_data = any(c.pre_process or c.post_process for c in self.chunks) or d.reset_attention_mask or (

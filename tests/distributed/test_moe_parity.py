@@ -8,7 +8,8 @@ within 1e-5 (relative). The layouts, each one gloo run (variants of one rank gri
     ep2 x dp2                 alltoall, dropless; then the capacity path (below); then allgather
     tp2 (SP) x ep2, ETP 1     alltoall          (expert DP 2: experts unsharded over TP)
     tp2 (SP) x ep2, ETP 2     allgather         (expert DP 1: experts sharded like TP weights)
-    pp2 x ep2                 interleaved 1F1B, then ZB-V (expert weight GEMMs deferred to W)
+    pp2 x ep2                 interleaved 1F1B, then ZB-V (expert weight GEMMs deferred to W), then
+                              DualPipeV with each F/B pair run side by side (dispatch overlapped)
     tp2 x pp2 x ep2 (world 8) distributed optimizer, ETP 1 (expert DP 2), sigmoid router with
                               expert bias (DeepSeek-V3 balancing) and a gated shared expert
 
@@ -79,6 +80,7 @@ def train(ps: ParallelState, cfg: Config, steps: int, reference=None) -> dict:
         out["losses"].append(step["loss"])
         out["norms"].append(step["grad_norm"])
         out["aux"].append(logged_moe_losses(trainer, ps))
+    out["paired"] = sum(bool(e.get("paired")) for e in trainer.last_stats.events)  # F/B run side by side
     trainer.optimizer.finish_param_gather()
     if reference is None:
         out["state"] = {k: v.detach().clone() for k, v in trainer.chunks[0].state_dict().items()}
@@ -142,6 +144,7 @@ def _run(world: int, cases, **grid) -> None:
                               **grid)
     for i, ((name, _), ref) in enumerate(zip(cases, refs)):
         assert_matches([r[i] for r in results], ref, name)
+    return results
 
 
 def test_reference_drops_tokens_and_balances():
@@ -174,7 +177,13 @@ def test_tp2_sp_ep2(etp, dispatcher):
 def test_pp2_ep2_interleaved_and_zbv():
     cases = [(f"pp2 x ep2 {s}", moe_config(layers=4, gbs=8, mbs=2, pp=2, vp=2, schedule=s, ep=2))
              for s in ("interleaved_1f1b", "zbv")]
-    _run(4, cases, pp=2, ep=2)
+    # DualPipeV with its F/B pairs side by side (the forward on its own thread and communicators)
+    cfg = moe_config(layers=4, gbs=16, mbs=2, pp=2, vp=2, schedule="dualpipev", ep=2)
+    cases.append(("pp2 x ep2 dualpipev overlapped pairs",
+                  cfg.with_(parallel=replace(cfg.parallel, overlap_moe_expert_parallel_comm=True))))
+    results = _run(4, cases, pp=2, ep=2)
+    assert all(r[2]["paired"] > 0 for r in results), [r[2]["paired"] for r in results]
+    assert all(r[0]["paired"] == 0 for r in results)
 
 
 @pytest.mark.multiprocess
@@ -182,7 +191,12 @@ def test_pp2_ep2_interleaved_and_zbv():
 def test_tp2_pp2_ep2_distributed_optimizer_expert_bias_shared_experts():
     cfg = moe_config(FEATURES, layers=4, gbs=8, mbs=1, tp=2, pp=2, ep=2, etp=1, schedule="1f1b",
                      optim={"use_distributed_optimizer": True})
-    _run(8, [("tp2 x pp2 x ep2 distopt, expert bias, shared experts", cfg)], tp=2, pp=2, ep=2, etp=1)
+    paired = moe_config(layers=4, gbs=8, mbs=1, tp=2, pp=2, vp=2, ep=2, etp=1, schedule="dualpipev",
+                        dispatcher="allgather")  # TP (SP) and EP collectives on the forward's own communicators
+    paired = paired.with_(parallel=replace(paired.parallel, overlap_moe_expert_parallel_comm=True))
+    results = _run(8, [("tp2 x pp2 x ep2 distopt, expert bias, shared experts", cfg),
+                       ("tp2 x pp2 x ep2 dualpipev overlapped pairs", paired)], tp=2, pp=2, ep=2, etp=1)
+    assert all(r[1]["paired"] > 0 for r in results)
 
 
 def test_expert_weight_gemms_wait_for_w():

@@ -54,6 +54,12 @@ def test_layer_freq_parses_megatron_patterns_and_nothing_else():
     (["--num-experts", "4", "--moe-shared-expert-gate"], 1, "--moe-shared-expert-gate needs"),
     (["--num-experts", "4", "--moe-router-score-function", "tanh"], 1, "--moe-router-score-function"),
     (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "needs --moe-router-score-function sigmoid"),
+    (["--num-experts", "4", "--overlap-moe-expert-parallel-comm"], 1, "add --pipeline-schedule dualpipev"),
+    (["--num-experts", "4", "--overlap-moe-expert-parallel-comm", "--pipeline-schedule", "dualpipev",
+      "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 2,
+     "set --hidden-dropout 0 --attention-dropout 0"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--ckpt-format", "torch", "--save", "/tmp/x"], 2,
+     "use --ckpt-format sharded"),
 ])
 def test_bad_moe_flags_are_one_line_errors(flags, world, needle):
     with pytest.raises(ConfigError) as e:
