@@ -157,7 +157,7 @@ def _optimizer_bytes(ps: ParallelState, a, dist_opt: bool) -> Dict[str, float]:
     trainer.train_step(MockFeed(trainer, 1).next())  # Adam state exists after a step
     n = sum(p.numel() for p in trainer.params)
     return {"state": trainer.optimizer.state_bytes(), "params": n,
-            "grad_buffer": trainer.optimizer.grads.grad_data.numel() * 4}
+            "grad_buffer": sum(part.grad_data.numel() * 4 for part in trainer.optimizer.grads.parts)}
 
 
 def table_optimizer(a) -> None:

@@ -109,9 +109,8 @@ def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[st
         size = sizes[act.chunk][act.mb]
         live += size if act.kind == "F" else -size
         peak = max(peak, live)
-    grads = trainer.optimizer.grads.grad_data
     return {"weights": sum(p.numel() * p.element_size() for p in trainer.params),
-            "grads": grads.numel() * grads.element_size(), "optimizer": trainer.optimizer.state_bytes(),
+            "grads": trainer.optimizer.grads.nbytes, "optimizer": trainer.optimizer.state_bytes(),
             "activations": peak, "params": sum(p.numel() for p in trainer.params)}
 
 
@@ -179,8 +178,7 @@ def run_steps(ps: ParallelState, layout: Layout, steps: int) -> Dict[str, object
         parts: List[object] = [None] * ps.pp_size
         dist.all_gather_object(parts, events, group=ps.pp_group)
         events = [e for part in parts for e in part]
-    grads = trainer.optimizer.grads.grad_data
-    state = (sum(p.numel() * p.element_size() for p in trainer.params) + grads.numel() * grads.element_size()
+    state = (sum(p.numel() * p.element_size() for p in trainer.params) + trainer.optimizer.grads.nbytes
              + trainer.optimizer.state_bytes())
     return {"times": times, "timers": (grads_sync, optimizer), "step": step, "events": events, "m": trainer.m,
             "memory": state + acts}

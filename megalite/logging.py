@@ -104,8 +104,9 @@ def write_timeline(path: str, events: List[dict], ps: ParallelState, **meta) -> 
 
 def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float, tflops_per_gpu: float,
                     lr: float, gbs: int, loss: Optional[float], grad_norm: Optional[float], skipped: int,
-                    nans: int, tokens_per_s: float, loss_scale: float = 1.0) -> str:
-    """Megatron's iteration line (same keys and formats) plus tokens per second."""
+                    nans: int, tokens_per_s: float, loss_scale: float = 1.0, after_loss: str = "") -> str:
+    """Megatron's iteration line (same keys and formats) plus tokens per second; ``after_loss``: fields
+    that follow the lm loss (an MoE's, :func:`format_moe_fields`), as Megatron places them."""
     parts = [f" iteration {it:8d}/{train_iters:8d}",
              f" consumed samples: {consumed:12d}",
              f" elapsed time per iteration (ms): {ms_per_iter:.1f}",
@@ -114,13 +115,57 @@ def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float
              f" global batch size: {gbs:5d}"]
     if loss is not None:
         parts.append(f" lm loss: {loss:.6E}")
-    parts.append(f" loss scale: {loss_scale:.1f}")
+    head = "".join(part + " |" for part in parts) + after_loss
+    parts = [f" loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
     parts += [f" number of skipped iterations: {skipped:3d}",
               f" number of nan iterations: {nans:3d}",
               f" tokens per second: {tokens_per_s:.1f}"]
-    return "".join(part + " |" for part in parts)
+    return head + "".join(part + " |" for part in parts)
+
+
+MOE_TOKENS = ("tokens_per_expert_min", "tokens_per_expert_mean", "tokens_per_expert_max")
+
+
+def format_moe_fields(values: Dict[str, float]) -> str:
+    """An MoE's fields of the log line, from the interval's mean of ``reduce_moe_stats``' figures.
+
+    Megatron-LM's formats: its losses (``load_balancing_loss``, ``z_loss``, ... : names ending in
+    "loss") as the lm loss, ``' {name}: {value:.6E} |'``; its other MoE metrics ``' {name}: {value:.2f} |'``
+    (here the routed tokens per expert: min, mean and max over the experts, averaged over MoE layers).
+    Per-layer figures (keys ``"<name> layer <i>"``) go to TensorBoard and :func:`format_moe_layers`.
+    """
+    losses = [k for k in values if k.endswith("loss") and " layer " not in k]
+    out = "".join(f" {k}: {values[k]:.6E} |" for k in losses)
+    return out + "".join(f" {k}: {values[k]:.2f} |" for k in MOE_TOKENS if k in values)
+
+
+def moe_layer_values(values: Dict[str, float]) -> Dict[int, Dict[str, float]]:
+    """``{layer: {name: value}}`` from the ``"<name> layer <i>"`` keys of ``reduce_moe_stats``."""
+    out: Dict[int, Dict[str, float]] = {}
+    for key, v in values.items():
+        name, sep, layer = key.rpartition(" layer ")
+        if sep and layer.isdigit():
+            out.setdefault(int(layer), {})[name] = v
+    return dict(sorted(out.items()))
+
+
+def format_moe_layers(values: Dict[str, float]) -> List[str]:
+    """--moe-per-layer-logging's lines under the iteration line: one per MoE layer (0-based global index)."""
+    return [f"    moe layer {i}:" + "".join(f" {k}: {v:.6E} |" if k.endswith("loss") else f" {k}: {v:.2f} |"
+                                         for k, v in per.items())
+            for i, per in moe_layer_values(values).items()]
+
+
+def moe_tensorboard(values: Dict[str, float], per_layer: bool) -> Dict[str, float]:
+    """TensorBoard tags as Megatron-LM's MoE tracker writes them: the losses (and tokens per expert)
+    under their names; with per-layer logging each MoE layer's as ``moe/<name>_layer_<i>``."""
+    out = {k: v for k, v in values.items() if " layer " not in k}
+    if per_layer:
+        for i, per in moe_layer_values(values).items():
+            out.update({f"moe/{k}_layer_{i}": v for k, v in per.items()})
+    return out
 
 
 def format_duration(seconds: float) -> str:

@@ -9,6 +9,10 @@ Model FLOPs are Megatron-LM's ``num_floating_point_operations`` (megatron-core
         MLP                     h * ffn * (3 with SwiGLU, else 2)
     per token, once:            h * V_padded                  (output layer)
 
+A mixture of experts counts the parameters a token is active in (Megatron's formula with experts):
+an MoE layer's MLP term is h x (moe_ffn x topk + shared expert size) x (3 with SwiGLU, else 2), the
+other layers keep the dense MLP (--moe-layer-freq); the router (h x E) is left out, as Megatron does.
+
 Megatron up to core 0.15 counted the core attention over the full square (twice
 the term above); ``causal=False`` gives that count, which is also what a FLOP
 counter sees from an unfused attention. Recomputation re-runs forwards that the
@@ -53,13 +57,29 @@ def device_peak_tflops(device: torch.device, override: Optional[float] = None) -
     return peak_tflops_for(torch.cuda.get_device_name(device))
 
 
+def mlp_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward+backward MLP FLOPs per token summed over all layers: dense layers' MLP, and for an MoE
+    layer the ``topk`` routed experts plus the shared expert (megatron's num_floating_point_operations)."""
+    f = 3 if cfg.swiglu else 2
+    dense = 6.0 * cfg.hidden_size * cfg.ffn_size * f
+    if not cfg.is_moe:
+        return cfg.num_layers * dense
+    n_moe = cfg.num_moe_layers
+    moe = 6.0 * cfg.hidden_size * f * (cfg.moe_ffn_size * cfg.moe_router_topk
+                                       + (cfg.moe_shared_expert_intermediate_size or 0))
+    return (cfg.num_layers - n_moe) * dense + n_moe * moe
+
+
 def _per_token_layer_terms(cfg: ModelConfig, causal: bool) -> Tuple[float, float, float]:
-    """(projections, core attention, MLP) forward+backward FLOPs per token of one layer."""
+    """(projections, core attention, MLP) forward+backward FLOPs per token of one layer (an MoE model's
+    MLP term: the mean over its layers)."""
     h, s = cfg.hidden_size, cfg.seq_length
     q = cfg.head_dim * cfg.num_attention_heads
     kv = cfg.head_dim * cfg.query_groups
     proj = 6.0 * (h * (q + 2 * kv) + q * h)
     core = 6.0 * s * q * (1.0 if causal else 2.0)
+    if cfg.is_moe:
+        return proj, core, mlp_flops_per_token(cfg) / cfg.num_layers
     mlp = 6.0 * h * cfg.ffn_size * (3 if cfg.swiglu else 2)
     return proj, core, mlp
 
@@ -72,6 +92,9 @@ def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, padded_vocab: 
     """
     tokens = global_batch_size * cfg.seq_length
     proj, core, mlp = _per_token_layer_terms(cfg, causal)
+    if cfg.is_moe:  # the layers' MLP terms differ: summed exactly rather than L x their mean
+        return tokens * (cfg.num_layers * (proj + core) + mlp_flops_per_token(cfg)
+                         + 6.0 * cfg.hidden_size * padded_vocab)
     return tokens * (cfg.num_layers * (proj + core + mlp) + 6.0 * cfg.hidden_size * padded_vocab)
 
 

@@ -4,13 +4,17 @@
     python tools/plan.py --num-gpus 16 --gpu-memory 80 --model-size llama2-7b --global-batch-size 512 --seq-length 4096
     python tools/plan.py --num-gpus 8 --gpu-memory 141 --num-layers 24 --hidden-size 2048 \\
         --num-attention-heads 16 --global-batch-size 256 --seq-length 2048
+    python tools/plan.py --num-gpus 64 --gpu-memory 80 --model-size mixtral-8x7b --global-batch-size 256 \\
+        --seq-length 4096 --expert-model-parallel-size 4 8
 
 For every (tp, pp, vp, dp, micro-batch, recompute, sequence parallel, distributed optimizer)
 layout that pretrain_gpt.py accepts, megalite/analysis/planner.py estimates the memory of the most
 loaded rank (weights, fp32 grads, optimizer state, activations in flight for the schedule)
 and the step time (FLOPs at --efficiency of the peak, tensor-parallel and data-parallel
-traffic, the pipeline simulator's bubble). Layouts over (1 - --headroom) x --gpu-memory are
-dropped; the best one's pretrain_gpt.py flags are printed last. Bad input: one line, exit 2.
+traffic, the pipeline simulator's bubble). A mixture of experts (--num-experts, or the mixtral-8x7b
+preset) is searched over the expert-parallel size too (experts and their optimizer state split over EP,
+each expert over ETP; the token dispatch's buffers and traffic counted). Layouts over
+(1 - --headroom) x --gpu-memory are dropped; the best one's pretrain_gpt.py flags are printed last. Bad input: one line, exit 2.
 
 Calibrated mode: give one or more measured runs' timelines (pretrain_gpt.py --timeline-out, which
 also records the run's layout and step timers) or a stage-cost file (--save-calibration), and the
@@ -33,6 +37,7 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.config_moe import layer_freq  # noqa: E402
 from megalite.analysis.planner import GiB, Hardware  # noqa: E402
 from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa: E402
 from megalite.analysis.calibrate import CalibrationError, load_calibration  # noqa: E402
@@ -55,7 +60,12 @@ PRESETS = {  # GPT-3 paper table 2.1 shapes; Llama 2 paper shapes
     "llama2-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=13824, **_LLAMA),
     "llama2-70b": dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
                        ffn_hidden_size=28672, **_LLAMA),
+    # Mixtral 8x7B (its config.json): 8 experts of the Mistral-7B MLP, top-2, in every layer
+    "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                         ffn_hidden_size=14336, num_experts=8, moe_router_topk=2, **_LLAMA),
 }
+_MOE_FLAGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+              "moe_layer_freq")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    g.add_argument("--num-experts", type=int, help="experts per MoE layer (a mixture of experts)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's MLP size (default --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, help="experts each token is routed to (default 2)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="the shared expert's MLP size")
+    g.add_argument("--moe-layer-freq", type=layer_freq, help="which layers are MoE (pretrain_gpt.py's syntax)")
     h = p.add_argument_group("hardware and search")
     h.add_argument("--gpu", default="H100", help="device name for the bf16 peak table (A100, H100, H200, B200)")
     h.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (overrides --gpu)")
@@ -86,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--top", type=int, default=10, help="rows to print")
     h.add_argument("--context-parallel-sizes", type=int, nargs="+", metavar="CP",
                    help="context-parallel sizes to search (default: 1, and 2, 4, 8 from --seq-length 8192)")
+    h.add_argument("--expert-model-parallel-size", type=int, nargs="+", metavar="EP", dest="ep_sizes",
+                   help="expert-parallel sizes to search (default: every one dividing --num-experts)")
+    h.add_argument("--expert-tensor-parallel-size", type=int, nargs="+", metavar="ETP", dest="etp_sizes",
+                   help="expert tensor-parallel sizes to search (default: the layout's tp, and 1)")
     h.add_argument("--schedules", nargs="+", default=[], choices=sorted(SCHEDULES), metavar="NAME",
                    help=f"pipeline schedules to try besides Megatron's default for each layout "
                         f"({', '.join(SCHEDULES)})")
@@ -118,13 +137,18 @@ def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelCon
     kw = dict(PRESETS.get(a.model_size, {}))
     kw.setdefault("vocab_size", 50257)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "vocab_size", "swiglu", "normalization", "position_embedding_type"):
+                 "vocab_size", "swiglu", "normalization", "position_embedding_type", *_MOE_FLAGS):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     if a.untie_embeddings_and_output_weights:
         kw["untie_embeddings_and_output_weights"] = True
     if a.disable_bias_linear:
         kw["add_bias_linear"] = False
+    if kw.get("num_experts") is None and any(kw.get(n) is not None for n in _MOE_FLAGS):
+        raise ValueError("--moe-* flags describe a mixture of experts: give --num-experts too")
+    if kw.get("num_experts") is not None and kw.get("moe_router_topk", 2) > kw["num_experts"]:
+        raise ValueError(f"--moe-router-topk {kw.get('moe_router_topk', 2)} is more than --num-experts "
+                         f"{kw['num_experts']}")
     dtype = a.params_dtype or (meta or {}).get("params_dtype", "bfloat16")
     return ModelConfig(seq_length=a.seq_length, params_dtype=dtype, attention_backend="auto", **kw)
 
@@ -147,6 +171,14 @@ def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
         out.append("--untie-embeddings-and-output-weights")
     if not cfg.add_bias_linear:
         out.append("--disable-bias-linear")
+    if cfg.is_moe:
+        out += ["--num-experts", str(cfg.num_experts), "--moe-router-topk", str(cfg.moe_router_topk)]
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(cfg, name) is not None:
+                out += ["--" + name.replace("_", "-"), str(getattr(cfg, name))]
+        f = cfg.moe_layer_freq
+        if f != 1:
+            out += ["--moe-layer-freq", str(list(f)).replace(" ", "") if isinstance(f, tuple) else str(f)]
     out += ["--hidden-dropout", f"{cfg.hidden_dropout:g}", "--attention-dropout", f"{cfg.attention_dropout:g}",
             "--seq-length", str(cfg.seq_length), "--max-position-embeddings", str(cfg.seq_length),
             "--global-batch-size", str(global_batch_size)]
@@ -182,12 +214,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = a.device or meta.get("device", "cuda")
     step_time = None if calibration is None else lambda layout: calibrated(calibration, layout, a.global_batch_size)
     search = dict(cp_sizes=tuple(a.context_parallel_sizes or default_cp_sizes(a.seq_length)),
-                  schedules=tuple(a.schedules))
+                  schedules=tuple(a.schedules), ep_sizes=a.ep_sizes, etp_sizes=a.etp_sizes)
     plans = plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, device=device,
                  step_time=step_time, **search)
     tokens = a.global_batch_size * a.seq_length
+    experts = (f"; {cfg.num_experts} experts of ffn {cfg.moe_ffn_size} (top-{cfg.moe_router_topk}) in "
+               f"{cfg.num_moe_layers} layers" if cfg.is_moe else "")
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
-          f"{f' (groups {cfg.num_query_groups})' if cfg.num_query_groups else ''}, ffn {cfg.ffn_size}, seq "
+          f"{f' (groups {cfg.num_query_groups})' if cfg.num_query_groups else ''}, ffn {cfg.ffn_size}"
+          f"{experts}, seq "
           f"{cfg.seq_length}, vocab {cfg.vocab_size}; {a.num_gpus} x {a.gpu_memory:g} GiB at {peak:g} TFLOP/s "
           f"(x {a.efficiency:g}), global batch {a.global_batch_size}"
           + (f"; step times calibrated on {', '.join(n for n, _ in docs)}" if calibration is not None else ""))
@@ -196,11 +231,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"tools/plan.py: error: {why}" if bad_batch else why, file=sys.stderr)
         return 2 if bad_batch else 1
     print(f"{len(plans)} layouts fit; the best {min(a.top, len(plans))} (GiB per device, most loaded rank):")
-    print(f"{'#':>3} {'layout':<42} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
+    wide = max([42] + [len(p.layout.describe()) for p in plans[:a.top]])
+    print(f"{'#':>3} {'layout':<{wide}} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
           f"{'step s':>8} {'bubble':>7} {'tok/s/GPU':>10}")
     for i, p in enumerate(plans[:a.top], 1):
         m = p.memory
-        print(f"{i:>3} {p.layout.describe():<42} {m.weights / GiB:>8.2f} {m.grads / GiB:>7.2f} "
+        print(f"{i:>3} {p.layout.describe():<{wide}} {m.weights / GiB:>8.2f} {m.grads / GiB:>7.2f} "
               f"{m.optimizer / GiB:>7.2f} {m.activations / GiB:>7.2f} {m.total / GiB:>7.2f} {p.step_s:>8.3f} "
               f"{100 * p.bubble:>6.1f}% {tokens / p.step_s / a.num_gpus:>10.0f}")
     best = plans[0].layout

@@ -52,7 +52,8 @@ def layout_from_meta(meta: dict) -> Layout:
     return Layout(int(meta["tp"]), int(meta["pp"]), int(meta["dp"]), int(meta.get("vp", 1)), int(meta["mbs"]),
                   meta.get("recompute", "none"), bool(meta.get("sp", False)), bool(meta.get("dist_opt", False)),
                   int(meta.get("cp", 1)), meta.get("schedule"), tuple(layers) if layers else None,
-                  meta.get("cp_comm", "p2p"))
+                  meta.get("cp_comm", "p2p"), int(meta.get("ep", 1)), meta.get("etp"),
+                  meta.get("moe_dispatcher", "allgather"))
 
 
 def comm_count(layout: Layout, m: int) -> int:

@@ -57,7 +57,15 @@ def layout_of(cfg: Config, settings: RunSettings) -> Layout:
     return Layout(par.tp, par.pp, settings.dp, par.vp, cfg.train.micro_batch_size, recompute,
                   par.sequence_parallel and par.tp > 1, cfg.optim.use_distributed_optimizer,
                   getattr(par, "cp", 1), schedule, None if even else tuple(settings.stage_layers),
-                  getattr(par, "cp_comm_type", "p2p"))
+                  getattr(par, "cp_comm_type", "p2p"), *_expert_fields(cfg))
+
+
+def _expert_fields(cfg: Config) -> Tuple[int, Optional[int], str]:
+    """(ep, etp, dispatcher) of the Layout: an MoE's expert grid, (1, None, allgather) for a dense model."""
+    par = cfg.parallel
+    if not cfg.model.is_moe:
+        return 1, None, "allgather"
+    return par.ep, par.etp, par.moe_token_dispatcher_type
 
 
 def free_memory(device: torch.device) -> Tuple[float, str]:
@@ -268,8 +276,9 @@ class PlanCheck:
             self.meter.remove()
             self.meter = None
         state = sum(p.numel() * p.element_size() for p in trainer.params)
-        grads = trainer.optimizer.grads.grad_data
-        state += grads.numel() * grads.element_size() + trainer.optimizer.state_bytes()
+        buffers = getattr(trainer.optimizer.grads, "parts", None) or [trainer.optimizer.grads]  # MoE: + experts'
+        state += sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+        state += trainer.optimizer.state_bytes()
         return float(state + acts), float(acts)
 
     def _report(self, trainer, iteration: int) -> None:
@@ -358,6 +367,9 @@ def host_cores() -> int:
 
 
 def _layout_meta(layout: Layout) -> Dict[str, object]:
-    return {"tp": layout.tp, "dp": layout.dp, "cp": layout.cp, "mbs": layout.mbs, "recompute": layout.recompute,
+    meta = {"tp": layout.tp, "dp": layout.dp, "cp": layout.cp, "mbs": layout.mbs, "recompute": layout.recompute,
             "sp": layout.sp, "dist_opt": layout.dist_opt, "cp_comm": layout.cp_comm,
             "stage_layers": list(layout.stage_layers) if layout.stage_layers else None}
+    if layout.ep > 1 or layout.etp is not None:  # MoE only: a dense run's timeline keeps its keys
+        meta.update(ep=layout.ep, etp=layout.etp, moe_dispatcher=layout.moe_dispatcher)
+    return meta

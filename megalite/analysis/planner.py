@@ -17,6 +17,12 @@ all keys; the all_gather variant also keeps the gathered keys and values). These
 bench_plan.py measures on CPU runs; a GPU adds temporaries (the logits' gradient, all-gather buffers)
 and allocator slack, which the planner's --headroom covers.
 
+Mixture of experts (moe_plan.py): an MoE layer's router and shared expert count as dense weights;
+its E/EP experts (ETP shards) are reduced, and with ZeRO-1 their optimizer state sharded, over
+expert-DP = tp x cp x dp / (ep x etp); its activations are the tokens' topk routed rows through the
+local experts, plus one layer's dispatch buffers (alltoall or allgather) at the peak; the step time
+adds the dispatch traffic and the expert gradients' reduction over expert-DP.
+
 Step time: each virtual stage costs its hardware FLOPs at an assumed fraction of the device's peak,
 plus tensor-parallel collectives (4 per layer and micro-batch forward+backward) at the intra-node link
 speed; the pipeline simulator turns stage costs into the schedule's makespan and bubble; the
@@ -32,6 +38,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
+from megalite.analysis.moe_plan import (dispatch_buffer_bytes, dispatch_bytes_per_layer, expert_tp,
+                                        moe_block_activation_bytes, moe_block_params)
 from megalite.analysis.simulate import simulate_schedule
 from megalite.config import ModelConfig
 from megalite.pipeline.registry import build_compute, default_schedule_name, layout_for
@@ -57,6 +65,18 @@ class Layout:
     schedule_name: Optional[str] = None  # None: Megatron's default for (pp, vp)
     stage_layers: Optional[Tuple[int, ...]] = None  # layers of every virtual stage (None: even)
     cp_comm: str = "p2p"
+    ep: int = 1  # expert parallel: ranks a layer's experts are split over (MoE)
+    etp: Optional[int] = None  # expert tensor parallel (None: tp)
+    moe_dispatcher: str = "allgather"
+
+    @property
+    def expert_tp(self) -> int:
+        return expert_tp(self.tp, self.etp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the replicas of each expert shard."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
 
     def layers(self, num_layers: int) -> List[int]:
         """Layers of every global stage, in stage order."""
@@ -87,6 +107,12 @@ class Layout:
             out += ["--context-parallel-size", str(self.cp)]
         if self.stage_layers:
             out += ["--pipeline-stage-layers", ",".join(map(str, self.stage_layers))]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep)]
+        if self.etp is not None and self.etp != self.tp:
+            out += ["--expert-tensor-parallel-size", str(self.etp)]
+        if self.moe_dispatcher != "allgather":
+            out += ["--moe-token-dispatcher-type", self.moe_dispatcher]
         if self.sp:
             out.append("--sequence-parallel")
         if self.dist_opt:
@@ -98,7 +124,9 @@ class Layout:
         return out
 
     def describe(self) -> str:
-        return (f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''} "
+        moe = (f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' etp{self.etp}' if self.etp not in (None, self.tp) else ''}"
+               f"{' a2a' if self.moe_dispatcher == 'alltoall' else ''}")
+        return (f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''}{moe} "
                 f"mbs{self.mbs} {self.recompute}{' sp' if self.sp else ''}{' zero1' if self.dist_opt else ''}"
                 f"{f' {self.schedule_name}' if self.schedule_name else ''}")
 
@@ -121,32 +149,53 @@ def _with_recompute(cfg: ModelConfig, recompute: str) -> ModelConfig:
 
 
 # -- parameters ---------------------------------------------------------------------------------------
-def layer_params(cfg: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank (norms and row biases replicated)."""
+def layer_params(cfg: ModelConfig, tp: int, mlp: bool = True) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank (norms and row biases replicated);
+    ``mlp`` False: without the MLP (an MoE layer's block is counted by moe_plan.moe_block_params)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv, ffn = d * cfg.num_attention_heads, d * cfg.query_groups, cfg.ffn_size
     fc1 = 2 * ffn if cfg.swiglu else ffn
-    split = h * (q + 2 * kv) + q * h + h * fc1 + ffn * h
+    split = h * (q + 2 * kv) + q * h + (h * fc1 + ffn * h if mlp else 0)
     norm = (2 if cfg.normalization == "LayerNorm" else 1) * h
-    split_bias = (q + 2 * kv + fc1) if cfg.add_bias_linear else 0
-    replicated = 2 * norm + (2 * h if cfg.add_bias_linear else 0)
+    split_bias = (q + 2 * kv + (fc1 if mlp else 0)) if cfg.add_bias_linear else 0
+    replicated = 2 * norm + ((2 if mlp else 1) * h if cfg.add_bias_linear else 0)
     return (split + split_bias) // tp + replicated
 
 
-def params_per_rank(cfg: ModelConfig, layout: Layout) -> List[int]:
-    """Parameters held by each pipeline rank (all its virtual chunks), for one tp rank."""
+def stage_layer_ids(cfg: ModelConfig, layout: Layout) -> List[range]:
+    """The global layers of every stage, in stage order."""
+    out, start = [], 0
+    for n in layout.layers(cfg.num_layers):
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def param_counts_per_rank(cfg: ModelConfig, layout: Layout) -> List[Tuple[int, int, int]]:
+    """(dense, expert, fp32 without gradient) parameters of each pipeline rank, for one rank of its stage:
+    dense ones are reduced over dp x cp, experts over expert-DP (moe_plan.py; (n, 0, 0) for a dense model)."""
     t, pp, place = layout.tp, layout.pp, layout.placement()
     vocab = cfg.padded_vocab_size(t) * cfg.hidden_size // t
-    out = [0] * pp
-    for stage, n in enumerate(layout.layers(cfg.num_layers)):
-        out[place.rank_of(stage)] += n * layer_params(cfg, t)
+    out, experts, fixed = [0] * pp, [0] * pp, [0] * pp
+    moe = moe_block_params(cfg, t, layout.ep, layout.expert_tp) if cfg.is_moe else (0, 0, 0)
+    for stage, ids in enumerate(stage_layer_ids(cfg, layout)):
+        r, n_moe = place.rank_of(stage), sum(cfg.is_moe_layer(i) for i in ids)
+        out[r] += (len(ids) - n_moe) * layer_params(cfg, t) + n_moe * (layer_params(cfg, t, mlp=False) + moe[0])
+        experts[r] += n_moe * moe[1]
+        fixed[r] += n_moe * moe[2]
     first, last = place.rank_of(0), place.rank_of(place.num_stages - 1)
     out[first] += vocab + (cfg.max_positions * cfg.hidden_size
                            if cfg.position_embedding_type == "learned_absolute" else 0)
     out[last] += (2 if cfg.normalization == "LayerNorm" else 1) * cfg.hidden_size  # final norm
     if not cfg.tied_embeddings or first != last:  # an output layer, or the last stage's copy of the tied table
         out[last] += vocab
-    return out
+    return list(zip(out, experts, fixed))
+
+
+def params_per_rank(cfg: ModelConfig, layout: Layout) -> List[int]:
+    """Parameters held by each pipeline rank (all its virtual chunks), for one tp rank, whose gradients
+    are reduced over dp x cp (all of a dense model's; an MoE's experts: param_counts_per_rank)."""
+    return [dense for dense, _, _ in param_counts_per_rank(cfg, layout)]
 
 
 def state_bytes(cfg: ModelConfig, n_params: int, layout: Layout) -> Tuple[float, float, float]:
@@ -156,6 +205,18 @@ def state_bytes(cfg: ModelConfig, n_params: int, layout: Layout) -> Tuple[float,
     grads = n_params * 4  # bf16 always accumulates in fp32; fp16 runs are planned with fp32 accumulation too
     opt = n_params * (8 + (4 if half else 0))
     return weights, grads, opt / (layout.dp * layout.cp) if layout.dist_opt else opt
+
+
+def rank_state_bytes(cfg: ModelConfig, counts: Tuple[int, int, int], layout: Layout) -> Tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of one rank from its (dense, expert, fp32 no-grad) counts: the
+    experts' optimizer state is sharded over expert-DP with the distributed optimizer (as the optimizer
+    does whenever expert-DP > 1); the expert bias is fp32 and has neither gradient nor optimizer state."""
+    dense, expert, fixed = counts
+    w, g, o = state_bytes(cfg, dense, layout)
+    ew, eg, eo = state_bytes(cfg, expert, replace(layout, dist_opt=False))
+    if layout.dist_opt and layout.edp > 1:
+        eo /= layout.edp
+    return w + ew + 4 * fixed, g + eg, o + eo
 
 
 # -- activations ---------------------------------------------------------------------------------------
@@ -170,8 +231,9 @@ def norm_bytes(cfg: ModelConfig, tokens: float, device: str) -> float:
 
 
 def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, mbs: int, device: str = "cuda", cp: int = 1,
-                           cp_comm: str = "p2p") -> float:
-    """Bytes one transformer layer saves for backward, per micro-batch, on one rank (no recompute)."""
+                           cp_comm: str = "p2p", moe: bool = False, etp: int = 1) -> float:
+    """Bytes one transformer layer saves for backward, per micro-batch, on one rank (no recompute);
+    ``moe``: an MoE layer, its MLP replaced by the MoE block (experts split over ``etp``)."""
     e = 2 if cfg.params_dtype != "float32" else 4
     s, b, h, t = cfg.seq_length // cp, mbs, cfg.hidden_size, tp
     sb = s * b
@@ -186,12 +248,14 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, mbs: int, device
     if cfg.position_embedding_type == "rope":
         inside += e * sb * (q + kv)  # rotated q and k are new tensors
     inside += e * sb * q  # linear_proj input
-    inside += e * sb * ffn * (4 if cfg.swiglu else 2)  # fc1 output [+ silu(gate), product] / GeLU output
+    if not moe:
+        inside += e * sb * ffn * (4 if cfg.swiglu else 2)  # fc1 output [+ silu(gate), product] / GeLU output
     if cfg.recompute_granularity != "selective":
         inside += core_attention_bytes(cfg, mbs, e, device, cp)
     if cp > 1 and cp_comm == "all_gather":
         inside += e * cfg.seq_length * b * 2 * kv  # the gathered keys and values of the whole sequence
-    return outside * r + inside / t
+    block = moe_block_activation_bytes(cfg, sb * r, t, etp, e) if moe else 0.0
+    return outside * r + inside / t + block
 
 
 def core_attention_bytes(cfg: ModelConfig, mbs: int, e: int, device: str = "cuda", cp: int = 1) -> float:
@@ -212,8 +276,9 @@ def core_attention_bytes(cfg: ModelConfig, mbs: int, e: int, device: str = "cuda
 
 
 def chunk_activation_bytes(cfg: ModelConfig, layout: Layout, layers: int, first: bool, last: bool,
-                           device: str = "cuda", cp_comm: str = "p2p") -> float:
-    """One micro-batch's saved bytes for a chunk of ``layers`` layers (embedding / loss when first / last)."""
+                           device: str = "cuda", cp_comm: str = "p2p", moe_layers: int = 0) -> float:
+    """One micro-batch's saved bytes for a chunk of ``layers`` layers, ``moe_layers`` of them MoE layers
+    (embedding / loss when first / last)."""
     e = 2 if cfg.params_dtype != "float32" else 4
     t, sp, b = layout.tp, layout.sp and layout.tp > 1, layout.mbs
     sb, h = cfg.seq_length // layout.cp * b, cfg.hidden_size
@@ -221,7 +286,10 @@ def chunk_activation_bytes(cfg: ModelConfig, layout: Layout, layers: int, first:
     if cfg.recompute_granularity == "full":
         total = layers * e * sb * h * r  # each layer's input only
     else:
-        total = layers * layer_activation_bytes(cfg, t, sp, b, device, layout.cp, cp_comm)
+        total = (layers - moe_layers) * layer_activation_bytes(cfg, t, sp, b, device, layout.cp, cp_comm)
+        if moe_layers:
+            total += moe_layers * layer_activation_bytes(cfg, t, sp, b, device, layout.cp, cp_comm, moe=True,
+                                                         etp=layout.expert_tp)
     if cfg.position_embedding_type == "rope" and layers:
         total += 2 * 4 * cfg.seq_length * cfg.head_dim  # fp32 cos and sin tables, shared by the chunk's layers
     if first:
@@ -259,14 +327,20 @@ def activation_bytes_per_rank(cfg: ModelConfig, layout: Layout, global_batch_siz
                               device: str = "cuda") -> List[float]:
     """Peak saved bytes on each pipeline rank over one step of its schedule."""
     pp, vp, place = layout.pp, layout.vp, layout.placement()
-    m, layers = layout.num_microbatches(global_batch_size), layout.layers(cfg.num_layers)
+    m, ids = layout.num_microbatches(global_batch_size), stage_layer_ids(cfg, layout)
+    moe = [sum(cfg.is_moe_layer(i) for i in r) for r in ids]
+    e = 2 if cfg.params_dtype != "float32" else 4
+    tokens = cfg.seq_length // layout.cp * layout.mbs / (layout.tp if layout.sp and layout.tp > 1 else 1)
     out = []
     for rank in range(pp):
         stages = [place.stage(rank, c) for c in range(vp)]
-        sizes = [chunk_activation_bytes(cfg, layout, layers[s], first=s == 0, last=s == place.num_stages - 1,
-                                        device=device, cp_comm=layout.cp_comm) for s in stages]
+        sizes = [chunk_activation_bytes(cfg, layout, len(ids[s]), first=s == 0, last=s == place.num_stages - 1,
+                                        device=device, cp_comm=layout.cp_comm, moe_layers=moe[s]) for s in stages]
         pattern = _in_flight_pattern(layout.schedule(), pp, vp, m, rank)
-        out.append(max(sum(n * size for n, size in zip(held, sizes)) for held in pattern))
+        peak = max(sum(n * size for n, size in zip(held, sizes)) for held in pattern)
+        if any(moe[s] for s in stages):  # one layer's token exchange at a time, at the peak
+            peak += dispatch_buffer_bytes(cfg, tokens, layout.ep, layout.expert_tp, layout.moe_dispatcher, e)
+        out.append(peak)
     return out
 
 
@@ -277,7 +351,7 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, global_batch_size: int, de
     """
     cfg = _with_recompute(cfg, layout.recompute)
     acts = activation_bytes_per_rank(cfg, layout, global_batch_size, device)
-    return [Memory(*state_bytes(cfg, n, layout), a) for n, a in zip(params_per_rank(cfg, layout), acts)]
+    return [Memory(*rank_state_bytes(cfg, n, layout), a) for n, a in zip(param_counts_per_rank(cfg, layout), acts)]
 
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, global_batch_size: int, device: str = "cuda") -> Memory:
@@ -322,6 +396,12 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, global_batch_size: int,
     if t > 1:  # 2 all-reduces (or all-gather + reduce-scatter) per layer forward, 2 backward
         comm = 4 * layers * 2 * (t - 1) / t * msg / (hw.intra_node_gbps * 1e9)
         forward += comm / 3  # spread like compute: a third forward, two thirds backward
+    if cfg.is_moe and layout.ep * layout.expert_tp > 1:  # token dispatch and combine, mirrored in backward
+        tokens = cfg.seq_length / cp * mbs / (t if layout.sp and t > 1 else 1)
+        moved = dispatch_bytes_per_layer(cfg, tokens, layout.ep, layout.expert_tp, layout.moe_dispatcher, e)
+        in_node = layout.ep * layout.expert_tp <= hw.gpus_per_node  # the expert-MP group: consecutive ranks
+        bw = (hw.intra_node_gbps if in_node else hw.inter_node_gbps) * 1e9
+        forward += 2 * cfg.num_moe_layers / layout.pp * moved / bw / 3
     if cp > 1:  # K/V blocks around the CP ring: cp - 1 steps forward, twice that backward (dK, dV too)
         kv = 2 * e * cfg.seq_length // cp * mbs * cfg.head_dim * cfg.query_groups / t
         bw = (hw.intra_node_gbps if t * cp <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9
@@ -343,4 +423,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, global_batch_size: int,
         in_node = layout.world <= hw.gpus_per_node
         bw = (hw.intra_node_gbps if in_node else hw.inter_node_gbps) * 1e9
         step += 2 * (replicas - 1) / replicas * 4 * n / bw  # fp32 gradients, ring all-reduce
+    if cfg.is_moe and layout.edp > 1:  # the experts' gradients over their own replicas (expert-DP)
+        n = max(c[1] for c in param_counts_per_rank(cfg, layout))
+        bw = (hw.intra_node_gbps if layout.world <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9
+        step += 2 * (layout.edp - 1) / layout.edp * 4 * n / bw
     return step, bubble

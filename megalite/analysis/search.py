@@ -40,16 +40,41 @@ def model_splits(cfg: ModelConfig, num_gpus: int, gpus_per_node: int = 8,
         yield tp, pp, num_gpus // (tp * pp * cp), cp
 
 
+def expert_splits(cfg: ModelConfig, tp: int, stage_ranks: int, ep_sizes: Optional[Sequence[int]] = None,
+                  etp_sizes: Optional[Sequence[int]] = None) -> List[Tuple[int, Optional[int], str]]:
+    """(ep, etp, dispatcher) for an MoE on a stage of ``stage_ranks`` ranks (tp x cp x dp): every ep dividing
+    the experts (or ``ep_sizes``), etp = tp or 1 (or ``etp_sizes``); alltoall once experts are split, as
+    Megatron advises. A dense model: only (1, None, allgather)."""
+    if not cfg.is_moe:
+        return [(1, None, "allgather")]
+    out = []
+    for ep in (ep_sizes or _divisors(cfg.num_experts)):
+        for etp in (etp_sizes or sorted({tp, 1})):
+            if (cfg.num_experts % ep or stage_ranks % (ep * etp) or cfg.moe_ffn_size % etp
+                    or (cfg.add_bias_linear and etp > 1)):
+                continue
+            out.append((ep, None if etp == tp else etp, "alltoall" if ep > 1 else "allgather"))
+    return out
+
+
 def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch_size: int, gpus_per_node: int = 8,
                       micro_batches: Sequence[int] = (1, 2, 4, 8), max_vp: int = 4,
-                      cp_sizes: Sequence[int] = (1,), schedules: Sequence[str] = ()) -> Iterator[Layout]:
+                      cp_sizes: Sequence[int] = (1,), schedules: Sequence[str] = (),
+                      ep_sizes: Optional[Sequence[int]] = None,
+                      etp_sizes: Optional[Sequence[int]] = None) -> Iterator[Layout]:
     """Every layout pretrain_gpt.py accepts for this model on ``num_gpus`` devices (tp within a node), with
-    Megatron's default schedule and each of ``schedules`` that runs on it."""
+    Megatron's default schedule and each of ``schedules`` that runs on it (an MoE: each expert split,
+    expert_splits)."""
     for tp, pp, dp, cp in model_splits(cfg, num_gpus, gpus_per_node, cp_sizes):
         vps = [v for v in (1, 2, 3, 4, 6, 8) if v <= max_vp and (cfg.num_layers // pp) % v == 0] if pp > 1 else [1]
-        for vp, mbs, rec, dist_opt in itertools.product(vps, micro_batches, RECOMPUTE, (False, True)):
-            layout = Layout(tp, pp, dp, vp, mbs, rec, sp=tp > 1 and cfg.seq_length % tp == 0,
-                            dist_opt=dist_opt, cp=cp)
+        sp = tp > 1 and cfg.seq_length % tp == 0
+        if cfg.is_moe and tp > 1 and not sp:  # an MoE with tp needs sequence parallelism
+            continue
+        experts = expert_splits(cfg, tp, tp * cp * dp, ep_sizes, etp_sizes)
+        for vp, mbs, rec, dist_opt, (ep, etp, disp) in itertools.product(vps, micro_batches, RECOMPUTE,
+                                                                         (False, True), experts):
+            layout = Layout(tp, pp, dp, vp, mbs, rec, sp=sp, dist_opt=dist_opt, cp=cp, ep=ep, etp=etp,
+                            moe_dispatcher=disp)
             if (dist_opt and dp * cp == 1) or global_batch_size % (mbs * dp):
                 continue
             for name in (None, *(s for s in schedules if s != layout.schedule())):
@@ -90,13 +115,15 @@ def plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_batch_si
     rec = {name: i for i, name in enumerate(RECOMPUTE)}
     fastest = min((p.step_s for p in out), default=1.0)
     return sorted(out, key=lambda p: (int(math.log(p.step_s / fastest) / math.log(1.02)), p.layout.pp * p.layout.vp,
-                                      p.layout.tp * p.layout.cp, rec[p.layout.recompute], p.memory.total))
+                                      p.layout.tp * p.layout.cp, rec[p.layout.recompute], p.layout.ep,
+                                      p.memory.total))
 
 
 def layout_distance(a: Layout, b: Layout) -> float:
     """How far apart two layouts are, in flags to change (each doubling or halving of a size counts one)."""
     sizes = sum(abs(math.log2(x) - math.log2(y)) for x, y in ((a.tp, b.tp), (a.pp, b.pp), (a.vp, b.vp),
-                                                              (a.cp, b.cp), (a.mbs, b.mbs)))
+                                                              (a.cp, b.cp), (a.mbs, b.mbs), (a.ep, b.ep),
+                                                              (a.expert_tp, b.expert_tp)))
     rec = {name: i for i, name in enumerate(RECOMPUTE)}
     return sizes + abs(rec[a.recompute] - rec[b.recompute]) + (a.sp != b.sp) * 0.5 + (a.dist_opt != b.dist_opt) * 0.5
 

@@ -29,7 +29,13 @@ class GradBuffers:
 
     @property
     def grad_data(self):
+        """The dense buffer's flat gradients (the experts' are ``parts[1].grad_data``)."""
         return self.dense.grad_data
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every gradient buffer."""
+        return sum(part.grad_data.numel() * part.grad_data.element_size() for part in self.parts)
 
     @property
     def buckets(self) -> List[Bucket]:

@@ -60,4 +60,7 @@ def reduce_moe_stats(layers: Sequence, ps: ParallelState, num_microbatches: int,
     c = counts[moe]
     out.update(tokens_per_expert_min=float(c.min(dim=1).values.mean()), tokens_per_expert_mean=float(c.mean()),
                tokens_per_expert_max=float(c.max(dim=1).values.mean()))
+    for i in moe:
+        out.update({f"tokens_per_expert_min layer {i}": float(counts[i].min()),
+                    f"tokens_per_expert_max layer {i}": float(counts[i].max())})
     return out

@@ -4,6 +4,11 @@ stragglers, the summary; it also drives --profile around each iteration.
 The logging rank (the last global rank) prints; every rank takes part in the few collectives
 a log interval needs (the bubble mean over the pipeline, the one-time GPU memory report, the
 straggler gather). Time spent evaluating or saving is not counted as iteration time.
+
+A mixture of experts adds Megatron-LM's MoE fields: the balancing losses (without their coefficients,
+mean over MoE layers) and the routed tokens per expert. Their statistics restart every iteration, so
+every rank reduces them every iteration (``reduce_moe_stats``, one all-reduce over the world) and the
+log line shows their mean over the interval, as Megatron's total_loss_dict does.
 """
 from __future__ import annotations
 
@@ -17,7 +22,10 @@ import torch
 
 from megalite.config import Config
 from megalite.data.builder import default_cache_dir
-from megalite.logging import TensorBoard, format_duration, format_log_line, format_timers, mean_over_pipeline
+from megalite.logging import (TensorBoard, format_duration, format_log_line, format_moe_fields, format_moe_layers,
+                              format_timers, mean_over_pipeline, moe_tensorboard)
+from megalite.moe import moe_layers
+from megalite.moe.metrics import reduce_moe_stats
 from megalite.parallel_state import ParallelState
 from megalite.profiling import Profiler, WandbWriter, trace_dir
 from megalite.stragglers import StragglerMonitor, rank_work
@@ -46,6 +54,9 @@ class Reporter:
         self.flops = Throughput(cfg.model, t.global_batch_size, padded_vocab, ps.world_size,
                                 num_chunks=ps.pp_size * cfg.parallel.vp,
                                 peak_tflops=device_peak_tflops(ps.device, cfg.logging.peak_tflops))
+        # MoE: this rank's layers (possibly none: the reduction is over the world, every rank joins it)
+        self.moe = moe_layers(chunks) if cfg.model.is_moe and chunks else None
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self.memory_reported = False  # Megatron reports GPU memory once, after the first logged iterations
         self.history: List[Dict[str, float]] = []
         self.window: List[Dict[str, float]] = []
@@ -70,6 +81,10 @@ class Reporter:
         if not self.profiler.tracing:  # a traced iteration is slower on the traced ranks only
             self.stragglers.record(events, self.state.iteration)
         self.profiler.after_step(self.state.iteration)
+        if self.moe is not None:  # collective, every iteration: the layers' statistics restart now
+            out = {**out, "moe": reduce_moe_stats(self.moe, self.ps, self.num_microbatches, self.cfg.model)}
+            for layer in self.moe:
+                layer.reset_stats()
         self.history.append(out)
         self.window.append(out)
         if self.due(self.state.iteration):
@@ -95,14 +110,17 @@ class Reporter:
         self.last_logged = (it, loss)
         figures = self.flops.figures(sec_per_iter)
         last = window[-1]
+        moe = self._moe_means()
         run_time = time.perf_counter() - self.run_start
         eta = run_time / (it - self.first_iteration) * (t.train_iters - it)
         logger.info(format_log_line(it, t.train_iters, self.state.consumed_samples, sec_per_iter * 1e3,
                                     figures["tflops"], last["lr"], t.global_batch_size, loss, last["grad_norm"],
                                     self.state.skipped_iters, self.state.nan_iters, figures["tokens_per_s"],
-                                    last["loss_scale"])
+                                    last["loss_scale"], format_moe_fields(moe) if moe else "")
                     + self.flops.log_fields(figures)
                     + f" elapsed: {format_duration(run_time)} | ETA: {format_duration(eta)} |")
+        if moe and self.cfg.logging.moe_per_layer_logging:
+            logger.info("\n".join(format_moe_layers(moe)))
         for line in memory_lines:
             logger.info(line)
         if self.cfg.logging.log_timers:
@@ -112,7 +130,13 @@ class Reporter:
         scalars = {"loss-scale": last["loss_scale"]} if self.has_scaler else {}
         self._scalars({**scalars, "lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
                        "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
-                       **self.flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device)), **spread}, it)
+                       **self.flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device)), **spread,
+                       **(moe_tensorboard(moe, self.cfg.logging.moe_per_layer_logging) if moe else {})}, it)
+
+    def _moe_means(self) -> Dict[str, float]:
+        """Each MoE figure's mean over the interval's iterations ({} for a dense model)."""
+        rows = [w["moe"] for w in self.window if w.get("moe")]
+        return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
     def _scalars(self, values: Dict[str, Optional[float]], step: int) -> None:
         self.tb.scalars(values, step)
