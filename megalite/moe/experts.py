@@ -90,6 +90,7 @@ class LocalExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor) -> bool:
         return (_GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and not self.cfg.add_bias_linear
+                and torch.cuda.get_device_capability(x.device)[0] >= 9  # its kernels: Hopper and later
                 and not any(e.linear_fc1.split_wgrad for e in self.local_experts.values()))
 
     def _grouped_forward(self, x: torch.Tensor, counts: List[int], experts: List[Expert]) -> torch.Tensor:

@@ -92,3 +92,21 @@ def test_torch_format_moe_round_trip_and_other_ep_error(tmp_path):
     errors = run_distributed(_load_error, 2, _cfg(ep=1), root)
     assert all("ep=2 etp=1" in e and "ep=1 etp=1" in e and "--ckpt-format sharded" in e and "\n" not in e
                for e in errors), errors
+
+
+def _async_torch_round_trip(ps, cfg, root):
+    first = train_losses(ps, cfg, save=root, fmt="torch", exit_at=STEPS // 2, async_save=True)
+    return {"losses": first + train_losses(ps, cfg, load=root), "whole": train_losses(ps, cfg),
+            "last": ps.is_last_stage}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_async_torch_format_gathers_expert_optimizer_shards_over_expert_dp(tmp_path):
+    """ep2 on 4 ranks (expert DP 2) with the distributed optimizer: the background write gathers the dense
+    shards over dp x cp and the experts' over expert DP (their own gloo groups); the resume is exact."""
+    root = str(tmp_path / "async")
+    results = run_distributed(_async_torch_round_trip, 4, _cfg(ep=2, use_distributed_optimizer=True), root, ep=2)
+    for r in results:
+        if r["last"]:
+            assert r["losses"] == r["whole"], r

@@ -166,7 +166,7 @@ def test_ep2_dp2_alltoall_capacity_allgather():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("etp,dispatcher", [(1, "alltoall"), (2, "allgather")])
+@pytest.mark.parametrize("etp,dispatcher", [(1, "alltoall"), (2, "allgather"), (2, "alltoall")])
 def test_tp2_sp_ep2(etp, dispatcher):
     _run(4, [(f"tp2 x ep2 ETP {etp} {dispatcher}", moe_config(tp=2, ep=2, etp=etp, dispatcher=dispatcher))],
          tp=2, ep=2, etp=etp)

@@ -41,6 +41,7 @@ CASES: Dict[str, tuple] = {
     "debug_3d_cpu.sh": ({}, 8),
     "pretrain_gpt_single_node.sh": ({"TP": "2", "PP": "2"}, 8),
     "pretrain_gpt_long_context.sh": ({}, 8),
+    "pretrain_mixtral_moe.sh": ({}, 8),
     "pretrain_gpt_multi_node.sh": ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}, 16),
     "gpt3_1.3b.sh": ({}, 8),
     "llama2_7b.sh": ({"NODE_RANK": "0", "MASTER_ADDR": "node0"}, 16),
