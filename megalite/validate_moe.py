@@ -72,6 +72,3 @@ def validate_moe(cfg: Config, world_size: int) -> None:
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         raise ConfigError("--moe-router-enable-expert-bias (auxiliary-loss-free balancing) needs "
                           "--moe-router-score-function sigmoid")
-    if m.add_bias_linear and etp > 1:
-        raise ConfigError(f"expert biases are not supported with --expert-tensor-parallel-size {etp}; add "
-                          f"--disable-bias-linear or use --expert-tensor-parallel-size 1")

@@ -41,6 +41,20 @@ def _activation(cfg: ModelConfig, h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh" if cfg.openai_gelu else "none")
 
 
+class _AddOnce(torch.autograd.Function):
+    """fc2's bias under expert tensor parallelism: the ETP ranks' partial outputs are summed, so only rank 0
+    adds it; every rank gets its whole gradient (the upstream gradient is the same on all of them), so the
+    replicated copies stay equal without a collective."""
+
+    @staticmethod
+    def forward(ctx, y, bias, add: bool):
+        return y + bias if add else y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.reshape(-1, grad.shape[-1]).sum(dim=0), None
+
+
 class Expert(nn.Module):
     """One expert's MLP (this rank's ETP shard of it)."""
 
@@ -57,7 +71,12 @@ class Expert(nn.Module):
         """x [n, h] -> this shard's part of the output [n, h] (summed over ETP by the dispatcher)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         h = _matmul(x, fc1.weight, fc1.bias, None, fc1.split_wgrad)
-        return _matmul(_activation(cfg, h), fc2.weight, fc2.bias, None, fc2.split_wgrad)
+        y = _matmul(_activation(cfg, h), fc2.weight, None, None, fc2.split_wgrad)
+        if fc2.bias is None:
+            return y
+        if fc2.tp.size == 1:
+            return y + fc2.bias
+        return _AddOnce.apply(y, fc2.bias, fc2.tp.rank == 0)
 
 
 class LocalExperts(nn.Module):
@@ -73,6 +92,7 @@ class LocalExperts(nn.Module):
             for e in range(self.first, self.first + self.num_local)})
         for p in self.parameters():
             p.expert_parallel = True
+            p.first_of_etp = etp.rank == 0  # a copy replicated over ETP (fc2's bias) is counted there only
 
     def forward(self, x: torch.Tensor, counts: List[int], pad_to: Optional[int] = None) -> torch.Tensor:
         """x [sum(counts), h]: the tokens of local expert 0, then 1, ... -> their outputs, same order.

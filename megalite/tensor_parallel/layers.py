@@ -51,8 +51,8 @@ def is_counted_once(param: nn.Parameter, tp_rank: int) -> bool:
     """
     if getattr(param, "shared", False):
         return False
-    if getattr(param, "expert_parallel", False):  # an expert's: its own grid (the optimizer counts it over edp)
-        return True
+    if getattr(param, "expert_parallel", False):  # an expert's: its own grid (the optimizer counts it over edp);
+        return getattr(param, "tensor_parallel", False) or getattr(param, "first_of_etp", True)  # fc2 bias: once
     return getattr(param, "tensor_parallel", False) or tp_rank == 0
 
 

@@ -49,6 +49,8 @@ FEATURES = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bi
                 moe_router_bias_update_rate=1e-2, moe_shared_expert_intermediate_size=32,
                 moe_shared_expert_gate=True)
 CAPACITY = dict(moe_expert_capacity_factor=0.5)
+GPT2_STYLE = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
+                  add_bias_linear=True, untie_embeddings_and_output_weights=False, num_query_groups=None)
 
 
 def moe_config(model=None, layers: int = 2, gbs: int = 8, mbs: int = 2, dispatcher: str = "alltoall",
@@ -168,8 +170,10 @@ def test_ep2_dp2_alltoall_capacity_allgather():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("etp,dispatcher", [(1, "alltoall"), (2, "allgather"), (2, "alltoall")])
 def test_tp2_sp_ep2(etp, dispatcher):
-    _run(4, [(f"tp2 x ep2 ETP {etp} {dispatcher}", moe_config(tp=2, ep=2, etp=etp, dispatcher=dispatcher))],
-         tp=2, ep=2, etp=etp)
+    cases = [(f"tp2 x ep2 ETP {etp} {dispatcher}", moe_config(tp=2, ep=2, etp=etp, dispatcher=dispatcher))]
+    if etp == 2 and dispatcher == "alltoall":  # GPT-2 style: expert biases (fc2's added by ETP rank 0), GeLU
+        cases.append(("tp2 x ep2 ETP 2 gpt2-style", moe_config(GPT2_STYLE, tp=2, ep=2, etp=2, dispatcher=dispatcher)))
+    _run(4, cases, tp=2, ep=2, etp=etp)
 
 
 @pytest.mark.multiprocess
