@@ -111,14 +111,20 @@ class LocalExperts(nn.Module):
     def _grouped(self, x: torch.Tensor) -> bool:
         return (_GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and not self.cfg.add_bias_linear
                 and torch.cuda.get_device_capability(x.device)[0] >= 9  # its kernels: Hopper and later
+                and x.shape[1] % 8 == 0 and self.local_experts[str(self.first)].linear_fc2.weight.shape[1] % 8 == 0
                 and not any(e.linear_fc1.split_wgrad for e in self.local_experts.values()))
 
     def _grouped_forward(self, x: torch.Tensor, counts: List[int], experts: List[Expert]) -> torch.Tensor:
-        offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        """One grouped GEMM per linear; each expert's rows padded to a multiple of 8 (the kernels' alignment)."""
+        padded = [-(-n // 8) * 8 for n in counts]
+        starts = torch.tensor([0] + padded[:-1], device=x.device).cumsum(0)
+        rows = torch.cat([torch.arange(n, device=x.device) + s for n, s in zip(counts, starts)])  # real rows
+        xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)
+        offs = torch.tensor(padded, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         w1 = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)  # [E, h, f]
         w2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)  # [E, f, h]
-        h = _GROUPED_MM(x, w1, offs=offs)
-        return _GROUPED_MM(_activation(self.cfg, h), w2, offs=offs)
+        h = _GROUPED_MM(xp, w1, offs=offs)
+        return _GROUPED_MM(_activation(self.cfg, h), w2, offs=offs).index_select(0, rows)
 
 
 class SharedExpert(MLP):

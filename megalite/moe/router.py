@@ -141,7 +141,9 @@ class Router(nn.Module):
             routing, probs = self._drop(routing, probs)
         counts = routing.sum(dim=0)  # after dropping: what the experts compute
         if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0:
-            aux = self._aux_loss(aux_scores, idx, seq_batch)
+            # the loads the loss sees are the unbiased choices (megatron-core's): the expert bias only steers
+            aux = self._aux_loss(aux_scores, torch.topk(aux_scores, self.topk, dim=-1).indices
+                                 if self.expert_bias is not None else idx, seq_batch)
             if torch.is_grad_enabled():
                 probs = AuxLossScaler.apply(probs, aux * cfg.moe_aux_loss_coeff)
             if record is not None:  # megatron-core's names for the two kinds

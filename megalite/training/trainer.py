@@ -134,6 +134,9 @@ class Trainer:
         self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
                                          dtype=cfg.model.torch_dtype, layout=layout)
         if par.overlap_moe_expert_parallel_comm:  # DualPipeV's F/B pairs side by side (executor.py)
+            if ps.device.type == "cuda":
+                raise ConfigError("--overlap-moe-expert-parallel-comm runs on CPU (gloo) only for now: on CUDA its two "
+                                  "threads share one stream and NCCL could hang; drop the flag")
             ps.init_shadow_groups()
             self.executor.pair_forward_backward = True
         # packed documents: every stage's attention (and RoPE) reads the micro-batch's segments (positions)
@@ -163,10 +166,10 @@ class Trainer:
         t1 = time.perf_counter()
         RECORDER.enter_phase("optimizer")
         updated, grad_norm = self.optimizer.step()
+        if self.cfg.model.moe_router_enable_expert_bias:  # DeepSeek-V3 balancing, every step (as Megatron)
+            update_expert_bias(self.chunks, self.ps)
         if updated:
             self.scheduler.step()
-            if self.cfg.model.moe_router_enable_expert_bias:
-                update_expert_bias(self.chunks, self.ps)  # DeepSeek-V3 balancing: after the weights move
         else:
             self.state.skipped_iters += 1
         t2 = time.perf_counter()

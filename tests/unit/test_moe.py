@@ -206,3 +206,20 @@ def test_half_precision_moe_trains(dtype):
     layer = moe_layers(trainer.chunks)[0]
     assert layer.router.expert_bias.dtype == torch.float32
     assert layer.experts.local_experts["0"].linear_fc1.weight.dtype == getattr(torch, dtype)
+
+
+def test_balancing_loss_counts_the_unbiased_choices():
+    """The expert bias steers which experts compute, never what the balancing loss counts (megatron-core
+    counts the top-k of the unbiased scores): a large bias leaves the logged loss unchanged."""
+    _, layer = _router({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid",
+                        "moe_router_load_balancing_type": "seq_aux_loss"})
+    torch.manual_seed(4)
+    x = torch.randn(12, 32)
+    losses = []
+    for bias in ([0.0, 0.0, 0.0, 0.0], [5.0, 0.0, 0.0, 0.0]):
+        layer.router.expert_bias.data = torch.tensor(bias)
+        got = {}
+        routing, _ = layer.router(x, (6, 2), lambda name, value: got.setdefault(name, value))
+        losses.append(got["seq_load_balancing_loss"])
+    assert routing[:, 0].all()  # the bias did steer every token to expert 0
+    torch.testing.assert_close(losses[0], losses[1])
