@@ -27,6 +27,9 @@ def layer_freq(text: str) -> Union[int, Tuple[int, ...]]:
             return [ev(e) for e in node.elts]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Mult) and max(len(v) if isinstance(v, list) else abs(v) for v in (a, b)) \
+                    * min(len(v) if isinstance(v, list) else abs(v) for v in (a, b)) > 100_000:
+                raise ValueError  # one entry per layer: no model has that many
             return a + b if isinstance(node.op, ast.Add) else a * b
         raise ValueError
     try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.config_moe import layer_freq  # noqa: E402
+from megalite.validate_moe import check_moe_model  # noqa: E402
 from megalite.analysis.planner import GiB, Hardware  # noqa: E402
 from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa: E402
 from megalite.analysis.calibrate import CalibrationError, load_calibration  # noqa: E402
@@ -146,11 +148,18 @@ def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelCon
         kw["add_bias_linear"] = False
     if kw.get("num_experts") is None and any(kw.get(n) is not None for n in _MOE_FLAGS):
         raise ValueError("--moe-* flags describe a mixture of experts: give --num-experts too")
-    if kw.get("num_experts") is not None and kw.get("moe_router_topk", 2) > kw["num_experts"]:
-        raise ValueError(f"--moe-router-topk {kw.get('moe_router_topk', 2)} is more than --num-experts "
-                         f"{kw['num_experts']}")
     dtype = a.params_dtype or (meta or {}).get("params_dtype", "bfloat16")
-    return ModelConfig(seq_length=a.seq_length, params_dtype=dtype, attention_backend="auto", **kw)
+    cfg = ModelConfig(seq_length=a.seq_length, params_dtype=dtype, attention_backend="auto", **kw)
+    if cfg.is_moe:
+        check_moe_model(cfg)  # pretrain_gpt.py's rules for the model (one line each)
+        for flag, sizes in (("--expert-model-parallel-size", a.ep_sizes), ("--expert-tensor-parallel-size", a.etp_sizes)):
+            bad = [v for v in sizes or () if v < 1 or (flag[9] == "m" and cfg.num_experts % v)]
+            if bad:
+                raise ValueError(f"{flag} {bad[0]} must be >= 1" + (f" and divide --num-experts {cfg.num_experts}"
+                                                                    if flag[9] == "m" else ""))
+    elif a.ep_sizes or a.etp_sizes:
+        raise ValueError("--expert-model/tensor-parallel-size describe a mixture of experts: give --num-experts too")
+    return cfg
 
 
 def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
@@ -245,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     per_node = min(a.num_gpus, a.gpus_per_node)
     nodes = (f"--nnodes {a.num_gpus // per_node} --rdzv-backend c10d --rdzv-endpoint \"$MASTER_ADDR:$MASTER_PORT\" "
              if a.num_gpus > per_node else "")
-    print(f"torchrun {nodes}--nproc-per-node {per_node} pretrain_gpt.py " + " ".join(flags))
+    print(f"torchrun {nodes}--nproc-per-node {per_node} pretrain_gpt.py " + shlex.join(flags))
     return 0
 
 

@@ -44,7 +44,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_group
                 "max_positions", "openai_gelu")  # checkpoints older than a field lack it: not compared
 # MoE shape fields: recorded (and compared, a missing one read as dense) only when either side is MoE,
 # so a dense checkpoint's meta.json stays as it was
-MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
                     "moe_shared_expert_gate", "moe_router_enable_expert_bias")
 
 __all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_meta", "check_model_shape",
@@ -124,8 +124,9 @@ def check_model_shape(saved: dict, model: ModelConfig, where: str) -> None:
     diffs = [f"{f} {saved[f]} (checkpoint) vs {getattr(model, f)} (run)"
              for f in fields if f in saved and saved[f] != getattr(model, f)]
     if saved.get("num_experts") is not None or getattr(model, "num_experts", None) is not None:
-        here = _shape_of(model)  # a dense side reads as num_experts None
-        diffs += [f"{f} {saved.get(f)} (checkpoint) vs {here.get(f)} (run)" for f in MOE_SHAPE_FIELDS
+        here = _shape_of(model)  # a dense side reads as num_experts None: then only that differs
+        moe = MOE_SHAPE_FIELDS if saved.get("num_experts") and here.get("num_experts") else ("num_experts",)
+        diffs += [f"{f} {saved.get(f)} (checkpoint) vs {here.get(f)} (run)" for f in moe
                   if (f in saved or f == "num_experts") and saved.get(f) != here.get(f)]
     if diffs:
         raise CheckpointError(f"{where} does not fit this model: {'; '.join(diffs)}; pass the model flags it was "

@@ -88,7 +88,8 @@ class MegatronOptimizer:
     """Everything between backward and the next forward, for one rank's model chunks."""
 
     def __init__(self, named_params: Sequence[Tuple[str, nn.Parameter]], cfg: OptimConfig, ps: ParallelState,
-                 *, shared: Sequence[nn.Parameter] = (), sequence_parallel_params: Sequence[nn.Parameter] = ()):
+                 *, shared: Sequence[nn.Parameter] = (), sequence_parallel_params: Sequence[nn.Parameter] = (),
+                 moe: bool = False):
         self.cfg, self.ps = cfg, ps
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -98,7 +99,7 @@ class MegatronOptimizer:
         self.distributed = cfg.use_distributed_optimizer and ps.dp_cp_size > 1
         fp32_grads = dtype == torch.float32 or cfg.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
         experts = [p for p in self.params if getattr(p, "expert_parallel", False)]  # MoE: their own replicas
-        self.has_experts = bool(experts)
+        self.has_experts = moe or bool(experts)  # the model's, not this stage's: the norm's collective differs
         buffer = dict(grad_dtype=torch.float32 if fp32_grads else dtype, bucket_elements=cfg.ddp_bucket_size,
                       overlap=cfg.overlap_grad_reduce)
         parts = [GradBuffer([p for p in self.params if not getattr(p, "expert_parallel", False)], ps.dp_cp,

@@ -123,7 +123,8 @@ class Trainer:
         shared = [w for w in (c.shared_embedding_weight() for c in self.chunks) if w is not None]
         self.optimizer = MegatronOptimizer(
             named, cfg.optim, ps, shared=shared,
-            sequence_parallel_params=[p for p in self.params if getattr(p, "sequence_parallel", False)])
+            sequence_parallel_params=[p for p in self.params if getattr(p, "sequence_parallel", False)],
+            moe=cfg.model.is_moe)
         self.optimizer.install_param_gather_hooks(self.chunks)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)
         self.actions, self.eval_actions = (

@@ -95,7 +95,7 @@ def logged_moe_losses(trainer: Trainer, ps: ParallelState) -> dict:
     """The iteration's load-balancing and z losses as the log line reports them (every rank's
     layers reduced across ranks), per layer; the stats are then cleared for the next iteration."""
     layers = [layer for c in trainer.chunks for layer in moe_layers([c])]
-    reduced = reduce_moe_stats(layers, ps, trainer.m)
+    reduced = reduce_moe_stats(layers, ps, trainer.m, trainer.cfg.model)  # a stage may hold none
     for layer in layers:
         layer.reset_stats()
     return {k: float(v) for k, v in reduced.items() if "loss" in k}
@@ -185,6 +185,9 @@ def test_pp2_ep2_interleaved_and_zbv():
     cfg = moe_config(layers=4, gbs=16, mbs=2, pp=2, vp=2, schedule="dualpipev", ep=2)
     cases.append(("pp2 x ep2 dualpipev overlapped pairs",
                   cfg.with_(parallel=replace(cfg.parallel, overlap_moe_expert_parallel_comm=True))))
+    # a stage without any MoE layer still joins every collective the MoE stage makes (grad norm, statistics)
+    cases.append(("pp2 x ep2 1f1b, MoE layers on the last stage only",
+                  moe_config({"moe_layer_freq": (0, 0, 1, 1)}, layers=4, gbs=8, mbs=2, pp=2, schedule="1f1b", ep=2)))
     results = _run(4, cases, pp=2, ep=2)
     assert all(r[2]["paired"] > 0 for r in results), [r[2]["paired"] for r in results]
     assert all(r[0]["paired"] == 0 for r in results)

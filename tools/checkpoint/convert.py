@@ -146,6 +146,11 @@ def check_moe_target(a: argparse.Namespace, src: ModelSource, layout: Layout) ->
                               "Megatron run with --ckpt-format torch")
     if not moe or a.saver == "hf":
         return
+    given = [f for f, v in (("--target-expert-parallel-size", a.target_expert_parallel_size),
+                            ("--target-expert-tensor-parallel-size", a.target_expert_tensor_parallel_size)) if v]
+    if a.saver == "megalite" and a.ckpt_format == "sharded" and given:
+        raise CheckpointError(f"{given[0]} sets the files of a per-rank format, but the sharded format is "
+                              f"layout-free (it loads at any ep and etp): drop it, or add --ckpt-format torch")
     etp = layout.expert_tp
     if a.saver == "megatron" and etp != layout.tp:
         raise CheckpointError(f"--saver megatron writes experts split like the dense layers (expert tp = tp = "
