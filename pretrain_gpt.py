@@ -19,16 +19,16 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from megalite.analysis.plan_check import preflight as plan_preflight
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.checkpointing import CheckpointError
 from megalite.checkpointing.save_lock import release_save_locks
 from megalite.config import ConfigError
-from megalite.faults import (ExitConditions, ExitSignals, InjectedFault, check_fault_injection, launcher_gone,
-                             restart_round, say_launcher_gone, watch_launcher)
-from megalite.hang_watch import start_hang_watch
-from megalite.logging import setup_logging
-from megalite.parallel_state import ParallelState
-from megalite.preflight import check_output_paths
+from megalite.training.faults import ExitConditions, ExitSignals, InjectedFault, restart_round, watch_launcher
+from megalite.observability.hang_watch import start_hang_watch
+from megalite.observability.logging import setup_logging
+from megalite.parallel.state import ParallelState
+from megalite.config.checks import check_fault_injection
+from megalite.config.preflight import check_output_paths
 from megalite.data.loading import DatasetError, build_datasets, resolve_data
 from megalite.training import Trainer, TrainingStopped
 
@@ -74,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _error(str(e))
         return 2
     signals = ExitSignals(save_on_signal=cfg.train.exit_signal_handler).install()
-    watch_launcher()
+    launcher = watch_launcher()
     try:
         return _run(cfg, signals, start)
     except InjectedFault as e:  # --inject-fault-kind exception: this rank's one line; torchrun sees exit 1
@@ -83,8 +83,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RuntimeError as e:
         if not _is_comm_failure(e):
             raise
-        if launcher_gone():  # a rank that noticed first exited and broke this one's transfer: name the cause
-            say_launcher_gone()
+        if launcher is not None and launcher.gone():  # a rank that noticed first broke this one's transfer
+            launcher.say_gone()
             return 1
         # A peer died or hung past --distributed-timeout-minutes: one line per rank that saw it, no traceback.
         first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
@@ -103,9 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(cfg, signals: ExitSignals, start: float) -> int:
     par = cfg.parallel
-    ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
-                                timeout_s=60.0 * par.distributed_timeout_minutes, cp=par.cp,
-                                ep=par.ep, etp=par.etp)
+    ps = ParallelState.from_config(cfg)  # the expert groups too, when the model has experts
     log = setup_logging(ps.is_logging_rank, ps.rank)
     start_hang_watch(cfg, ps, signals)  # flight recorder, SIGUSR1, diagnosis of a hang or a signal
     try:

@@ -26,9 +26,9 @@ from common import pipeline_config, run_distributed  # first: puts the repositor
 import torch
 
 from megalite.config import Config
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.analysis.measure import measure_layer_costs, plan_for
-from megalite.settings import resolve_settings
+from megalite.config.settings import resolve_settings
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 

@@ -37,8 +37,9 @@ from common import mock_config, run_distributed  # first: puts the repository on
 import torch
 
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.run import RunParts
 from megalite.config import CheckpointConfig, Config, ModelConfig, OptimConfig
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 
@@ -57,9 +58,9 @@ def trained(a, ps: ParallelState) -> Trainer:
     return trainer
 
 
-def parts(t: Trainer) -> tuple:
-    """The explicit state objects save_checkpoint and load_checkpoint take."""
-    return t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker
+def parts(t: Trainer) -> "RunParts":
+    """The run objects save_checkpoint and load_checkpoint take (one bundle)."""
+    return t.run_parts
 
 
 def dir_bytes(path: str, rank_tag: str = None) -> int:
@@ -84,9 +85,9 @@ def one_process(a, tmp: str) -> Dict[str, Dict[str, float]]:
     rows = {}
     for fmt in ("sharded", "torch"):
         root = os.path.join(tmp, f"one_{fmt}")
-        save = timed(lambda: save_checkpoint(*parts(trainer), root, fmt))
+        save = timed(lambda: save_checkpoint(parts(trainer), root, fmt))
         fresh = Trainer(trainer.cfg, ps)
-        load = timed(lambda: load_checkpoint(*parts(fresh), root))
+        load = timed(lambda: load_checkpoint(parts(fresh), root))
         rows[fmt] = {"save": save, "load": load, "bytes": dir_bytes(root)}
     state = {"model": trainer.chunks[0].state_dict(),
              "optimizer": {name: {k: v for k, v in trainer.optimizer.optimizer.state[p].items()}
@@ -105,13 +106,13 @@ def _four(ps: ParallelState, a, tmp: str) -> Dict[str, float]:
     for fmt in ("sharded", "torch"):
         root = os.path.join(tmp, f"four_{fmt}")
         ps.barrier()
-        out[f"{fmt}_save"] = timed(lambda: save_checkpoint(*parts(trainer), root, fmt))
+        out[f"{fmt}_save"] = timed(lambda: save_checkpoint(parts(trainer), root, fmt))
         fresh = Trainer(trainer.cfg, ps)
         ps.barrier()
-        out[f"{fmt}_load"] = timed(lambda: load_checkpoint(*parts(fresh), root))
+        out[f"{fmt}_load"] = timed(lambda: load_checkpoint(parts(fresh), root))
     fresh = Trainer(trainer.cfg, ps)
     ps.barrier()
-    out["reshard_load"] = timed(lambda: load_checkpoint(*parts(fresh), os.path.join(tmp, "one_sharded")))
+    out["reshard_load"] = timed(lambda: load_checkpoint(parts(fresh), os.path.join(tmp, "one_sharded")))
     out["rank"] = ps.rank
     return out
 
@@ -242,7 +243,7 @@ def load_table(a, tmp: str, repeats: int = 3) -> None:
             fresh = None
             gc.collect()  # a Trainer holds reference cycles: free the previous one before the next
             fresh = Trainer(cfg, ps) if root else None
-            runs.append(timed(lambda: load_checkpoint(*parts(fresh), root) if fresh is not None
+            runs.append(timed(lambda: load_checkpoint(parts(fresh), root) if fresh is not None
                               else torch.load(plain, weights_only=True)))
         times[name] = sorted(runs)[len(runs) // 2]
     base = times["torch.load of the same tensors (one file)"]

@@ -21,9 +21,9 @@ import time
 from common import REPO  # first: puts the repository on sys.path
 import torch
 
-from megalite.checkpointing.interchange import (Layout, ModelSource, SourceInfo, full_shape,
+from megalite.interop.interchange import (Layout, ModelSource, SourceInfo, full_shape,
                                                 layer_names, post_names, pre_names)
-from megalite.checkpointing.native_io import save_sharded
+from megalite.interop.native_io import save_sharded
 from megalite.config import ModelConfig
 
 # runs one command and reports that child's peak RSS (KiB on Linux)

@@ -35,7 +35,7 @@ import torch
 from megalite.analysis.plan_check import SavedBytes  # also what a run's predicted-vs-measured block counts
 from megalite.config import Config, ModelConfig, OptimConfig
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Compute
 from megalite.pipeline.registry import build_schedule
 from megalite.training import Trainer

@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.config import Config, ModelConfig
-from megalite.flight_recorder import RECORDER, FlightRecorder
-from megalite.parallel_state import ParallelState
+from megalite.observability.flight_recorder import FlightRecorder
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Comm, Compute
 from megalite.pipeline.registry import build_schedule
 from megalite.training import Trainer
@@ -106,7 +106,7 @@ class PlainGPT(nn.Module):
         self.blocks = nn.ModuleList(PlainBlock(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.RMSNorm(h) if cfg.normalization == "RMSNorm" else nn.LayerNorm(h)
         self.head = None if cfg.tied_embeddings else nn.Linear(h, vocab, bias=False)
-        for name, p in self.named_parameters():
+        for _name, p in self.named_parameters():
             if p.ndim > 1:
                 nn.init.normal_(p, std=cfg.init_method_std)
         if cfg.position_embedding_type == "rope":
@@ -241,14 +241,14 @@ def main(argv: Sequence[str] = None) -> int:
     trainer = Trainer(cfg, ParallelState.single())
     plain = PlainTrainer(cfg)
     batches = make_batches(cfg, trainer, 4)
-    impls = {"megalite": trainer.train_step, "no-rec": without_recorder(trainer.train_step),
+    impls = {"megalite": trainer.train_step, "no-rec": without_recorder(trainer.train_step, trainer.ps.recorder),
              "plain": plain.train_step}
     n_params = {"megalite": sum(q.numel() for q in trainer.params),
                 "plain": sum(q.numel() for q in plain.model.parameters())}
     n_params["no-rec"] = n_params["megalite"]
     wall: Dict[str, List[float]] = {k: [] for k in impls}
     cpu: Dict[str, List[float]] = {k: [] for k in impls}
-    for name, step in impls.items():
+    for step in impls.values():
         for i in range(a.warmup):
             step(batches[i % len(batches)])
     for i in range(a.steps):
@@ -269,14 +269,14 @@ def main(argv: Sequence[str] = None) -> int:
     return 0
 
 
-def without_recorder(step: Callable[[List[Batch]], dict]) -> Callable[[List[Batch]], dict]:
-    """``step`` with the flight recorder off (what --flight-recorder-size 0 runs)."""
+def without_recorder(step: Callable[[List[Batch]], dict], recorder: FlightRecorder) -> Callable[[List[Batch]], dict]:
+    """``step`` with the run's flight recorder off (what --flight-recorder-size 0 runs)."""
     def run(batch: List[Batch]) -> dict:
-        RECORDER.enabled = False
+        recorder.enabled = False
         try:
             return step(batch)
         finally:
-            RECORDER.enabled = True
+            recorder.enabled = True
     return run
 
 
@@ -306,13 +306,13 @@ def _recorder_on_off(ps, cfg: Config, steps: int, warmup: int) -> Dict[str, List
     times: Dict[str, List[float]] = {"on": [], "off": [], "on cpu": [], "off cpu": []}
     for i in range(warmup + steps):
         for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
-            RECORDER.enabled = mode == "on"
+            ps.recorder.enabled = mode == "on"
             t0, c0 = time.perf_counter(), time.process_time()
             trainer.train_step(batches[i % len(batches)])
             if i >= warmup:
                 times[mode].append(time.perf_counter() - t0)
                 times[mode + " cpu"].append(time.process_time() - c0)
-    RECORDER.enabled = True
+    ps.recorder.enabled = True
     return times
 
 

@@ -10,7 +10,7 @@ in the same two processes, doing the same step: pipeline forward/backward
 (loss / m), tied-embedding gradient sum over the first and last stage,
 global-norm clipping, AdamW and the LR schedule.
 
-* megalite: ``Trainer.train_step`` (as tests/distributed/common.py drives it).
+* megalite: ``Trainer.train_step`` (as tests/helpers/parity.py drives it).
 * torch: ``PipelineStage`` per chunk + ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B``; for zb_h1 ``ScheduleInterleavedZeroBubble``
   with one stage per rank (torch's closest to ZB-H1), for zbv
@@ -60,9 +60,9 @@ from megalite.config import Config
 from megalite.optim.clip_grads import clip_grad_norm_
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import build_optimizer
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.analysis.measure import measure_layer_costs, plan_for
-from megalite.settings import resolve_settings
+from megalite.config.settings import resolve_settings
 from megalite.analysis.simulate import simulate_schedule
 from megalite.pipeline.registry import layout_for
 from megalite.tensor_parallel.random import RNGTracker

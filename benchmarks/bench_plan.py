@@ -37,7 +37,7 @@ import torch
 
 from megalite.config import Config, ModelConfig, OptimConfig
 from bench_memory import SavedBytes  # (the same saved-tensor meter)
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 import torch.distributed as dist
 
 from megalite.analysis.calibrate import Calibration, MeasuredRun

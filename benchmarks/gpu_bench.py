@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from bench_overhead import PlainTrainer
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.parallel_state import ParallelState
-from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report
+from megalite.parallel.state import ParallelState
+from megalite.observability.throughput import Throughput, device_peak_tflops, gather_memory_report
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 

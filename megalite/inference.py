@@ -24,14 +24,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megalite.checkpointing import CheckpointError
-from megalite.checkpointing.native_io import MegaliteSource
+from megalite.interop.native_io import MegaliteSource
 from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
                              ParallelConfig, TrainConfig)
 from megalite.data.loading import resolve_default_corpus
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.model.gpt import GPTModel
 from megalite.model.kv_cache import KVCache
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig,

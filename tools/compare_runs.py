@@ -48,7 +48,7 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.analysis.divergence import CaptureError, compare, load_capture  # noqa: E402
-from megalite.cli import OneLineArgumentParser, one_line  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
 
 PROG = "compare_runs.py"
@@ -115,7 +115,7 @@ def _check_mode(args) -> None:
         if args.a or args.b or args.keep:
             raise ConfigError("--capture-dir captures one run (its flags after --); give --a/--b/--keep without it")
     if args.perturb:
-        from megalite.testing.capture import parse_perturb
+        from megalite.config.checks import parse_perturb
         parse_perturb(args.perturb)
 
 
@@ -129,7 +129,7 @@ def _side_flags(common: List[str], own: str, keep_dropout: bool) -> List[str]:
 
 def _check_side(label: str, flags: List[str], nproc: int) -> None:
     """The flags parse and the layout fits ``nproc`` processes (one line before anything is launched)."""
-    from megalite.arguments import parse_args as parse_pretrain
+    from megalite.config.arguments import parse_args as parse_pretrain
     try:
         parse_pretrain(flags, world_size=nproc)
     except ValueError as e:
@@ -161,9 +161,10 @@ def worker(args) -> int:
     """One rank of a side (under torchrun, or alone): capture one iteration into --capture-dir."""
     from megalite.checkpointing import CheckpointError
     from megalite.data.loading import DatasetError, build_datasets, resolve_data
-    from megalite.arguments import parse_args as parse_pretrain
-    from megalite.parallel_state import ParallelState
-    from megalite.testing.capture import capture_step, parse_perturb
+    from megalite.config.arguments import parse_args as parse_pretrain
+    from megalite.parallel.state import ParallelState
+    from megalite.config.checks import parse_perturb
+    from megalite.testing.capture import capture_step
     from megalite.training import Trainer
     from megalite.training.mock import MockFeed
 
@@ -176,10 +177,7 @@ def worker(args) -> int:
             _error(one_line(e))
         return 2
     cfg = cfg.with_(checkpoint=replace(cfg.checkpoint, save=None))  # never writes a checkpoint
-    par = cfg.parallel
-    ps = ParallelState.from_env(par.tp, par.pp, par.distributed_backend,
-                                timeout_s=60.0 * par.distributed_timeout_minutes, cp=par.cp,
-                                ep=par.ep, etp=par.etp)
+    ps = ParallelState.from_config(cfg)  # the expert groups too, when the model has experts
     try:
         trainer = Trainer(cfg, ps)
         if cfg.checkpoint.load:

@@ -5,7 +5,7 @@
 Every rank writes ``flight_recorder_rank_<N>.json`` (its last events, what it waits in, its
 per-group collective counts and its schedule's transfers) when a wait passes
 --distributed-timeout-minutes, when the job is ended by a signal, or on SIGUSR1. This rebuilds the
-diagnosis the job printed (megalite.diagnosis: the same analysis), for jobs that died too hard to
+diagnosis the job printed (megalite.observability.diagnosis: the same analysis), for jobs that died too hard to
 print it: a rank without a current file is one that stopped or died. Prints the diagnosis and one
 line per rank; exit 1 when there is no file to read. When every rank left a record and none waited
 longer than --min-wait seconds, the job was not hung (e.g. a healthy job ended by a signal).
@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.diagnosis import diagnose, rank_table, read_dumps  # noqa: E402
+from megalite.observability.diagnosis import diagnose, rank_table, read_dumps  # noqa: E402
 
 
 def main(argv=None) -> int:

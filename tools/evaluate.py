@@ -28,11 +28,11 @@ import torch  # noqa: E402
 
 from megalite.checkpointing import CheckpointError  # noqa: E402
 from megalite.config import Config, ConfigError, OptimConfig, ParallelConfig  # noqa: E402
-from megalite.cli import OneLineArgumentParser, add_load_args, one_line  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, add_load_args, one_line  # noqa: E402
 from megalite.data.batches import MicroBatches  # noqa: E402
 from megalite.data.loading import resolve_default_corpus, split_dataset, validation_start  # noqa: E402
 from megalite.inference import load_full_weights, read_checkpoint  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
+from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training import Trainer, TrainingStopped  # noqa: E402
 
 def parse_args(argv: Optional[Sequence[str]] = None):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.checkpointing import CheckpointError  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
-from megalite.cli import OneLineArgumentParser, add_load_args, one_line  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, add_load_args, one_line  # noqa: E402
 from megalite.inference import Sampling, build_model, generate, read_checkpoint, run_tokenizer  # noqa: E402
 
 

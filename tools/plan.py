@@ -38,13 +38,13 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.config_moe import layer_freq  # noqa: E402
-from megalite.validate_moe import check_moe_model  # noqa: E402
+from megalite.config.moe import layer_freq  # noqa: E402
+from megalite.config.validate_moe import check_moe_model  # noqa: E402
 from megalite.analysis.planner import GiB, Hardware  # noqa: E402
 from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa: E402
 from megalite.analysis.calibrate import CalibrationError, load_calibration  # noqa: E402
 from megalite.pipeline.registry import SCHEDULES  # noqa: E402
-from megalite.throughput import peak_tflops_for  # noqa: E402
+from megalite.observability.throughput import peak_tflops_for  # noqa: E402
 
 _LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
               untie_embeddings_and_output_weights=True, add_bias_linear=False, hidden_dropout=0.0,

@@ -30,9 +30,9 @@ import torch
 from megalite.analysis.planner import Layout, params_per_rank, _with_recompute
 from megalite.analysis.simulate import simulate_schedule
 from megalite.config import ModelConfig
+from megalite.model.spec import ModelSpec
 from megalite.pipeline.actions import Comm
 from megalite.pipeline.registry import build_schedule, get_schedule
-from megalite.throughput import _per_token_layer_terms
 
 KINDS = ("F", "B", "W")
 PIECES = ("layer", "head", "embedding", "tp_comm")
@@ -119,9 +119,7 @@ def _features(cfg: ModelConfig, layout: Layout, stage: int) -> List[float]:
 
 def _head_ratio(cfg: ModelConfig, tp: int) -> float:
     """The output layer's matmul FLOPs against one layer's (the prior for runs that cannot tell them apart)."""
-    h, q, kv = cfg.hidden_size, cfg.head_dim * cfg.num_attention_heads, cfg.head_dim * cfg.query_groups
-    layer = h * (q + 2 * kv) + q * h + h * cfg.ffn_size * (3 if cfg.swiglu else 2) + cfg.seq_length * q
-    return h * cfg.padded_vocab_size(tp) / layer
+    return cfg.hidden_size * cfg.padded_vocab_size(tp) / ModelSpec.of(cfg).layer_macs_per_token()
 
 
 @dataclass
@@ -202,7 +200,7 @@ class Calibration:
             x = _features(cfg, layout, s)
             f, b, w = (sum(c * self.pieces[k][p] for c, p in zip(x, PIECES)) for k in KINDS)
             if layout.recompute != "none":  # the layers' forward again (selective: its core attention share)
-                proj, core, mlp = _per_token_layer_terms(cfg, causal=True)
+                proj, core, mlp = ModelSpec.of(cfg).layer_flops_per_token(causal=True)
                 share = 1.0 if layout.recompute == "full" else core / (proj + core + mlp)
                 b += share * x[0] * self.pieces["F"]["layer"]
             out.append((f, b, min(w, b)))

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megalite.checkpointing.safe_load import safe_torch_load
+from megalite.model.spec import FINAL_NORM, OUTPUT_LAYER
 
 # Default bands: (rtol, atol) by the less precise dtype of the two sides.
 BANDS = {"float32": (1e-4, 0.0), "float16": (1e-2, 0.0), "bfloat16": (5e-2, 0.0)}
@@ -115,9 +116,9 @@ def layer_of(name: str) -> int:
     m = re.match(r"decoder\.layers\.(\d+)(\.|$)", name)
     if m:
         return int(m.group(1))
-    if name.startswith("decoder.final_layernorm"):
+    if name.startswith(FINAL_NORM):
         return _HEAD
-    if name in ("output_layer.weight", "logits"):
+    if name in (OUTPUT_LAYER, "logits"):
         return _HEAD + 1
     return _HEAD + 2  # loss
 

@@ -24,7 +24,7 @@ import logging
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,9 @@ import torch.distributed as dist
 from megalite.analysis.balance import BalancePlan, LayerCosts, choose_split
 from megalite.config import Config
 from megalite.model.gpt import GPTModel
-from megalite.parallel_state import ParallelState
-from megalite.settings import RunSettings
-from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_split
+from megalite.parallel.state import ParallelState
+from megalite.config.settings import RunSettings
+from megalite.tensor_parallel.layers import WeightGradSplit, WeightGradStore, enable_weight_grad_split
 from megalite.tensor_parallel.random import RNGTracker
 
 logger = logging.getLogger("megalite")
@@ -48,10 +48,11 @@ def _timer(device: torch.device) -> Callable[[], float]:
 
 
 def _time_fb(run: Callable[[], Tuple[torch.Tensor, torch.Tensor]], now: Callable[[], float],
-             warmup: int, reps: int, split: bool) -> Tuple[float, float, float]:
+             warmup: int, reps: int, split: Optional[WeightGradSplit]) -> Tuple[float, float, float]:
     """Median (forward, backward, W part of the backward) seconds of ``run`` (returns output and its
-    gradient) after ``warmup`` calls. ``split``: the backward runs as the executor splits it, B with
-    the weight GEMMs deferred to a WeightGradStore, then W; otherwise whole (W part 0)."""
+    gradient) after ``warmup`` calls. ``split`` (the probes' WeightGradSplit): the backward runs as the
+    executor splits it, B with the weight GEMMs deferred to a WeightGradStore, then W; None: whole (W
+    part 0)."""
     fwd: List[float] = []
     bwd: List[float] = []
     wgt: List[float] = []
@@ -60,7 +61,7 @@ def _time_fb(run: Callable[[], Tuple[torch.Tensor, torch.Tensor]], now: Callable
         t0 = now()
         out, grad = run()
         t1 = now()
-        with store.collecting() if split else contextlib.nullcontext():
+        with split.collecting(store) if split is not None else contextlib.nullcontext():
             torch.autograd.backward(out, grad)
         t2 = now()
         store.run()
@@ -77,15 +78,17 @@ def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int, split: 
     the W parts of the three backwards."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
+    wgrad = WeightGradSplit() if split else None
 
     def probe(pre: bool, post: bool, layers: List[int]) -> GPTModel:
         chunk = GPTModel(m, ps, tracker, t.seed, layers, pre_process=pre, post_process=post,
                          sequence_parallel=par.sequence_parallel).to(ps.device)
-        if split:
-            enable_weight_grad_split(chunk)
+        if wgrad is not None:
+            enable_weight_grad_split(chunk, wgrad)
         return chunk.train()
 
-    emb, layer, head = probe(True, False, []), probe(False, False, [0]), probe(False, True, [])
+    chunks = {"emb": probe(True, False, []), "layer": probe(False, False, [0]), "head": probe(False, True, [])}
+    emb = chunks["emb"]
     gen = torch.Generator().manual_seed(0)  # inputs from a private generator: no global RNG drawn
     b, seq = t.micro_batch_size, m.seq_length
     s = seq // ps.tp_size if emb.sequence_parallel else seq
@@ -95,24 +98,26 @@ def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int, split: 
     grad = torch.ones_like(hidden)
 
     def run_emb():
-        return emb(tokens), grad
+        return chunks["emb"](tokens), grad
 
     def run_layer():
-        return layer(hidden.detach().requires_grad_()), grad
+        return chunks["layer"](hidden.detach().requires_grad_()), grad
 
     def run_head():
+        head = chunks["head"]
         return head.loss(head(hidden.detach().requires_grad_()), tokens, mask), None
 
     now = _timer(ps.device)
     out: List[float] = []
     weights: List[float] = []
     for run in (run_emb, run_layer, run_head):
-        f, b, w = _time_fb(run, now, warmup, reps, split)
+        f, b, w = _time_fb(run, now, warmup, reps, wgrad)
         out += [f, b]
         weights.append(w)
     if split:
         out += weights
-    del emb, layer, head
+    del emb
+    chunks.clear()  # the probe chunks are freed before the caller builds the real ones
     if ps.device.type == "cuda":
         torch.cuda.empty_cache()
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from megalite.config import ModelConfig
+from megalite.model.spec import ModelSpec, split_counts
 
 
 def expert_tp(tp: int, etp) -> int:
@@ -32,9 +33,7 @@ def expert_tp(tp: int, etp) -> int:
 def mlp_params(cfg: ModelConfig, ffn: int) -> Tuple[int, int]:
     """(split, replicated) parameters of one MLP of hidden size ``ffn``: what its tensor-parallel group
     splits (both weights, fc1's bias) and its fc2 bias, held whole."""
-    h, fc1 = cfg.hidden_size, (2 * ffn if cfg.swiglu else ffn)
-    split = h * fc1 + ffn * h + (fc1 if cfg.add_bias_linear else 0)
-    return split, (h if cfg.add_bias_linear else 0)
+    return split_counts(ModelSpec.of(cfg).mlp_of_size(ffn).params())
 
 
 def moe_block_params(cfg: ModelConfig, tp: int, ep: int, etp: int) -> Tuple[int, int, int]:
@@ -42,14 +41,14 @@ def moe_block_params(cfg: ModelConfig, tp: int, ep: int, etp: int) -> Tuple[int,
 
     dense: the router and the shared expert (reduced over dp x cp); expert: this rank's E/EP experts'
     ETP shards (reduced over expert-DP); the last: the expert bias (aux-loss-free balancing, fp32)."""
-    E, h = cfg.num_experts, cfg.hidden_size
-    split, whole = mlp_params(cfg, cfg.moe_ffn_size)
-    expert = E // ep * (split // etp + whole)
-    dense = E * h
-    if cfg.moe_shared_expert_intermediate_size:
-        s_split, s_whole = mlp_params(cfg, cfg.moe_shared_expert_intermediate_size)
-        dense += s_split // tp + s_whole + (h if cfg.moe_shared_expert_gate else 0)
-    return dense, expert, (E if cfg.moe_router_enable_expert_bias else 0)
+    moe = ModelSpec.of(cfg).moe
+    split, whole = split_counts(moe.expert_params(0))
+    expert = moe.num_experts // ep * (split // etp + whole)
+    router = moe.router_params()
+    dense = sum(p.numel for p in router if p.trainable)
+    s_split, s_whole = split_counts(moe.shared_params())  # its gate [1, h] is whole
+    dense += s_split // tp + s_whole
+    return dense, expert, sum(p.numel for p in router if not p.trainable)
 
 
 def routed_rows(cfg: ModelConfig, tokens: float, etp: int) -> float:
@@ -65,15 +64,15 @@ def moe_block_activation_bytes(cfg: ModelConfig, tokens: float, tp: int, etp: in
     probabilities, the balancing loss's scores). Experts, per routed row: the input (h), fc1's output,
     the activation's (SwiGLU: silu(gate) and the product), the output (h, weighted by its fp32 probability).
     Shared expert: a dense MLP's terms at its size, split over tp."""
-    h, E = cfg.hidden_size, cfg.num_experts
-    router = tokens * (4 * h + 4 * 4 * E)
+    h, moe = cfg.hidden_size, ModelSpec.of(cfg).moe
+    router = tokens * (4 * h + 4 * 4 * moe.num_experts)
     rows = routed_rows(cfg, tokens, etp)
-    f = cfg.moe_ffn_size / etp
-    experts = rows * (e * (2 * h + f * (4 if cfg.swiglu else 2)) + 4)
+    f = moe.expert.ffn / etp
+    experts = rows * (e * (2 * h + f * (4 if moe.expert.gated else 2)) + 4)
     shared = 0.0
-    if cfg.moe_shared_expert_intermediate_size:
-        fs = cfg.moe_shared_expert_intermediate_size
-        shared = e * tokens * fs * (4 if cfg.swiglu else 2)  # tokens x tp (SP) rows, fs / tp columns
+    if moe.shared is not None:
+        fs = moe.shared.ffn
+        shared = e * tokens * fs * (4 if moe.shared.gated else 2)  # tokens x tp (SP) rows, fs / tp columns
     return router + experts + shared
 
 

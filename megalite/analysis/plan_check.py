@@ -26,16 +26,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.agreement import lowest_rank_with
+from megalite.parallel.agreement import lowest_rank_with
 from megalite.analysis.calibrate import Calibration, MeasuredRun
 from megalite.analysis.planner import GiB, Hardware, Layout, estimate_step_time, memory_per_rank
 from megalite.analysis.search import nearest_fitting
 from megalite.config import Config, ConfigError
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Compute
 from megalite.pipeline.registry import default_schedule_name
-from megalite.settings import RunSettings, resolve_settings
-from megalite.throughput import device_peak_tflops
+from megalite.config.settings import RunSettings, resolve_settings
+from megalite.observability.throughput import device_peak_tflops
 
 logger = logging.getLogger("megalite")
 FREE_ENV = "MEGALITE_PLAN_CHECK_FREE_GIB"

@@ -42,9 +42,10 @@ from megalite.analysis.moe_plan import (dispatch_buffer_bytes, dispatch_bytes_pe
                                         moe_block_activation_bytes, moe_block_params)
 from megalite.analysis.simulate import simulate_schedule
 from megalite.config import ModelConfig
+from megalite.model.spec import OUTPUT_LAYER, ModelSpec, split_counts
 from megalite.pipeline.registry import build_compute, default_schedule_name, layout_for
 from megalite.pipeline.stage_layout import StageLayout
-from megalite.throughput import flops_per_iteration, recompute_flops_per_iteration
+from megalite.observability.throughput import flops_per_iteration, recompute_flops_per_iteration
 
 RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
              "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
@@ -152,14 +153,9 @@ def _with_recompute(cfg: ModelConfig, recompute: str) -> ModelConfig:
 def layer_params(cfg: ModelConfig, tp: int, mlp: bool = True) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank (norms and row biases replicated);
     ``mlp`` False: without the MLP (an MoE layer's block is counted by moe_plan.moe_block_params)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv, ffn = d * cfg.num_attention_heads, d * cfg.query_groups, cfg.ffn_size
-    fc1 = 2 * ffn if cfg.swiglu else ffn
-    split = h * (q + 2 * kv) + q * h + (h * fc1 + ffn * h if mlp else 0)
-    norm = (2 if cfg.normalization == "LayerNorm" else 1) * h
-    split_bias = (q + 2 * kv + (fc1 if mlp else 0)) if cfg.add_bias_linear else 0
-    replicated = 2 * norm + ((2 if mlp else 1) * h if cfg.add_bias_linear else 0)
-    return (split + split_bias) // tp + replicated
+    params = [p for p in ModelSpec.of(cfg).layer().params() if mlp or not p.name.startswith("mlp.")]
+    split, whole = split_counts(params)
+    return split // tp + whole
 
 
 def stage_layer_ids(cfg: ModelConfig, layout: Layout) -> List[range]:
@@ -178,15 +174,17 @@ def param_counts_per_rank(cfg: ModelConfig, layout: Layout) -> List[Tuple[int, i
     vocab = cfg.padded_vocab_size(t) * cfg.hidden_size // t
     out, experts, fixed = [0] * pp, [0] * pp, [0] * pp
     moe = moe_block_params(cfg, t, layout.ep, layout.expert_tp) if cfg.is_moe else (0, 0, 0)
+    dense, attention = layer_params(cfg, t), layer_params(cfg, t, mlp=False)  # a dense layer; one without its MLP
     for stage, ids in enumerate(stage_layer_ids(cfg, layout)):
         r, n_moe = place.rank_of(stage), sum(cfg.is_moe_layer(i) for i in ids)
-        out[r] += (len(ids) - n_moe) * layer_params(cfg, t) + n_moe * (layer_params(cfg, t, mlp=False) + moe[0])
+        out[r] += (len(ids) - n_moe) * dense + n_moe * (attention + moe[0])
         experts[r] += n_moe * moe[1]
         fixed[r] += n_moe * moe[2]
     first, last = place.rank_of(0), place.rank_of(place.num_stages - 1)
-    out[first] += vocab + (cfg.max_positions * cfg.hidden_size
-                           if cfg.position_embedding_type == "learned_absolute" else 0)
-    out[last] += (2 if cfg.normalization == "LayerNorm" else 1) * cfg.hidden_size  # final norm
+    spec = ModelSpec.of(cfg)
+    split, whole = split_counts(spec.pre_params(cfg.padded_vocab_size(t)))  # word (vocab rows / tp), positions
+    out[first] += split // t + whole
+    out[last] += sum(p.numel for p in spec.post_params() if p.name != OUTPUT_LAYER)  # final norm
     if not cfg.tied_embeddings or first != last:  # an output layer, or the last stage's copy of the tied table
         out[last] += vocab
     return list(zip(out, experts, fixed))
@@ -238,18 +236,18 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, mbs: int, device
     s, b, h, t = cfg.seq_length // cp, mbs, cfg.hidden_size, tp
     sb = s * b
     r = 1.0 / t if sp else 1.0  # the part outside the tensor-parallel region
-    d, nq = cfg.head_dim, cfg.num_attention_heads
-    q, kv, ffn = d * nq, d * cfg.query_groups, cfg.ffn_size
+    spec = ModelSpec.of(cfg)
+    (q, kv, _), mlp = spec.attention.qkv_pieces, spec.mlp
     drop = cfg.hidden_dropout > 0
     outside = 2 * norm_bytes(cfg, sb, device)  # the two norms' inputs and statistics
     outside += 2 * e * sb * h  # the norms' outputs: inputs of linear_qkv and linear_fc1
     outside += 2 * sb * h if drop else 0  # two hidden-dropout masks (1 byte)
     inside = e * sb * (q + 2 * kv)  # linear_qkv output: v (and, without RoPE, q and k) are views of it
-    if cfg.position_embedding_type == "rope":
+    if spec.attention.rope:
         inside += e * sb * (q + kv)  # rotated q and k are new tensors
     inside += e * sb * q  # linear_proj input
     if not moe:
-        inside += e * sb * ffn * (4 if cfg.swiglu else 2)  # fc1 output [+ silu(gate), product] / GeLU output
+        inside += e * sb * mlp.ffn * (4 if mlp.gated else 2)  # fc1 output [+ silu(gate), product] / GeLU output
     if cfg.recompute_granularity != "selective":
         inside += core_attention_bytes(cfg, mbs, e, device, cp)
     if cp > 1 and cp_comm == "all_gather":

@@ -14,23 +14,39 @@
     SAVE/.megalite_lock                     the run saving here (host, pid; held with flock by rank 0)
 
 The rooms: ``manager.py`` (Checkpointer, save_checkpoint, load_checkpoint: the run's
-explicit state objects in, files out), ``async_save.py`` (the snapshot, the writes in the
-background with --async-save, publishing once every rank is done), ``protocol.py`` (the atomic
-tmp -> rename -> latest protocol, retention, the shared-directory check), ``save_lock.py`` (one
-run per --save), ``run_state.py`` (meta.json and its validation, model-shape check, random
-states), ``sharded.py`` (with its writer ``sharded_write.py`` and reader ``sharded_read.py``) and
-``torch_format.py`` (the two formats), ``layout.py`` (parameter blocks), ``safe_load.py``
-(plain-data reads). Conversion to and from Hugging Face and Megatron-LM lives in
-``interchange.py``, ``hf.py``, ``megatron.py``, ``native_io.py`` and the ``torch_dist*.py`` /
-``megatron_buckets.py`` modules. This module only re-exports the public names.
-"""
-from megalite.checkpointing.manager import FORMATS, Checkpointer, load_checkpoint, save_checkpoint
-from megalite.checkpointing.protocol import LATEST, iteration_dir, read_latest
-from megalite.checkpointing.run_state import (FORMAT_VERSION, SHAPE_FIELDS, RandomStates, check_model_shape,
-                                              saved_stage_layers, stage_counts)
-from megalite.checkpointing.safe_load import CheckpointError
-from megalite.checkpointing.torch_format import legacy_dir
+explicit state objects -- one ``run.RunParts`` -- in, files out), ``formats.py`` (the Format
+protocol, LoadSource and the FormatRegistry that config, validation, the manager and async
+save read instead of format names), ``run_formats.py`` (the sharded and torch formats behind
+that protocol), ``async_save.py`` (the snapshot, the writes in the background with
+--async-save, publishing once every rank is done), ``protocol.py`` (the atomic tmp -> rename
+-> latest protocol, retention, the shared-directory check), ``save_lock.py`` (one run per
+--save), ``run_state.py`` (meta.json and its validation, model-shape check, random states),
+``sharded.py`` (with its writer ``sharded_write.py`` and reader ``sharded_read.py``) and
+``torch_format.py`` (the two formats' files), ``layout.py`` (parameter blocks),
+``safe_load.py`` (plain-data reads). Other projects' files (Hugging Face, Megatron-LM legacy
+and torch_dist) live in ``megalite/interop``, which registers Megatron-Core's torch_dist as a
+load source; nothing here imports it.
 
-__all__ = ["CheckpointError", "Checkpointer", "save_checkpoint", "load_checkpoint", "FORMATS", "LATEST",
-           "iteration_dir", "read_latest", "saved_stage_layers", "stage_counts", "check_model_shape",
-           "legacy_dir", "RandomStates", "FORMAT_VERSION", "SHAPE_FIELDS"]
+The public names below are imported on first use (PEP 562), so that the config package can
+read ``formats.py``'s plain data without importing the whole checkpointing room.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "Checkpointer": "manager", "save_checkpoint": "manager", "load_checkpoint": "manager",
+    "RunParts": "run", "RUN_FORMATS": "run_formats", "FormatRegistry": "formats",
+    "LATEST": "protocol", "iteration_dir": "protocol", "read_latest": "protocol",
+    "FORMAT_VERSION": "run_state", "SHAPE_FIELDS": "run_state", "RandomStates": "run_state",
+    "check_model_shape": "run_state", "saved_stage_layers": "run_state", "stage_counts": "run_state",
+    "CheckpointError": "safe_load", "legacy_dir": "torch_format",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'megalite.checkpointing' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megalite.checkpointing.{_PUBLIC[name]}"), name)

@@ -2,13 +2,15 @@
 
 ::
 
-    start_save()    main thread, collective: iter_N.tmp created; weights, optimizer state, counters,
-                    schedule, scaler and random states taken -- views of the live tensors for a
-                    synchronous save, copies in host memory (pinned on CUDA) for --async-save; the
-                    torch format's DP gather happens here too. Returns a SaveJob.
+    start_save()    main thread, collective: iter_N.tmp created; the format (formats.Format.snapshot)
+                    takes weights and optimizer state, the run its counters, schedule, scaler and
+                    random states -- views of the live tensors for a synchronous save, copies in host
+                    memory (pinned on CUDA) for --async-save; the torch format's DP gather happens
+                    here too. Returns a SaveJob.
     SaveJob.run()   the writes: the format's files, meta.json (rank 0); in a daemon thread with
-                    --async-save. The sharded format's torch.distributed.checkpoint collective
-                    then runs over a gloo group of its own, so it never meets a training collective.
+                    --async-save. A format's collective (the sharded format's
+                    torch.distributed.checkpoint) then runs over a gloo group of its own
+                    (Format.background_group), so it never meets a training collective.
     conclude()      main thread, collective: every rank agrees that every write succeeded, then
                     protocol.publish_save renames iter_N.tmp and writes ``latest``. Any failure
                     (a full disk, any OSError, a writer's exception) is one CheckpointError line on
@@ -22,17 +24,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from megalite.agreement import flag_on_any_rank
+from megalite.parallel.agreement import flag_on_any_rank
 from megalite.checkpointing.protocol import LATEST, begin_save, publish_save, write_json
 from megalite.checkpointing.run_state import RandomStates, run_meta
 from megalite.checkpointing.safe_load import CheckpointError
-from megalite.checkpointing.sharded_write import plan_shards, write_sharded
-from megalite.checkpointing.torch_format import torch_state, write_torch_state
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from megalite.checkpointing.formats import Format
+    from megalite.checkpointing.run import RunParts
 
 logger = logging.getLogger("megalite")
 __all__ = ["SaveJob", "start_save", "conclude", "to_host", "save_failed"]
@@ -124,47 +128,28 @@ class SaveJob:
             self.thread.join()
 
 
-def start_save(cfg, ps: ParallelState, model_parts, optimizer, scheduler, train_state, rng_tracker, root: str,
-               fmt: str, keep_last: Optional[int], copy: bool = False, group=None,
+def start_save(run: "RunParts", root: str, fmt: "Format", keep_last: Optional[int], copy: bool = False, group=None,
                buffers: Optional[dict] = None) -> SaveJob:
     """The snapshot phase (collective): iter_N.tmp, every piece of state taken; the job that writes it.
 
-    ``copy`` (--async-save) copies the state into host memory so training may go on (into ``buffers``,
-    kept from the previous save when given: the caller makes sure no write still reads them); ``group``
-    is the process group the sharded format's background collective uses.
+    ``fmt`` (a run format of the registry) takes the state and returns its writer. ``copy``
+    (--async-save) copies the state into host memory so training may go on (into ``buffers``, kept
+    from the previous save when given: the caller makes sure no write still reads them); ``group``
+    is the process group the format's background collective uses.
     """
-    it = train_state.iteration
+    ps, name = run.ps, fmt.info.name
+    it = run.train_state.iteration
     tmp = begin_save(root, it, ps)  # a failure there is already one CheckpointError on every rank
-    optimizer.finish_param_gather()
+    run.optimizer.finish_param_gather()
     pin = copy and torch.cuda.is_available()
     pool = {} if buffers is None else buffers
-    keep = (lambda x, name: to_host(x, pin, pool, (fmt, name))) if copy else (lambda x, name: x)
-    meta = {**run_meta(cfg, ps, optimizer, scheduler, train_state), "format": fmt}
-    rng = to_host(RandomStates(rng_tracker).state_dict())
+    keep = (lambda x, key: to_host(x, pin, pool, (name, key))) if copy else (lambda x, key: x)
+    meta = {**run_meta(run.cfg, ps, run.optimizer, run.scheduler, run.train_state), "format": name}
+    rng = to_host(RandomStates(run.rng_tracker).state_dict())
     error: Optional[BaseException] = None
+    write: Optional[Callable[[], None]] = None
     try:  # a host copy that fails on one rank (out of memory) must not leave the others writing
-        if fmt == "sharded":
-            shards = [(e, keep(t, e["key"])) for e, t in plan_shards(ps, model_parts, optimizer)]
-
-            def write() -> None:
-                write_sharded(tmp, ps, shards, rng, process_group=group)
-        elif copy and any(part.shard_grads for part in optimizer.grads.parts):  # the DP gather of the optimizer shards moves into the background
-            state = keep(torch_state(ps, model_parts, optimizer, meta, rng, gather_optimizer=False), "state")
-            own = optimizer.state_snapshot(optimizer.half, lambda t, where: keep(t, ("optim",) + where))
-            dp_group = ps.background_dp_group()
-            edp_group = ps.background_edp_group() if optimizer.has_experts else None
-
-            def write() -> None:
-                full = optimizer.full_state_dict(to_cpu=True, snapshot=own, group=dp_group,
-                                                 expert_group=edp_group)  # collective, gloo
-                if state is not None:
-                    state["optimizer"]["state"] = full
-                write_torch_state(tmp, ps, state)
-        else:
-            state = keep(torch_state(ps, model_parts, optimizer, meta, rng), "state")  # the DP gather: collective
-
-            def write() -> None:
-                write_torch_state(tmp, ps, state)
+        write = fmt.snapshot(run, tmp, meta, rng, keep, copy, group)
         if pin:
             torch.cuda.synchronize()  # the copies into pinned memory are complete before training changes anything
     except (RuntimeError, MemoryError, OSError) as e:
@@ -176,7 +161,7 @@ def start_save(cfg, ps: ParallelState, model_parts, optimizer, scheduler, train_
         write()
         if ps.rank == 0:
             write_json(os.path.join(tmp, "meta.json"), meta)
-    return SaveJob(root, it, fmt, keep_last, write_all)
+    return SaveJob(root, it, name, keep_last, write_all)
 
 
 def conclude(job: SaveJob, ps: ParallelState) -> str:

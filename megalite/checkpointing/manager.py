@@ -1,14 +1,14 @@
 """Saving and loading a whole run from explicit state objects, and the Checkpointer a run holds.
 
-A run is: the model chunks, the optimizer (MegatronOptimizer: fp32 main weights,
-Adam moments and step counts, loss scaler), the LR schedule, the TrainState
-counters and the random states (the RNGTracker plus the process-wide generators).
-:func:`save_checkpoint` and :func:`load_checkpoint` take exactly those objects;
-:class:`Checkpointer` binds them to the run's config (``--save``, ``--load``,
-``--save-interval``, ``--ckpt-*``) and remembers the iteration last on disk.
-The directory protocol is ``protocol.py``'s, the files the formats'
-(``sharded.py``, ``torch_format.py``), ``meta.json`` and the random states
-``run_state.py``'s. A save is a snapshot then the writes (``async_save.py``): with
+A run is one :class:`~megalite.checkpointing.run.RunParts`: the model chunks, the optimizer
+(MegatronOptimizer: fp32 main weights, Adam moments and step counts, loss scaler), the LR
+schedule, the TrainState counters and the random states (the RNGTracker plus the process-wide
+generators), with the config and ParallelState. :func:`save_checkpoint` and
+:func:`load_checkpoint` take exactly that bundle; :class:`Checkpointer` binds it to the run's
+config (``--save``, ``--load``, ``--save-interval``, ``--ckpt-*``) and remembers the iteration
+last on disk. The directory protocol is ``protocol.py``'s, the files the formats' (looked up in a
+FormatRegistry, ``formats.py``; the run's own in ``run_formats.py``), ``meta.json`` and the
+random states ``run_state.py``'s. A save is a snapshot then the writes (``async_save.py``): with
 ``--async-save`` the Checkpointer writes in a background thread, ``poll`` (each
 iteration) publishes once every rank has written, ``wait`` finishes the one in flight.
 """
@@ -16,51 +16,38 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional
 
-from torch import nn
-
-from megalite.agreement import flag_on_any_rank, flags_on_any_rank
+from megalite.parallel.agreement import flags_on_any_rank
 from megalite.checkpointing.async_save import SaveJob, conclude, save_failed, start_save
+from megalite.checkpointing.format_info import SHARDED_INFO
+from megalite.checkpointing.formats import FormatRegistry
 from megalite.checkpointing.protocol import LATEST, iteration_dir, read_json, read_latest, read_latest_text, \
     saved_iterations
-from megalite.checkpointing.run_state import RandomStates, check_meta, check_model_shape, layout_of
+from megalite.checkpointing.run import RunParts
+from megalite.checkpointing.run_formats import RUN_FORMATS
+from megalite.checkpointing.run_state import RandomStates, check_meta, check_model_shape
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.checkpointing.save_lock import ensure_save_lock
-from megalite.checkpointing.sharded_read import read_sharded
-from megalite.checkpointing.torch_dist import load_torch_dist_weights, open_for_run, torch_dist_dir
-from megalite.checkpointing.torch_dist_optim import load_torch_dist_optimizer
-from megalite.checkpointing.torch_format import read_torch
-from megalite.config import Config
-from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.random import RNGTracker
-
-if TYPE_CHECKING:  # megalite.training imports this package: type hints only, no runtime import back
-    from megalite.optim.lr_scheduler import LRScheduler
-    from megalite.optim.optimizer import MegatronOptimizer
-    from megalite.training.state import TrainState
 
 logger = logging.getLogger("megalite")
-FORMATS = ("sharded", "torch")
 
-__all__ = ["FORMATS", "Checkpointer", "save_checkpoint", "load_checkpoint"]
+__all__ = ["Checkpointer", "save_checkpoint", "load_checkpoint"]
 
 
-def save_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Module], optimizer: "MegatronOptimizer",
-                    scheduler: "LRScheduler", train_state: "TrainState", rng_tracker: RNGTracker, root: str,
-                    fmt: str = "sharded", keep_last: Optional[int] = None) -> str:
-    """Save the run at ``train_state.iteration`` under ``root``; returns its directory (collective).
+def save_checkpoint(run: RunParts, root: str, fmt: str = SHARDED_INFO.name, keep_last: Optional[int] = None,
+                    formats: FormatRegistry = RUN_FORMATS) -> str:
+    """Save the run at ``run.train_state.iteration`` under ``root``; returns its directory (collective).
 
-    Every rank writes the state it owns into ``iter_XXXXXXX.tmp``, which is renamed into place
-    before ``latest_checkpointed_iteration.txt`` names it; ``keep_last`` prunes older ones. A
-    failure (a full disk, any OSError) is one CheckpointError line on every rank, ``latest``
-    unchanged. ``Checkpointer.save`` with ``--async-save`` writes in the background instead.
+    Every rank writes the state it owns into ``iter_XXXXXXX.tmp`` in format ``fmt`` (a name in
+    ``formats``), which is renamed into place before ``latest_checkpointed_iteration.txt`` names it;
+    ``keep_last`` prunes older ones. A failure (a full disk, any OSError) is one CheckpointError line
+    on every rank, ``latest`` unchanged. ``Checkpointer.save`` with ``--async-save`` writes in the
+    background instead.
     """
-    if fmt not in FORMATS:
-        raise CheckpointError(f"unknown --ckpt-format {fmt!r}; use sharded or torch")
-    job = start_save(cfg, ps, model_parts, optimizer, scheduler, train_state, rng_tracker, root, fmt, keep_last)
+    job = start_save(run, root, formats.get(fmt), keep_last)
     job.run()
-    return conclude(job, ps)
+    return conclude(job, run.ps)
 
 
 def _read_meta(root: str, it: int) -> tuple:
@@ -74,83 +61,48 @@ def _read_meta(root: str, it: int) -> tuple:
     return d, check_meta(read_json(meta_path), meta_path)
 
 
-def load_checkpoint(cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Module], optimizer: "MegatronOptimizer",
-                    scheduler: "LRScheduler", train_state: "TrainState", rng_tracker: RNGTracker, root: str, *,
-                    step: Optional[int] = None, finetune: bool = False, load_optim: bool = True,
-                    load_rng: bool = True) -> Optional[int]:
-    """Load ``root`` (latest, or iteration ``step``) into the given objects; returns the iteration loaded.
+def load_checkpoint(run: RunParts, root: str, *, step: Optional[int] = None, finetune: bool = False,
+                    load_optim: bool = True, load_rng: bool = True,
+                    formats: FormatRegistry = RUN_FORMATS) -> Optional[int]:
+    """Load ``root`` (latest, or iteration ``step``) into the run's objects; returns the iteration loaded.
 
-    With no checkpoint there, warns and returns None (the run starts from scratch,
-    as Megatron does). ``finetune`` loads the weights only and leaves the counters,
+    A directory one of ``formats``' load sources recognises (Megatron-Core's torch_dist, when the
+    composition root added it) is read in place by that source; otherwise meta.json names the run
+    format that reads it. With no checkpoint there, warns and returns None (the run starts from
+    scratch, as Megatron does). ``finetune`` loads the weights only and leaves the counters,
     optimizer state, schedule and random states as they are (collective).
     """
     if step is None:
         read_latest_text(root)  # a damaged latest file is one line before anything reads it
-    td = torch_dist_dir(root, step)
-    if td is not None:  # Megatron-LM's default --ckpt-format: read in place
-        return _load_torch_dist(td, cfg, ps, model_parts, optimizer, scheduler, train_state, finetune,
-                                load_optim and not finetune)
+    found = formats.find_source(root, step)
+    if found is not None:  # another project's directory (Megatron-LM's default --ckpt-format): read in place
+        source, d = found
+        return source.load(run, d, finetune, load_optim and not finetune)
     it = step if step is not None else read_latest(root)
     if it is None:
         if finetune:
             raise CheckpointError(f"--finetune: no checkpoint in {root} (no {LATEST}); check --load")
-        if ps.is_logging_rank:  # every rank finds the same: say it once per job
+        if run.ps.is_logging_rank:  # every rank finds the same: say it once per job
             logger.warning(f"no {LATEST} in {root}: starting from scratch")
         return None
     d, meta = _read_meta(root, it)
-    check_model_shape(meta["model_shape"], cfg.model, d)
+    check_model_shape(meta["model_shape"], run.cfg.model, d)
     load_optim = load_optim and not finetune
     if load_optim:  # changed LR settings are refused before gigabytes are read
-        scheduler.load_state_dict(meta["scheduler"])
-    here = layout_of(cfg, ps)
-    optimizer.finish_param_gather()
-    if meta.get("format") == "torch":
-        rng = read_torch(d, meta["layout"], here, ps, model_parts, optimizer, load_optim, cfg.model.num_layers)
-    else:
-        rng = read_sharded(d, meta, ps, model_parts, optimizer, load_optim, meta["layout"] == here)
+        run.scheduler.load_state_dict(meta["scheduler"])
+    run.optimizer.finish_param_gather()
+    rng = formats.get(meta.get("format", SHARDED_INFO.name)).read(run, d, meta, load_optim)
     if load_optim:
-        optimizer.load_step_state(meta)
+        run.optimizer.load_step_state(meta)
     if not finetune:
-        train_state.load_state_dict(meta)
+        run.train_state.load_state_dict(meta)
     if load_rng and not finetune:
         if rng is not None:
-            RandomStates(rng_tracker).load_state_dict(rng)
+            RandomStates(run.rng_tracker).load_state_dict(rng)
         else:
             logger.warning("checkpoint saved in another layout: random states are not restored")
     logger.info(f"loaded checkpoint {d} (iteration {meta['iteration']}, {meta.get('format')} format)")
     return it
-
-
-def _load_torch_dist(d: str, cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Module],
-                     optimizer: "MegatronOptimizer", scheduler: "LRScheduler", train_state: "TrainState",
-                     finetune: bool, load_optim: bool = False) -> int:
-    """Weights from a Megatron-Core torch_dist directory, its distributed-optimizer state when it can be
-    mapped (``load_optim``); counters unless ``finetune`` (collective)."""
-    optimizer.finish_param_gather()
-    error, counters, skipped = None, {}, "--no-load-optim" if not finetune else "--finetune"
-    try:
-        src = open_for_run(d, cfg.model)  # common.pt and the index read once for weights and optimizer
-        counters = load_torch_dist_weights(src, cfg.model, model_parts, optimizer)
-        if load_optim:  # the same answer on every rank: the layout is the file's, not the rank's
-            skipped = load_torch_dist_optimizer(src, model_parts, optimizer)
-    except CheckpointError as e:
-        error = e
-    failed = flag_on_any_rank(error is not None, ps)  # no rank goes on to train while another failed
-    if error is not None:
-        raise error
-    if failed:
-        raise CheckpointError(f"another rank could not read {d} (its error is printed above)")
-    if not finetune:
-        train_state.load_state_dict(counters)
-        scheduler.load_state_dict({"num_steps": counters["iteration"]})  # the LR schedule follows the iteration
-    if ps.is_logging_rank and skipped is None:
-        logger.warning(f"loaded Megatron-Core torch_dist checkpoint {d} (iteration {counters['iteration']}): "
-                       f"weights and distributed-optimizer state; its random states are not restored")
-    elif ps.is_logging_rank:
-        logger.warning(f"loaded the weights of Megatron-Core torch_dist checkpoint {d} (iteration "
-                       f"{counters['iteration']}); its optimizer state is not restored ({skipped}) nor its random "
-                       f"states: Adam starts fresh, as with --no-load-optim --no-load-rng")
-    return counters["iteration"]
 
 
 class Checkpointer:
@@ -164,12 +116,10 @@ class Checkpointer:
     written, ``wait`` (the next save, the end of the run) finishes it.
     """
 
-    def __init__(self, cfg: Config, ps: ParallelState, model_parts: Sequence[nn.Module],
-                 optimizer: "MegatronOptimizer", scheduler: "LRScheduler", train_state: "TrainState",
-                 rng_tracker: RNGTracker):
-        self.cfg, self.ps = cfg, ps
-        self.model_parts, self.optimizer, self.scheduler = list(model_parts), optimizer, scheduler
-        self.train_state, self.rng_tracker = train_state, rng_tracker
+    def __init__(self, run: RunParts, formats: FormatRegistry = RUN_FORMATS):
+        self.run, self.formats = run, formats
+        self.cfg, self.ps, self.train_state = run.cfg, run.ps, run.train_state
+        cfg, ps = run.cfg, run.ps
         self.saved_at: Optional[int] = None
         self.lock_error: Optional[CheckpointError] = None
         self._pending: Optional[SaveJob] = None  # the asynchronous save in flight
@@ -179,10 +129,6 @@ class Checkpointer:
                 ensure_save_lock(cfg.checkpoint.save, ps)
             except CheckpointError as e:
                 self.lock_error = e
-
-    def _parts(self) -> tuple:
-        return (self.cfg, self.ps, self.model_parts, self.optimizer, self.scheduler, self.train_state,
-                self.rng_tracker)
 
     def due(self, iteration: int) -> bool:
         """True when ``--save`` and ``--save-interval`` ask for a checkpoint after ``iteration``."""
@@ -199,14 +145,13 @@ class Checkpointer:
         ck = self.cfg.checkpoint
         if not ck.save:
             raise CheckpointError("no --save directory to save the checkpoint to")
-        if ck.ckpt_format not in FORMATS:
-            raise CheckpointError(f"unknown --ckpt-format {ck.ckpt_format!r}; use sharded or torch")
+        fmt = self.formats.get(ck.ckpt_format)
         self.wait()
         background = ck.async_save
-        group = self.ps.background_group() if background and ck.ckpt_format == "sharded" else None
+        group = fmt.background_group(self.run) if background else None
         if background and self._buffers is None:
             self._buffers = {}  # host copies of this rank's state, reused by every later snapshot
-        job = start_save(*self._parts(), ck.save, ck.ckpt_format, ck.ckpt_keep_last, copy=background, group=group,
+        job = start_save(self.run, ck.save, fmt, ck.ckpt_keep_last, copy=background, group=group,
                          buffers=self._buffers if background else None)
         self.saved_at = self.train_state.iteration
         job.run(background=background)
@@ -246,8 +191,8 @@ class Checkpointer:
             raise self.lock_error
         if not ck.load:
             return None
-        it = load_checkpoint(*self._parts(), ck.load, step=ck.ckpt_step, finetune=ck.finetune,
-                             load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng)
+        it = load_checkpoint(self.run, ck.load, step=ck.ckpt_step, finetune=ck.finetune,
+                             load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, formats=self.formats)
         if it is not None and not ck.finetune and os.path.abspath(ck.load) == os.path.abspath(ck.save or ""):
             self.saved_at = self.train_state.iteration  # already on disk: do not save it again at the end
         return it

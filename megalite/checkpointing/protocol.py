@@ -30,11 +30,11 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from megalite.agreement import flag_on_any_rank, lowest_rank_with
+from megalite.parallel.agreement import flag_on_any_rank, lowest_rank_with
 
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.checkpointing.save_lock import ensure_save_lock
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 LATEST = "latest_checkpointed_iteration.txt"
 

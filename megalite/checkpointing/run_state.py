@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from megalite.checkpointing.format_info import SHARDED_INFO, format_names
 from megalite.checkpointing.protocol import iteration_dir, read_json, read_latest
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.config import Config, ModelConfig
-from megalite.parallel_state import ParallelState
+from megalite.model.spec import MOE_SHAPE_FIELDS, SHAPE_FIELDS  # the fields a model's parameters depend on
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.partition import stage_layer_counts
 from megalite.tensor_parallel.random import RNGTracker
 
@@ -39,13 +41,6 @@ if TYPE_CHECKING:  # the training package imports this one: no runtime import ba
     from megalite.training.state import TrainState
 
 FORMAT_VERSION = 1
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
-                "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
-                "max_positions", "openai_gelu")  # checkpoints older than a field lack it: not compared
-# MoE shape fields: recorded (and compared, a missing one read as dense) only when either side is MoE,
-# so a dense checkpoint's meta.json stays as it was
-MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-                    "moe_shared_expert_gate", "moe_router_enable_expert_bias")
 
 __all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_meta", "check_model_shape",
            "stage_counts", "saved_stage_layers"]
@@ -186,8 +181,8 @@ def check_meta(meta: object, path: str) -> dict:
         raise bad("field 'scaler'", "has a non-numeric value")
     if any(g is not None and not typed(g, _NUM) for g in meta.get("group_steps") or []):
         raise bad("field 'group_steps'", "is not a list of numbers")
-    if meta.get("format", "sharded") not in ("sharded", "torch"):
-        raise bad("field 'format'", f"is {meta['format']!r}, not sharded or torch")
+    if meta.get("format", SHARDED_INFO.name) not in format_names():
+        raise bad("field 'format'", f"is {meta['format']!r}, not {' or '.join(format_names())}")
     return meta
 
 

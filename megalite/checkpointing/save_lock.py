@@ -27,9 +27,9 @@ import socket
 import time
 from typing import Dict, Optional, Tuple
 
-from megalite.agreement import flag_on_any_rank
+from megalite.parallel.agreement import flag_on_any_rank
 from megalite.checkpointing.safe_load import CheckpointError
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 LOCK_FILE = ".megalite_lock"
 logger = logging.getLogger("megalite")

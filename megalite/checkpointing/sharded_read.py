@@ -25,7 +25,7 @@ from megalite.checkpointing.protocol import agree_on_error
 from megalite.checkpointing.layout import Block, chunk_blocks, flat_boxes, overlap
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
 from megalite.checkpointing.sharded import AGAIN, OPTIM_KEYS, ItemFiles, crc_of, read_index
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 __all__ = ["read_sharded", "read_whole", "Reads"]
 

@@ -40,7 +40,7 @@ from torch import nn
 from megalite.checkpointing.layout import Block, chunk_blocks
 from megalite.checkpointing.protocol import save_synced, write_json
 from megalite.checkpointing.sharded import OPTIM_KEYS, crc_of, quiet_single_process
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 __all__ = ["Shard", "plan_shards", "write_sharded", "crc32_of"]
 

@@ -32,7 +32,7 @@ from torch import nn
 from megalite.checkpointing.protocol import agree_on_error, read_json, write_json
 from megalite.checkpointing.run_state import stage_counts
 from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 CRC_SUFFIX = ".crc32.json"  # the checksum sidecar next to each model_optim_rng.pt
 
@@ -48,7 +48,7 @@ def legacy_dir(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_si
 
 def _ep(ps: ParallelState):
     """(ep rank, ep size): (0, 1) for a grid without experts."""
-    return getattr(ps, "ep_rank", 0), getattr(ps, "ep_size", 1)
+    return (ps.ep_rank, ps.ep_size) if ps.has_experts else (0, 1)
 
 
 def _writes_file(ps: ParallelState) -> bool:

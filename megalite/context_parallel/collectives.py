@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.comms import all_gather_first, reduce_scatter_first
 
 

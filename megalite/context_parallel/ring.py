@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megalite.context_parallel.blocks import (fused, grouped, layout_runs, merge, tile_backward, tile_forward,
                                               tile_mask, tile_pairs, tile_size)
 from megalite.context_parallel.sequence import cp_token_index
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 
 _KV_TAG, _DKV_TAG = 7, 8
 

@@ -13,7 +13,7 @@ import torch
 
 from megalite.context_parallel.sequence import SequenceOptions
 from megalite.data.samplers import PretrainingSampler
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 
 def _collate(samples: List[dict]) -> torch.Tensor:

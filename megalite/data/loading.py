@@ -13,11 +13,12 @@ import os
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
-from megalite.agreement import flag_on_any_rank, lowest_rank_with
-from megalite.config import Config, ConfigError, DataConfig
+from megalite.parallel.agreement import flag_on_any_rank, lowest_rank_with
+from megalite.config import Config, DataConfig
 from megalite.data.builder import build_train_valid_test_datasets, megatron_num_samples
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
+from megalite.config.checks import check_tokenizer_given, check_training_documents
 
 logger = logging.getLogger("megalite")
 _DEFAULT_CORPUS = "pydoc_topics_text_document"  # default_corpus.py's data prefix, in its cache directory
@@ -50,9 +51,7 @@ def resolve_data(cfg: Config) -> Config:
         return cfg
     if not (data.mock_data or data.data_path or data.train_data_path):
         data = _with_default_corpus(data)
-    if not data.tokenizer_type:
-        raise ConfigError("--data-path needs --tokenizer-type (e.g. GPT2BPETokenizer with --vocab-file "
-                          "and --merge-file)")
+    check_tokenizer_given(data)
     from megalite.data.tokenizers import build_tokenizer
     tokenizer = build_tokenizer(data, cfg.model.vocab_size or None)
     return cfg.with_(data=data, model=replace(cfg.model, vocab_size=tokenizer.vocab_size))
@@ -128,9 +127,7 @@ def build_datasets(cfg: Config, ps: ParallelState) -> Datasets:
         train, valid, test = build_train_valid_test_datasets(cfg.data, (n_train, n_valid, n_test),
                                                           seq_length=cfg.model.seq_length, seed=cfg.train.seed,
                                                           is_primary=ps.rank == 0, barrier=barrier)
-        if train is None and n_train > 0:
-            raise ConfigError(f"--split {cfg.data.split!r} leaves no training documents; give the train "
-                              f"part a weight or pass --train-data-path")
+        check_training_documents(cfg.data, found=train is not None or n_train == 0)
     except DatasetError:
         raise
     except (ValueError, OSError) as e:  # bad files, split or cache (ConfigError is a ValueError)

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.flight_recorder import RECORDER
-from megalite.parallel_state import AxisGroup
+from megalite.observability.flight_recorder import FlightRecorder
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.comms import all_gather_flat, reduce_scatter_flat
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron's default DDP bucket size
@@ -62,8 +62,11 @@ class GradBuffer:
 
     def __init__(self, params: Sequence[nn.Parameter], dp: AxisGroup, *, grad_dtype: Optional[torch.dtype] = None,
                  bucket_elements: Optional[int] = None, overlap: bool = False, shard: bool = False,
-                 deferred: Sequence[nn.Parameter] = (), average_over: Optional[int] = None):
+                 deferred: Sequence[nn.Parameter] = (), average_over: Optional[int] = None,
+                 recorder: Optional[FlightRecorder] = None):
         self.dp, self.shard_grads = dp, shard
+        # the rank's flight recorder (ParallelState.recorder) sees the reductions; None: nothing recorded
+        self.recorder = recorder if recorder is not None else FlightRecorder(0)
         # The sum over dp is divided by this (default dp's size): an MoE expert's replicas (expert DP) divide
         # by the dense replicas' count instead, as their gradients already hold the other ranks' tokens.
         self.average_over = average_over or dp.size
@@ -150,10 +153,10 @@ class GradBuffer:
         if self.shard_grads:
             # A separate output: an in-place reduce-scatter (output inside input) is not safe on gloo.
             b.grad_out = torch.empty(b.shard[1] - b.shard[0], dtype=data.dtype, device=data.device)
-            b.grad_handle = RECORDER.call("dp_cp", reduce_scatter_flat, b.grad_out, data, group=self.dp.group,
+            b.grad_handle = self.recorder.call("dp_cp", reduce_scatter_flat, b.grad_out, data, group=self.dp.group,
                                           async_op=True)
         else:
-            b.grad_handle = RECORDER.call("dp_cp", dist.all_reduce, data, group=self.dp.group, async_op=True)
+            b.grad_handle = self.recorder.call("dp_cp", dist.all_reduce, data, group=self.dp.group, async_op=True)
 
     def finish(self) -> None:
         """Complete every bucket's reduction (starting those not yet started): the mean over DP.
@@ -187,7 +190,7 @@ class GradBuffer:
             return
         for b in self.buckets:
             shard = self.param_data[b.shard[0]:b.shard[1]].clone()
-            b.param_handle = RECORDER.call("dp_cp", all_gather_flat, self.param_data[b.start:b.end], shard,
+            b.param_handle = self.recorder.call("dp_cp", all_gather_flat, self.param_data[b.start:b.end], shard,
                                            group=self.dp.group, async_op=True)
             b.gather_src = shard
         if not async_op:

@@ -40,7 +40,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.sequence import cp_token_index
-from megalite.parallel_state import AxisGroup, ParallelState
+from megalite.parallel.state import AxisGroup, ParallelState
 from megalite.tensor_parallel.comms import reduce_scatter_to_sequence_parallel_region
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -48,11 +48,10 @@ from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallel
                                              set_tp_attributes, vocab_range, vocab_shard)
 from megalite.tensor_parallel.random import RNGTracker, checkpoint, full_normal
 from megalite.model.kv_cache import KVCache
+from megalite.model.spec import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, ModelSpec, layer_prefix
 from megalite.moe import MoELayer
 from megalite.moe.router import Router
 from megalite.model.transformer import TransformerLayer, build_norm, dropout, rotary_cos_sin
-
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 class GPTModel(nn.Module):
@@ -71,31 +70,29 @@ class GPTModel(nn.Module):
         self.vocab_start, _ = vocab_range(self.padded_vocab, ps.tp)
         layer_ids = list(range(cfg.num_layers) if layers is None else layers)
         h, std = cfg.hidden_size, cfg.init_method_std
+        spec = ModelSpec.of(cfg)  # what each layer holds (model/spec.py)
 
         if pre_process:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = VocabParallelEmbedding(
                 cfg.vocab_size, self.padded_vocab, h, ps.tp, init_std=std, seed=seed)
-            if cfg.position_embedding_type == "learned_absolute":
+            if spec.learned_positions:
                 pos = nn.Embedding(cfg.max_positions, h)
-                pos.weight.data.copy_(full_normal((cfg.max_positions, h), std, seed,
-                                                  "embedding.position_embeddings.weight"))
+                pos.weight.data.copy_(full_normal((cfg.max_positions, h), std, seed, POSITION_EMBEDDINGS))
                 set_tp_attributes(pos.weight, False)
                 self.embedding.position_embeddings = pos
 
         self.decoder = nn.Module()
         def moe(i: int) -> Optional[MoELayer]:
-            return MoELayer(cfg, ps, seed, f"decoder.layers.{i}.mlp", self.sequence_parallel, moe_dispatcher,
-                            i) if cfg.is_moe_layer(i) else None
-        if cfg.is_moe:
-            ps.init_expert_groups()  # every rank, at its first chunk (a collective when groups are new)
+            return MoELayer(cfg, ps, seed, layer_prefix(i) + "mlp", self.sequence_parallel, moe_dispatcher,
+                            i, tracker=tracker) if spec.layer(i).moe is not None else None
         self.decoder.layers = nn.ModuleDict(
             {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i, self.sequence_parallel, ps.device,
                                       self.cp, cp_comm_type, mlp=moe(i))
              for i in layer_ids})
 
         self.output_weight = None
-        self.split_wgrad = False  # the output GEMM's weight gradient may wait for W (zero-bubble)
+        self.split_wgrad = None  # the output GEMM's weight gradient may wait for W (enable_weight_grad_split)
         self._tied_to: list = []  # [VocabParallelEmbedding of another local chunk] (tie_output_to)
         self._output_is_local = False  # this chunk's embedding also serves a local last stage
         if post_process:
@@ -105,7 +102,7 @@ class GPTModel(nn.Module):
                                                          init_std=std, seed=seed, name="output_layer",
                                                          sequence_parallel=self.sequence_parallel)
                 self.output_layer.weight.data.copy_(init_vocab_rows(
-                    cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, "output_layer.weight"))
+                    cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, OUTPUT_LAYER))
             elif not pre_process:
                 # Last stage's copy of the tied word embedding: same initial values as the
                 # first stage's (same seed and name); gradients are summed over the
@@ -158,7 +155,7 @@ class GPTModel(nn.Module):
         out = {}
         for name, _ in self.named_parameters():
             src = full[WORD_EMBEDDINGS if name == "output_weight" else name]
-            if name in (WORD_EMBEDDINGS, "output_weight", "output_layer.weight"):
+            if name in (WORD_EMBEDDINGS, "output_weight", OUTPUT_LAYER):
                 out[name] = vocab_shard(src[:self.cfg.vocab_size], self.padded_vocab, self.tp)
                 continue
             module_name, _, pname = name.rpartition(".")
@@ -247,7 +244,7 @@ class GPTModel(nn.Module):
         # The chunk's own embedding also gets a gradient in B: deferring only this half would
         # accumulate it twice per micro-batch, which the overlapped DP reduction counts on not happening.
         return linear_with_tp_weight(x, weight, self.tp, sequence_parallel=self.sequence_parallel,
-                                     split_wgrad=self.split_wgrad and not self.pre_process)
+                                     split_wgrad=None if self.pre_process else self.split_wgrad)
 
     def _rope(self, s: int, offset: int, positions: Optional[torch.Tensor], device):
         """cos/sin for this chunk's s tokens: [s, 1, 1, d] by position (offset.. or ``positions`` [s]),

@@ -10,7 +10,8 @@ sequence parallelism can later split dim 0. Inside a layer::
               -> linear_fc2 (row, all-reduce) -> [s,b,h] -> dropout -> + x
 
 Both GPT-2 (LayerNorm, GELU, learned positions) and Llama (RMSNorm, SwiGLU,
-RoPE, grouped-query attention, no biases) are the same classes with other flags.
+RoPE, grouped-query attention, no biases) are the same classes with other flags; the
+fused blocks and activation each layer gets come from the model's spec (spec.py).
 
 With sequence parallelism the layer's input, norms, dropout and residuals are
 sequence shards [s/tp, b, h]; linear_qkv / linear_fc1 all-gather the sequence
@@ -42,7 +43,8 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.model.kv_cache import KVCache
-from megalite.parallel_state import AxisGroup
+from megalite.model.spec import ModelSpec, layer_prefix
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tp_attributes
 from megalite.tensor_parallel.random import RNGTracker, checkpoint
 
@@ -116,7 +118,7 @@ class Attention(nn.Module):
         self.unfused = cfg.attention_backend in ("unfused", "local")
         self.recompute = cfg.recompute_granularity == "selective"
         self.linear_qkv = ColumnParallelLinear(
-            cfg.hidden_size, [nq * d, nkv * d, nkv * d], tp, bias=cfg.add_bias_linear,
+            cfg.hidden_size, list(ModelSpec.of(cfg).attention.qkv_pieces), tp, bias=cfg.add_bias_linear,
             init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_qkv",
             sequence_parallel=sequence_parallel)
         self.linear_proj = RowParallelLinear(
@@ -196,12 +198,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, seed: int, prefix: str, sequence_parallel: bool = False,
                  ffn: Optional[int] = None):
         super().__init__()
-        ffn = ffn or cfg.ffn_size
-        self.swiglu = cfg.swiglu
+        spec = ModelSpec.of(cfg).mlp_of_size(ffn or cfg.ffn_size)
+        ffn, self.swiglu = spec.ffn, spec.gated
         # "tanh": Megatron-LM's fused bias-GeLU and HF GPT-2's "gelu_new" (README, conversion)
-        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
+        self.gelu_approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         self.linear_fc1 = ColumnParallelLinear(
-            cfg.hidden_size, [ffn, ffn] if cfg.swiglu else ffn, tp, bias=cfg.add_bias_linear,
+            cfg.hidden_size, list(spec.fc1_pieces), tp, bias=cfg.add_bias_linear,
             init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_fc1",
             sequence_parallel=sequence_parallel)
         self.linear_fc2 = RowParallelLinear(
@@ -227,14 +229,14 @@ class TransformerLayer(nn.Module):
                  sequence_parallel: bool = False, device: Optional[torch.device] = None,
                  cp: Optional[AxisGroup] = None, cp_comm_type: str = "p2p", mlp: Optional[nn.Module] = None):
         super().__init__()
-        prefix = f"decoder.layers.{layer}"
+        prefix = layer_prefix(layer)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.input_layernorm = build_norm(cfg, cfg.hidden_size, device)
-        self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}.self_attention", sequence_parallel,
+        self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}self_attention", sequence_parallel,
                                         cp, cp_comm_type)
         self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size, device)
-        self.mlp = mlp if mlp is not None else MLP(cfg, tp, seed, f"{prefix}.mlp", sequence_parallel)  # or MoE
+        self.mlp = mlp if mlp is not None else MLP(cfg, tp, seed, f"{prefix}mlp", sequence_parallel)  # or MoE
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.p > 0 and self.training:  # each TP rank holds other positions

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.moe.experts import LocalExperts
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.comms import (all_gather_first, gather_from_sequence_parallel_region,
                                             reduce_scatter_to_sequence_parallel_region)
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
+from megalite.model.spec import MLPSpec, ModelSpec
 from megalite.model.transformer import MLP
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, _matmul, set_tp_attributes
 from megalite.tensor_parallel.random import full_normal
@@ -34,11 +35,11 @@ from megalite.tensor_parallel.random import full_normal
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
-def _activation(cfg: ModelConfig, h: torch.Tensor) -> torch.Tensor:
-    if cfg.swiglu:
+def _activation(mlp: MLPSpec, h: torch.Tensor) -> torch.Tensor:
+    if mlp.gated:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return F.gelu(h, approximate="tanh" if cfg.openai_gelu else "none")
+    return F.gelu(h, approximate="tanh" if mlp.activation == "gelu_tanh" else "none")
 
 
 class _AddOnce(torch.autograd.Function):
@@ -60,18 +61,19 @@ class Expert(nn.Module):
 
     def __init__(self, cfg: ModelConfig, etp: AxisGroup, seed: int, prefix: str):
         super().__init__()
-        ffn, h = cfg.moe_ffn_size, cfg.hidden_size
-        self.linear_fc1 = ColumnParallelLinear(h, [ffn, ffn] if cfg.swiglu else ffn, etp, bias=cfg.add_bias_linear,
+        self.spec = ModelSpec.of(cfg).moe.expert  # the expert's shape and activation (model/spec.py)
+        ffn, h = self.spec.ffn, cfg.hidden_size
+        self.linear_fc1 = ColumnParallelLinear(h, list(self.spec.fc1_pieces), etp, bias=cfg.add_bias_linear,
                                                init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_fc1")
         self.linear_fc2 = RowParallelLinear(ffn, h, etp, bias=cfg.add_bias_linear,
                                             init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
                                             seed=seed, name=f"{prefix}.linear_fc2")
 
-    def forward(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, h] -> this shard's part of the output [n, h] (summed over ETP by the dispatcher)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         h = _matmul(x, fc1.weight, fc1.bias, None, fc1.split_wgrad)
-        y = _matmul(_activation(cfg, h), fc2.weight, None, None, fc2.split_wgrad)
+        y = _matmul(_activation(self.spec, h), fc2.weight, None, None, fc2.split_wgrad)
         if fc2.bias is None:
             return y
         if fc2.tp.size == 1:
@@ -105,7 +107,7 @@ class LocalExperts(nn.Module):
             n = part.shape[0]
             if pad_to is not None and pad_to > n:
                 part = torch.cat([part, part.new_zeros(pad_to - n, part.shape[1])])
-            outs.append(expert(part, self.cfg)[:n])
+            outs.append(expert(part)[:n])
         return torch.cat(outs) if outs else x[:0]
 
     def _grouped(self, x: torch.Tensor) -> bool:
@@ -124,7 +126,7 @@ class LocalExperts(nn.Module):
         w1 = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)  # [E, h, f]
         w2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)  # [E, f, h]
         h = _GROUPED_MM(xp, w1, offs=offs)
-        return _GROUPED_MM(_activation(self.cfg, h), w2, offs=offs).index_select(0, rows)
+        return _GROUPED_MM(_activation(experts[0].spec, h), w2, offs=offs).index_select(0, rows)
 
 
 class SharedExpert(MLP):

@@ -11,7 +11,7 @@
 Statistics of the iteration (for the log line) accumulate in ``stats`` until ``reset_stats``:
 ``load_balancing_loss`` and ``z_loss`` (this rank's part, summed over micro-batches; parts over
 tp x cp add up), ``tokens_per_expert`` [E] (this rank's routed tokens, summed). A checkpoint's
-recomputation runs the forward again without counting (tensor_parallel.random.is_recomputing).
+recomputation runs the forward again without counting (its RNGTracker's ``recomputing``).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from megalite.config import ModelConfig
 from megalite.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from megalite.moe.experts import LocalExperts, SharedExpert
 from megalite.moe.router import Router, capacity
-from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.random import is_recomputing
+from megalite.parallel.state import ParallelState
+from megalite.tensor_parallel.random import RNGTracker
 
 
 class MoELayer(nn.Module):
@@ -33,10 +33,10 @@ class MoELayer(nn.Module):
     ``mlp.experts.local_experts.<e>.*``, ``mlp.shared_experts.*`` (megatron-core's)."""
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, seed: int, prefix: str, sequence_parallel: bool,
-                 dispatcher: str = "allgather", layer: int = 0):
+                 dispatcher: str = "allgather", layer: int = 0, *, tracker: RNGTracker):
         super().__init__()
-        ps.init_expert_groups()
         self.cfg, self.layer_number = cfg, layer
+        self.tracker = tracker  # the chunk's: its checkpoints mark their recomputation there
         self.router = Router(cfg, seed, f"{prefix}.router", ps.tp_cp)
         self.experts = LocalExperts(cfg, ps.ep, ps.etp, seed, f"{prefix}.experts")
         self.shared_experts = (SharedExpert(cfg, ps.tp, seed, f"{prefix}.shared_experts", sequence_parallel)
@@ -56,7 +56,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        record = self._record if self.training and not is_recomputing() else None
+        record = self._record if self.training and not self.tracker.recomputing else None
         routing, probs = self.router(tokens, (s, b), record)
         pad_to = None
         if self.cfg.moe_pad_expert_input_to_capacity:

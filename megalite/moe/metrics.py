@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 

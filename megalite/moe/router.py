@@ -18,12 +18,13 @@ and each rank's loss is its own tokens' part: the parts add up to the loss of th
 micro-batch, and the router's replicated weight sums its gradient over TP as sequence-parallel
 weights do. A loss reaches backward through ``AuxLossScaler``: the activation it is attached to
 passes unchanged, and in backward the loss gets the gradient the LM loss of one micro-batch
-gets (``set_aux_loss_scale``: loss scale / micro-batches, x cp).
+gets: its router's ``aux_loss_scale``, which the executor sets every step (``set_aux_loss_scale``:
+loss scale / micro-batches, x cp).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,30 +32,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.layers import set_tp_attributes
 from megalite.tensor_parallel.random import full_normal
 
-_AUX_SCALE = [1.0]
-
-
-def set_aux_loss_scale(scale: float) -> None:
-    """The gradient each attached auxiliary loss receives (the executor sets it per step)."""
-    _AUX_SCALE[0] = float(scale)
-
-
 class AuxLossScaler(torch.autograd.Function):
-    """Identity on ``x``; in backward the attached ``loss`` gets d/dloss = the current aux scale."""
+    """Identity on ``x``; in backward the attached ``loss`` gets d/dloss = ``router.aux_loss_scale``
+    (read then: the value of the step that runs the backward)."""
 
     @staticmethod
-    def forward(ctx, x, loss):
+    def forward(ctx, x, loss, router):
         ctx.save_for_backward(loss)
+        ctx.router = router
         return x
 
     @staticmethod
     def backward(ctx, grad):
         (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, _AUX_SCALE[0])
+        return grad, torch.full_like(loss, ctx.router.aux_loss_scale), None
 
 
 def sum_over(t: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -86,6 +81,7 @@ class Router(nn.Module):
             set_tp_attributes(self.expert_bias, False)
         self.dtype = torch.float64 if cfg.moe_router_dtype == "fp64" else torch.float32
         self.local_tokens_per_expert = torch.zeros(cfg.num_experts)  # this step's loads (expert bias)
+        self.aux_loss_scale = 1.0  # d(total loss)/d(aux loss): set by the executor each step (set_aux_loss_scale)
 
     def keep_fp32(self) -> None:
         """After the model is cast to bf16/fp16: the expert bias stays fp32 (as megatron-core keeps it)."""
@@ -131,7 +127,7 @@ class Router(nn.Module):
         if cfg.moe_z_loss_coeff:
             z = torch.logsumexp(logits, dim=-1).square().mean()
             if torch.is_grad_enabled():
-                logits = AuxLossScaler.apply(logits, z * (cfg.moe_z_loss_coeff / self.tp_cp.size))
+                logits = AuxLossScaler.apply(logits, z * (cfg.moe_z_loss_coeff / self.tp_cp.size), self)
             if record is not None:
                 record("z_loss", z.detach() / self.tp_cp.size)  # parts over tp x cp add up to the mean
         idx, top, aux_scores = self._scores(logits)
@@ -145,7 +141,7 @@ class Router(nn.Module):
             aux = self._aux_loss(aux_scores, torch.topk(aux_scores, self.topk, dim=-1).indices
                                  if self.expert_bias is not None else idx, seq_batch)
             if torch.is_grad_enabled():
-                probs = AuxLossScaler.apply(probs, aux * cfg.moe_aux_loss_coeff)
+                probs = AuxLossScaler.apply(probs, aux * cfg.moe_aux_loss_coeff, self)
             if record is not None:  # megatron-core's names for the two kinds
                 record("load_balancing_loss" if cfg.moe_router_load_balancing_type == "aux_loss"
                        else "seq_load_balancing_loss", aux.detach())
@@ -169,3 +165,15 @@ class Router(nn.Module):
         S = s * n
         loads = sum_over(chosen.view(s, b, E).sum(dim=0).detach(), self.tp_cp)  # [b, E] per sequence
         return ((scores.view(s, b, E).sum(dim=0) * loads).sum(dim=1) * (E / (k * S * S))).mean()
+
+
+def routers_of(modules: Iterable[nn.Module]) -> List[Router]:
+    """Every MoE router inside ``modules`` (a rank's model chunks), in module order."""
+    return [m for module in modules for m in module.modules() if isinstance(m, Router)]
+
+
+def set_aux_loss_scale(routers: Iterable[Router], scale: float) -> None:
+    """The gradient each auxiliary loss attached by ``routers`` receives in backward (the executor sets
+    it each step: its loss scale / micro-batches, x cp)."""
+    for router in routers:
+        router.aux_loss_scale = float(scale)

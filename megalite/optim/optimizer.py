@@ -34,8 +34,7 @@ from torch import nn
 from megalite.config import OptimConfig
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.data_parallel.grad_buffers import GradBuffers
-from megalite.flight_recorder import RECORDER
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.tensor_parallel.layers import is_counted_once
 
@@ -103,10 +102,11 @@ class MegatronOptimizer:
         buffer = dict(grad_dtype=torch.float32 if fp32_grads else dtype, bucket_elements=cfg.ddp_bucket_size,
                       overlap=cfg.overlap_grad_reduce)
         parts = [GradBuffer([p for p in self.params if not getattr(p, "expert_parallel", False)], ps.dp_cp,
-                            shard=self.distributed, deferred=self.shared if ps.embedding.size > 1 else (), **buffer)]
+                            shard=self.distributed, deferred=self.shared if ps.embedding.size > 1 else (),
+                            recorder=ps.recorder, **buffer)]
         if experts:
             parts.append(GradBuffer(experts, ps.edp, shard=cfg.use_distributed_optimizer and ps.edp_size > 1,
-                                    average_over=ps.dp_cp_size, **buffer))
+                                    average_over=ps.dp_cp_size, recorder=ps.recorder, **buffer))
         self.grads = GradBuffers(parts)
         self.pieces = self._build_pieces()
         groups = [{"params": [pc.main for pc in self.pieces if pc.param.ndim > 1], "weight_decay": cfg.weight_decay},
@@ -161,11 +161,11 @@ class MegatronOptimizer:
         """Tied-embedding sum over the embedding group, DP reduction, sequence-parallel norm grads."""
         if self.ps.embedding.size > 1:
             for p in self.shared:  # before the DP reduction: its bucket waits for this sum
-                RECORDER.call("embedding", dist.all_reduce, p.main_grad, group=self.ps.embedding.group)
+                self.ps.recorder.call("embedding", dist.all_reduce, p.main_grad, group=self.ps.embedding.group)
         self.grads.finish()
         if self.sp_params and self.ps.tp_size > 1:
             flat = torch.cat([p.main_grad.view(-1) for p in self.sp_params])
-            RECORDER.call("tp", dist.all_reduce, flat, group=self.ps.tp_group)
+            self.ps.recorder.call("tp", dist.all_reduce, flat, group=self.ps.tp_group)
             offset = 0
             for p in self.sp_params:
                 p.main_grad.view(-1).copy_(flat[offset:offset + p.numel()])
@@ -179,9 +179,9 @@ class MegatronOptimizer:
 
     def _all_reduce_world(self, t: torch.Tensor, op=dist.ReduceOp.SUM, over_dp: bool = True) -> torch.Tensor:
         if over_dp and self.ps.dp_cp_size > 1:  # the replicas: dp x cp
-            RECORDER.call("dp_cp", dist.all_reduce, t, op=op, group=self.ps.dp_cp_group)
+            self.ps.recorder.call("dp_cp", dist.all_reduce, t, op=op, group=self.ps.dp_cp_group)
         if self.ps.mp.size > 1:
-            RECORDER.call("mp", dist.all_reduce, t, op=op, group=self.ps.mp.group)
+            self.ps.recorder.call("mp", dist.all_reduce, t, op=op, group=self.ps.mp.group)
         return t
 
     def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
@@ -214,7 +214,7 @@ class MegatronOptimizer:
             if not part.shard_grads:
                 sq[k] /= part.dp.size
         if self.ps.world_size > 1:
-            RECORDER.call("world", dist.all_reduce, sq)
+            self.ps.recorder.call("world", dist.all_reduce, sq)
         return float(sq.sum().sqrt())
 
     def step(self) -> Tuple[bool, Optional[float]]:

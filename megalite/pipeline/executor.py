@@ -39,14 +39,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megalite.context_parallel.sequence import sequence_kwargs
-from megalite.flight_recorder import RECORDER
-from megalite.moe import set_aux_loss_scale
-from megalite.parallel_state import ParallelState
+from megalite.moe import routers_of, set_aux_loss_scale
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.p2p import P2PState
 from megalite.pipeline.pairing import paired_backward, run_pair
 from megalite.pipeline.actions import Comm, Compute
 from megalite.pipeline.stage_layout import StageLayout
-from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_split
+from megalite.tensor_parallel.layers import WeightGradSplit, WeightGradStore, enable_weight_grad_split
 
 Batch = Dict[str, torch.Tensor]
 
@@ -86,6 +85,8 @@ class PipelineExecutor:
         self.fault = None  # faults.ScheduleFault for the next run (--inject-fault-kind hang / skip-send)
         self.pair_forward_backward = False  # DualPipeV pairs side by side (--overlap-moe-expert-parallel-comm)
         self._plans: Dict[int, tuple] = {}  # id(action list) -> (the list, its transfers): the flight recorder's
+        self.wgrad_split = WeightGradSplit()  # where B leaves the weight GEMMs for W (zero-bubble schedules)
+        self._routers = routers_of(self.chunks)  # MoE: their aux losses get the step's loss scale
 
     def _now(self) -> float:
         if self.sync:
@@ -104,11 +105,12 @@ class PipelineExecutor:
         st = StepStats()
         self.loss_scale = loss_scale
         if not forward_only:
-            set_aux_loss_scale(loss_scale / num_microbatches * self.ps.cp_size)
+            set_aux_loss_scale(self._routers, loss_scale / num_microbatches * self.ps.cp_size)
         fault, self.fault = self.fault, None  # --inject-fault-kind hang / skip-send: this run only
         if fault is not None:
             actions = fault.actions(actions)
-        RECORDER.begin_run(self._plan(actions))
+        recorder = self.ps.recorder
+        recorder.begin_run(self._plan(actions))
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}
         self._wgrads: Optional[Dict[Tuple[int, int], "WeightGradStore | _WholeBackward"]] = None
@@ -116,8 +118,8 @@ class PipelineExecutor:
             self._wgrads = {}
             for c, chunk in enumerate(self.chunks):  # idempotent; results are the same with or without it
                 if self._stage(c) > 0 or not self.layout.whole_first_backward:
-                    enable_weight_grad_split(chunk)
-        p2p = P2PState(self.ps.timeout if self.ps.backend == "gloo" else None)
+                    enable_weight_grad_split(chunk, self.wgrad_split)
+        p2p = P2PState(self.ps.timeout if self.ps.backend == "gloo" else None, recorder)
         t0 = self._now()
         i = -1
         while i + 1 < len(actions):
@@ -139,7 +141,7 @@ class PipelineExecutor:
             received = self._wait_input(action, p2p)
             now = self._now()
             st.p2p, start = st.p2p + (now - start), now
-            event = RECORDER.record(action.kind, mb=action.mb, chunk=action.chunk, run=RECORDER.run)
+            event = recorder.record(action.kind, mb=action.mb, chunk=action.chunk, run=recorder.run)
             if fault is not None:
                 fault.during(action)
             if action.kind == "F":
@@ -150,7 +152,7 @@ class PipelineExecutor:
             else:
                 self._wgrads.pop((action.mb, action.chunk)).run()
             end = self._now()
-            RECORDER.done(event)
+            recorder.done(event)
             if action.kind == "F":
                 st.forward += end - start
             else:
@@ -229,7 +231,7 @@ class PipelineExecutor:
             self._wgrads[(a.mb, a.chunk)] = _WholeBackward(out, grad)
         else:  # input gradients now; the weight GEMMs wait for this (mb, chunk)'s W
             store = WeightGradStore()
-            with store.collecting():
+            with self.wgrad_split.collecting(store):
                 torch.autograd.backward(out, grad_tensors=grad)
             self._wgrads[(a.mb, a.chunk)] = store
         if stage > 0:

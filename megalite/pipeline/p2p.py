@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.flight_recorder import RECORDER
-from megalite.parallel_state import ParallelState
+from megalite.observability.flight_recorder import FlightRecorder
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Comm
 
 Key = Tuple[str, int, int]  # (kind, mb, dst_stage): how both sides name a transfer
@@ -28,10 +28,11 @@ Key = Tuple[str, int, int]  # (kind, mb, dst_stage): how both sides name a trans
 class P2PState:
     """Transfers of one step in flight: receive buffers with their handles, send handles."""
 
-    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+    def __init__(self, timeout: Optional[timedelta] = None, recorder: Optional[FlightRecorder] = None) -> None:
         # gloo receives ignore the process group's timeout unless given one: without it a hung
         # neighbour would hold this rank forever. (NCCL waits are stream syncs: left as they are.)
         self.timeout = timeout
+        self.recorder = recorder if recorder is not None else FlightRecorder(0)  # the rank's (ps.recorder)
         self.payloads: Dict[Key, torch.Tensor] = {}  # produced, to be sent by a later Comm
         self._recvs: Dict[Key, Tuple[torch.Tensor, List, int]] = {}  # + the flight recorder's event id
         self._sends: List[Tuple[torch.Tensor, List, int]] = []
@@ -49,7 +50,7 @@ class P2PState:
             else:
                 t = torch.empty(shape, dtype=dtype, device=ps.device)
                 ops.append(dist.P2POp(dist.irecv, t, peer, ps.pp_group))
-            tensors.append((op.op, key, t, RECORDER.transfer(op.op, peer, op.kind, op.mb, op.dst_stage)))
+            tensors.append((op.op, key, t, self.recorder.transfer(op.op, peer, op.kind, op.mb, op.dst_stage)))
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
@@ -68,11 +69,11 @@ class P2PState:
         return t
 
     def _wait_all(self, works: List, event: int) -> None:
-        waiting = RECORDER.wait_on(event)  # left open when the wait fails: what the hang diagnosis reads
+        waiting = self.recorder.wait_on(event)  # left open when the wait fails: what the hang diagnosis reads
         for w in works:
             self._wait(w)
-        RECORDER.done(waiting)
-        RECORDER.done(event)
+        self.recorder.done(waiting)
+        self.recorder.done(event)
 
     def _wait(self, work) -> None:
         if self.timeout is None:

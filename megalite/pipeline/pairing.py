@@ -6,7 +6,7 @@ other's compute. The executor does the same when a forward is followed, with onl
 between, by a backward of another chunk whose input is already here or posted (the schedules'
 receives are placed one compute ahead for this):
 
-    wait for both inputs -> forward on a second thread (inside parallel_state.shadow_groups: its
+    wait for both inputs -> forward on a second thread (inside ParallelState.shadow_groups: its
     collectives go to communicators of their own, in the same order on every rank) || backward
     on this thread -> join -> post the transfers that sat between them
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 import threading
 from typing import List, Optional, Sequence
 
-from megalite.flight_recorder import RECORDER
-from megalite.parallel_state import shadow_groups
 from megalite.pipeline.actions import Comm, Compute
 
 
@@ -47,12 +45,13 @@ def run_pair(ex, f: Compute, b: Compute, get_batch, m: int, inputs, outputs, p2p
     """Forward ``f`` on a second thread beside backward ``b`` on this one (both inputs waited for first)."""
     recv_f, recv_b = ex._wait_input(f, p2p), ex._wait_input(b, p2p)
     start = ex._now()
-    events = [RECORDER.record(a.kind, mb=a.mb, chunk=a.chunk, run=RECORDER.run) for a in (f, b)]
+    recorder = ex.ps.recorder
+    events = [recorder.record(a.kind, mb=a.mb, chunk=a.chunk, run=recorder.run) for a in (f, b)]
     errors: List[BaseException] = []
 
     def forward() -> None:
         try:
-            with shadow_groups():
+            with ex.ps.shadow_groups():
                 ex._forward(f, get_batch, m, False, inputs, outputs, p2p.payloads, recv_f, st)
         except BaseException as e:  # noqa: BLE001 - re-raised on the executor's thread
             errors.append(e)
@@ -67,7 +66,7 @@ def run_pair(ex, f: Compute, b: Compute, get_batch, m: int, inputs, outputs, p2p
         raise errors[0]
     end = ex._now()
     for event in events:
-        RECORDER.done(event)
+        recorder.done(event)
     st.forward += end - start  # both ran over the whole span
     st.backward += end - start
     for a in (f, b):

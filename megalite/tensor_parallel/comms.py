@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 
 # Flat-tensor collectives: newer torch names them *_single and deprecates the *_tensor names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

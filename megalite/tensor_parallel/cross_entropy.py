@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 
 
 def _all_reduce(x: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.comms import (all_gather_first, copy_to_tp_region, gather_from_tp_region,
                                             reduce_from_tp_region, reduce_scatter_first,
                                             reduce_scatter_to_sequence_parallel_region,
@@ -59,32 +59,18 @@ def is_counted_once(param: nn.Parameter, tp_rank: int) -> bool:
 class WeightGradStore:
     """Weight-gradient GEMMs that a split backward (action B) leaves for its W action.
 
-    While a store is collecting, the backward of every linear layer built with
-    ``split_wgrad`` returns the input gradient only and keeps (input, output
-    gradient) here; ``run`` later computes ``dW = g^T x`` for each and hands the
+    While a store is collecting (``WeightGradSplit.collecting``), the backward of every linear
+    layer split through that WeightGradSplit returns the input gradient only and keeps (input,
+    output gradient) here; ``run`` later computes ``dW = g^T x`` for each and hands the
     sums to autograd as the gradients of the (leaf) weights, so they land
     exactly where a plain backward puts them: in-place into ``param.grad`` (the
     grad buffer's ``main_grad`` view) or through the post-accumulate hooks
     (fp32 accumulation of 16-bit grads, overlapped DP reduction), once per
     weight per micro-batch. Biases, norms and embeddings are cheap and stay in B.
-
-    The active store is class state, not thread-local: on CUDA autograd runs
-    backward functions on its own device threads.
     """
-
-    _active: Optional["WeightGradStore"] = None
 
     def __init__(self) -> None:
         self.pending: List[Tuple[nn.Parameter, torch.Tensor, torch.Tensor, Optional[AxisGroup]]] = []
-
-    @contextlib.contextmanager
-    def collecting(self) -> Iterator["WeightGradStore"]:
-        """Defer the weight GEMMs of every backward run inside the block into this store."""
-        previous, WeightGradStore._active = WeightGradStore._active, self
-        try:
-            yield self
-        finally:
-            WeightGradStore._active = previous
 
     def run(self) -> None:
         """Compute the deferred weight gradients and accumulate them (one autograd call)."""
@@ -102,6 +88,29 @@ class WeightGradStore:
             torch.autograd.backward(list(params), list(grads))
 
 
+class WeightGradSplit:
+    """Where the weight GEMMs of the linear layers split through it go: the store collecting now, or
+    (none collecting) straight into the weights' gradients as a plain backward does.
+
+    The run owns it (one per PipelineExecutor) and hands it to its chunks' layers with
+    enable_weight_grad_split; a backward sees the store of the split its layers were built on.
+    A plain object, not thread-local: on CUDA autograd runs backward functions on its own
+    device threads.
+    """
+
+    def __init__(self) -> None:
+        self.store: Optional[WeightGradStore] = None
+
+    @contextlib.contextmanager
+    def collecting(self, store: WeightGradStore) -> Iterator[WeightGradStore]:
+        """Defer the weight GEMMs of every backward run inside the block into ``store``."""
+        previous, self.store = self.store, store
+        try:
+            yield store
+        finally:
+            self.store = previous
+
+
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, group: Optional[AxisGroup]) -> torch.Tensor:
     """dW = g^T x over all tokens; under SP the saved shard x is all-gathered again first."""
     total = all_gather_first(x, group) if group is not None else x  # [s, b, in]
@@ -114,11 +123,11 @@ class _Linear(torch.autograd.Function):
 
     ``group`` (sequence parallelism) all-gathers the sequence shard x inside the
     matmul and keeps only the shard for backward (gathered again there).
-    ``owner`` = [param] marks a splittable matmul: ``weight`` is then the
+    ``owner`` = (param, WeightGradSplit) marks a splittable matmul: ``weight`` is then the
     parameter's detached data, so the weight is not an input of the graph at all
     (autograd runs a leaf's post-accumulate hooks even for a missing gradient,
     and the grad buffer counts those calls); its gradient reaches it through
-    autograd.backward on the leaf, in W, or right away when no store collects.
+    autograd.backward on the leaf, in W, or right away when the split's store is not collecting.
     """
 
     @staticmethod
@@ -139,7 +148,7 @@ class _Linear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_w = _weight_grad(x, grad, ctx.group)
         elif ctx.owner[0].requires_grad:
-            store = WeightGradStore._active
+            store = ctx.owner[1].store
             if store is not None:
                 store.pending.append((ctx.owner[0], x, grad, ctx.group))
             else:  # no split backward running: accumulate now, as a plain backward would
@@ -148,15 +157,16 @@ class _Linear(torch.autograd.Function):
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            group: Optional[AxisGroup], split_wgrad: bool) -> torch.Tensor:
-    """x W^T + b through ``_Linear`` (splittable when ``split_wgrad``)."""
+            group: Optional[AxisGroup], split_wgrad: Optional[WeightGradSplit]) -> torch.Tensor:
+    """x W^T + b through ``_Linear`` (splittable through ``split_wgrad`` when given)."""
     if split_wgrad:
-        return _Linear.apply(x, weight.detach(), bias, group, [weight])
+        return _Linear.apply(x, weight.detach(), bias, group, (weight, split_wgrad))
     return _Linear.apply(x, weight, bias, group, None)
 
 
 def linear_with_input_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             tp: AxisGroup, sequence_parallel: bool, split_wgrad: bool = False) -> torch.Tensor:
+                             tp: AxisGroup, sequence_parallel: bool,
+                             split_wgrad: Optional[WeightGradSplit] = None) -> torch.Tensor:
     """Column-parallel matmul: enter the TP region by copy (plain) or sequence all-gather (SP).
 
     ``split_wgrad`` routes the matmul through ``_Linear`` so a split backward can defer its
@@ -165,7 +175,7 @@ def linear_with_input_gather(x: torch.Tensor, weight: torch.Tensor, bias: Option
     if sequence_parallel and tp.size > 1:
         return _matmul(x, weight, bias, tp, split_wgrad)
     x = copy_to_tp_region(x, tp)
-    return _matmul(x, weight, bias, None, True) if split_wgrad else F.linear(x, weight, bias)
+    return _matmul(x, weight, bias, None, split_wgrad) if split_wgrad else F.linear(x, weight, bias)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -203,7 +213,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype)) if bias else None
         if self.bias is not None:
             set_tp_attributes(self.bias, True, 0)
-        self.split_wgrad = False  # set by enable_weight_grad_split (zero-bubble schedules)
+        self.split_wgrad: Optional[WeightGradSplit] = None  # set by enable_weight_grad_split (zero-bubble)
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full ``weight``/``bias`` (each fused piece split separately)."""
@@ -233,7 +243,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype)) if bias else None
         if self.bias is not None:
             set_tp_attributes(self.bias, False)
-        self.split_wgrad = False  # set by enable_weight_grad_split (zero-bubble schedules)
+        self.split_wgrad: Optional[WeightGradSplit] = None  # set by enable_weight_grad_split (zero-bubble)
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full ``weight`` (input columns); the bias is replicated."""
@@ -241,7 +251,7 @@ class RowParallelLinear(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.split_wgrad:
-            return _matmul(x, self.weight, bias, None, True)
+            return _matmul(x, self.weight, bias, None, self.split_wgrad)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,17 +311,20 @@ class VocabParallelEmbedding(nn.Module):
 
 def linear_with_tp_weight(x: torch.Tensor, weight: torch.Tensor, tp: AxisGroup,
                           bias: Optional[torch.Tensor] = None, sequence_parallel: bool = False,
-                          split_wgrad: bool = False) -> torch.Tensor:
+                          split_wgrad: Optional[WeightGradSplit] = None) -> torch.Tensor:
     """Column-parallel matmul against a weight owned elsewhere (the tied output layer)."""
     return linear_with_input_gather(x, weight, bias, tp, sequence_parallel, split_wgrad)
 
 
-def enable_weight_grad_split(module: nn.Module) -> None:
-    """Let every linear layer in ``module`` defer its weight GEMM to a collecting WeightGradStore.
+def enable_weight_grad_split(module: nn.Module, split: Optional[WeightGradSplit] = None) -> WeightGradSplit:
+    """Let every linear layer in ``module`` defer its weight GEMM to the store ``split`` collects into
+    (a new WeightGradSplit when None); returns the split.
 
-    Without an active store the layers still compute every gradient in one backward,
+    While no store collects the layers still compute every gradient in one backward,
     so turning this on never changes results, only where the weight GEMMs can run.
     """
+    split = split if split is not None else WeightGradSplit()
     for m in module.modules():
         if hasattr(m, "split_wgrad"):
-            m.split_wgrad = True
+            m.split_wgrad = split
+    return split

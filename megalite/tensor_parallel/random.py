@@ -44,6 +44,9 @@ class RNGTracker:
         self.device = device
         self.base_seed = seed + _PP_SEED_STRIDE * pp_rank
         self.tp_seed = self.base_seed + _TP_REGION_SEED_OFFSET + tp_rank
+        # .on: a checkpointed forward runs again on this thread (per thread: a paired forward may run
+        # beside a backward's recomputation)
+        self._recomputation = threading.local()
         self.reset()
 
     def reset(self) -> None:
@@ -84,14 +87,20 @@ class RNGTracker:
         self._set_state(states["default"])
         self.states = {k: v.clone() for k, v in states.items() if k != "default"}
 
+    @property
+    def recomputing(self) -> bool:
+        """True while a forward checkpointed with this tracker runs again in backward (on this thread):
+        what it counts (MoE routing statistics) was counted by its first run."""
+        return getattr(self._recomputation, "on", False)
 
-_RECOMPUTING = threading.local()  # .on: inside a checkpoint's recomputation (a forward run a second time)
-
-
-def is_recomputing() -> bool:
-    """True while a checkpointed forward runs again in backward: what it counts (MoE routing statistics)
-    was counted by its first run."""
-    return getattr(_RECOMPUTING, "on", False)
+    @contextlib.contextmanager
+    def recomputation(self) -> Iterator[None]:
+        """Mark the body (on this thread) as a checkpoint's recomputation."""
+        outer, self._recomputation.on = self.recomputing, True
+        try:
+            yield
+        finally:
+            self._recomputation.on = outer
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -111,13 +120,11 @@ class _Checkpoint(torch.autograd.Function):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         current = ctx.tracker.get_states()
         ctx.tracker.set_states(ctx.rng_states)  # the same dropout masks as the first forward
-        outer, _RECOMPUTING.on = getattr(_RECOMPUTING, "on", False), True
         try:
-            with torch.enable_grad():
+            with ctx.tracker.recomputation(), torch.enable_grad():
                 out = ctx.fn(*inputs)
         finally:
             ctx.tracker.set_states(current)
-            _RECOMPUTING.on = outer
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

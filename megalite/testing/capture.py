@@ -31,30 +31,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.agreement import flag_on_any_rank
+from megalite.parallel.agreement import flag_on_any_rank
 from megalite.checkpointing.layout import param_blocks
-from megalite.config import ConfigError
 from megalite.context_parallel.sequence import cp_token_index
 from megalite.data.samplers import PretrainingSampler
 from megalite.pipeline.actions import Compute
 from megalite.tensor_parallel.random import full_normal
 from megalite.training.mock import MockFeed
 from megalite.training.trainer import Trainer
+from megalite.config.checks import check_perturb_found
 
 CAPTURE_VERSION = 1
-
-
-def parse_perturb(text: str) -> Tuple[str, float]:
-    """``NAME=EPS`` (--perturb) -> (global parameter name, eps); ConfigError naming the flag otherwise."""
-    name, sep, eps = text.partition("=")
-    try:
-        value = float(eps)
-    except ValueError:
-        value = None
-    if not sep or not name or value is None:
-        raise ConfigError(f"--perturb {text!r}: give NAME=EPS, a global parameter name and the size of the change, "
-                          "e.g. decoder.layers.1.mlp.linear_fc1.weight=1e-3")
-    return name, value
 
 
 class _Recorder:
@@ -226,9 +213,7 @@ def capture_step(trainer, batches: list, out_dir: str, perturb: Optional[Tuple[s
     par = cfg.parallel
     if perturb is not None:
         held = perturb_parameter(trainer, *perturb)
-        if not flag_on_any_rank(held, ps):
-            raise ConfigError(f"--perturb: the model has no parameter named {perturb[0]!r}; give a global name "
-                              "such as decoder.layers.1.mlp.linear_fc1.weight")
+        check_perturb_found(perturb[0], flag_on_any_rank(held, ps))
     trainer.optimizer.finish_param_gather()
     write_dp = trainer.optimizer.grads.dp.rank == 0
     pieces = _param_pieces(trainer, "weight", {id(p): p for p in trainer.params}) if write_dp else []

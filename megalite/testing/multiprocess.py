@@ -17,7 +17,7 @@ import traceback
 from typing import Any, Callable, List, Optional
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "megalite.parallel_state", "megalite.training"])
+_CTX.set_forkserver_preload(["torch", "megalite.parallel.state", "megalite.training"])
 
 
 def free_port() -> int:
@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Cal
         import torch
 
         torch.set_num_threads(1)
-        from megalite.parallel_state import ParallelState
+        from megalite.parallel.state import ParallelState
 
         ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp,
                                           cp=cp, **(experts or {}))
@@ -46,18 +46,21 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Cal
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int = 1,
-                    timeout: float = 300.0, cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> List[Any]:
+                    timeout: float = 300.0, cp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                    experts: bool = False) -> List[Any]:
     """Run ``fn(ps, *args)`` on ``world`` ranks; return the results ordered by rank.
 
     Each rank is a forked process with one thread and a gloo ParallelState of the given tp, pp and
     cp (dp = world / (tp * pp * cp)), and for mixtures of experts the expert grid's ep and etp (None:
-    the same as tp). A rank that raises fails the call with an AssertionError carrying its
+    the same as tp) with its groups; ``experts`` asks for those groups at ep 1 and etp tp too (a model
+    with experts needs them). A rank that raises fails the call with an AssertionError carrying its
     traceback; ``timeout`` bounds the wait for each rank's result.
     """
     port = free_port()
     queue = _CTX.Queue()
-    experts = {"ep": ep, "etp": etp} if (ep, etp) != (1, None) else None  # dense: the old signature
-    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, cp, fn, args, queue, experts))
+    moe = experts or (ep, etp) != (1, None)
+    experts_kw = {"ep": ep, "etp": etp, "experts": True} if moe else None  # dense: the old signature
+    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, cp, fn, args, queue, experts_kw))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -16,7 +16,7 @@ import torch
 from megalite.config import Config
 from megalite.data.batches import MicroBatches, sequence_options
 from megalite.data.loading import validation_start
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.training.stops import check_tokens
 
 logger = logging.getLogger("megalite")

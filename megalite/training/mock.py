@@ -13,7 +13,7 @@ import torch
 from megalite.config import Config
 from megalite.data.batches import MicroBatches
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.training.trainer import Trainer
 
 

@@ -22,14 +22,14 @@ import torch
 
 from megalite.config import Config
 from megalite.data.builder import default_cache_dir
-from megalite.logging import (TensorBoard, format_duration, format_log_line, format_moe_fields, format_moe_layers,
+from megalite.observability.logging import (TensorBoard, format_duration, format_log_line, format_moe_fields, format_moe_layers,
                               format_timers, mean_over_pipeline, moe_tensorboard)
 from megalite.moe import moe_layers
 from megalite.moe.metrics import reduce_moe_stats
-from megalite.parallel_state import ParallelState
-from megalite.profiling import Profiler, WandbWriter, trace_dir
-from megalite.stragglers import StragglerMonitor, rank_work
-from megalite.throughput import Throughput, device_peak_tflops, gather_memory_report, memory_scalars, memory_stats
+from megalite.parallel.state import ParallelState
+from megalite.observability.profiling import Profiler, WandbWriter, trace_dir
+from megalite.observability.stragglers import StragglerMonitor, rank_work
+from megalite.observability.throughput import Throughput, device_peak_tflops, gather_memory_report, memory_scalars, memory_stats
 from megalite.training.evaluation import EvalResult
 from megalite.training.state import TrainState
 

@@ -1,17 +1,17 @@
 """When a run stops early: a non-finite loss or gradient, a bad token id, --exit-interval, a signal or time limit.
 
 Every rule ends every rank at the same iteration: a problem found on one rank is agreed on
-in one all-reduce (``megalite.agreement``), and exactly one rank reports it.
+in one all-reduce (``megalite.parallel.agreement``), and exactly one rank reports it.
 """
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Optional
 
-from megalite.agreement import flags_on_any_rank, lowest_rank_with
+from megalite.parallel.agreement import flags_on_any_rank, lowest_rank_with
 from megalite.config import TrainConfig
-from megalite.faults import ExitConditions
-from megalite.parallel_state import ParallelState
+from megalite.training.faults import ExitConditions
+from megalite.parallel.state import ParallelState
 from megalite.training.state import TrainState
 
 

@@ -33,26 +33,29 @@ import torch
 
 from megalite.analysis.measure import balance_stages  # the composition root may use analysis
 from megalite.analysis.plan_check import PlanCheck, timeline_meta
-from megalite.checkpointing import Checkpointer, saved_stage_layers
-from megalite.config import Config, ConfigError
+from megalite.checkpointing.manager import Checkpointer
+from megalite.checkpointing.run import RunParts
+from megalite.checkpointing.run_state import saved_stage_layers
+from megalite.interop import checkpoint_formats
+from megalite.config import Config
 from megalite.data.batches import MicroBatches, sequence_options
-from megalite.faults import ExitConditions, inject_fault
-from megalite.flight_recorder import RECORDER
-from megalite.logging import logged_loss, write_timeline
+from megalite.training.faults import ExitConditions, inject_fault
+from megalite.observability.logging import logged_loss, write_timeline
 from megalite.model.gpt import GPTModel
 from megalite.moe import update_expert_bias
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.registry import build_schedule
 from megalite.pipeline.stage_layout import StageLayout
-from megalite.settings import RunSettings, resolve_settings
+from megalite.config.settings import RunSettings, resolve_settings
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.evaluation import Evaluator
 from megalite.training.reporting import Reporter
 from megalite.training.state import TrainState
 from megalite.training.stops import StopRules, TrainingStopped, check_tokens
+from megalite.config.checks import check_layout_matches, check_overlap_device
 
 logger = logging.getLogger("megalite")
 __all__ = ["Trainer", "TrainingStopped", "build_model_chunks"]
@@ -103,13 +106,8 @@ class Trainer:
     def __init__(self, cfg: Config, ps: ParallelState):
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
-        if (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp) != (ps.tp_size, ps.pp_size, ps.cp_size):
-            raise ConfigError(f"the config asks for tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x cp {cfg.parallel.cp} "
-                              f"but the ParallelState has tp {ps.tp_size} x pp {ps.pp_size} x cp {ps.cp_size}; "
-                              "build both from the same flags")
-        if cfg.model.is_moe and (cfg.parallel.ep, cfg.parallel.expert_tp) != (ps.ep_size, ps.etp_size):
-            raise ConfigError(f"the config asks for ep {cfg.parallel.ep} x etp {cfg.parallel.expert_tp} but the "
-                              f"ParallelState has ep {ps.ep_size} x etp {ps.etp_size}; build both from the same flags")
+        check_layout_matches(cfg, ps.tp_size, ps.pp_size, ps.cp_size, ps.ep_size if cfg.model.is_moe else 1,
+                             ps.etp_size if cfg.model.is_moe else 1)
         settings = resolve_settings(cfg, ps.world_size)
         balanced = resolve_stage_split(cfg, ps, settings)
         if balanced is not cfg:
@@ -135,9 +133,7 @@ class Trainer:
         self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
                                          dtype=cfg.model.torch_dtype, layout=layout)
         if par.overlap_moe_expert_parallel_comm:  # DualPipeV's F/B pairs side by side (executor.py)
-            if ps.device.type == "cuda":
-                raise ConfigError("--overlap-moe-expert-parallel-comm runs on CPU (gloo) only for now: on CUDA its two "
-                                  "threads share one stream and NCCL could hang; drop the flag")
+            check_overlap_device(cfg, ps.device.type)
             ps.init_shadow_groups()
             self.executor.pair_forward_backward = True
         # packed documents: every stage's attention (and RoPE) reads the micro-batch's segments (positions)
@@ -147,8 +143,8 @@ class Trainer:
         self.sequence = sequence_options(cfg, ps)  # packed documents / CP chunks of each micro-batch
         self.state = TrainState()
         self.last_stats: Optional[StepStats] = None
-        self.checkpointer = Checkpointer(cfg, ps, self.chunks, self.optimizer, self.scheduler, self.state,
-                                         self.tracker)
+        self.run_parts = RunParts(cfg, ps, self.chunks, self.optimizer, self.scheduler, self.state, self.tracker)
+        self.checkpointer = Checkpointer(self.run_parts, checkpoint_formats())  # with Megatron's torch_dist
         self.evaluator = Evaluator(cfg, ps, self.chunks, self.m, self.needs_data, self._forward_only, self._loss)
         self.plan_check = PlanCheck(cfg, ps, settings)  # --plan-check: the planner's figures beside the measured
 
@@ -158,14 +154,14 @@ class Trainer:
         for c in self.chunks:
             c.train()
         self.optimizer.zero_grad(self.m)
-        RECORDER.enter_phase("schedule")  # the flight recorder's phases (hang diagnosis)
+        self.ps.recorder.enter_phase("schedule")  # the flight recorder's phases (hang diagnosis)
         stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m,
                                   loss_scale=self.optimizer.loss_scale)
         t0 = time.perf_counter()
-        RECORDER.enter_phase("grad reduce")
+        self.ps.recorder.enter_phase("grad reduce")
         self.optimizer.finalize_grads()
         t1 = time.perf_counter()
-        RECORDER.enter_phase("optimizer")
+        self.ps.recorder.enter_phase("optimizer")
         updated, grad_norm = self.optimizer.step()
         if self.cfg.model.moe_router_enable_expert_bias:  # DeepSeek-V3 balancing, every step (as Megatron)
             update_expert_bias(self.chunks, self.ps)
@@ -215,7 +211,7 @@ class Trainer:
             while training and state.iteration < t.train_iters and stop is None:
                 inject_fault(t, state.iteration + 1, self.ps.rank, self.executor)  # --inject-fault-*: tests
                 lr = self.scheduler.get_lr()
-                RECORDER.enter_phase("data")
+                self.ps.recorder.enter_phase("data")
                 batches = data.next() if data is not None else [None] * self.m
                 check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, f"iteration {state.iteration + 1}")
                 self.executor.sync = report.before_step()  # --profile; straggler timing on CUDA
@@ -223,15 +219,15 @@ class Trainer:
                 out = self.train_step(batches)
                 self.plan_check.after_step(self, state.iteration + 1, out)
                 state.advance(t.global_batch_size)
-                RECORDER.enter_phase("report")
+                self.ps.recorder.enter_phase("report")
                 self.checkpointer.poll()  # publishes a background save every rank has finished writing
                 stop = stops.after_step(out, state)
                 report.step({**out, "lr": lr}, self.last_stats.events)
                 if self.evaluator.due(state.iteration):
-                    RECORDER.enter_phase("evaluation")
+                    self.ps.recorder.enter_phase("evaluation")
                     report.evaluation(self.evaluator.validate(valid_ds, state.iteration))
                 if stop is None and self.checkpointer.due(state.iteration):
-                    RECORDER.enter_phase("checkpoint")
+                    self.ps.recorder.enter_phase("checkpoint")
                     self.checkpointer.save()  # with --async-save: the snapshot only (after the save in flight)
                     report.pause()
         except TrainingStopped:  # raised on every rank at the same point: the last good save still lands
@@ -243,7 +239,7 @@ class Trainer:
     def _finish(self, report: Reporter, stop: Optional[str], valid_ds, test_ds) -> None:
         """After the loop: the final save, the end-of-training evaluations, the timeline, the summary."""
         t, it = self.cfg.train, self.state.iteration
-        RECORDER.enter_phase("end of training")
+        self.ps.recorder.enter_phase("end of training")
         if self.cfg.checkpoint.save and self.checkpointer.saved_at != it and not t.skip_train:
             self.checkpointer.save()
         self.checkpointer.wait()  # the end of training, --exit-interval, a signal, the time limit: all written

@@ -14,11 +14,9 @@ from megalite.checkpointing import CheckpointError
 from megalite.config import CheckpointConfig
 from megalite.training.mock import MockFeed
 from megalite.training import Trainer
-from megalite.testing import run_distributed
-from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, reference_run, run_steps,
-                                      tiny_config)
+from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, reference_run, run_steps,
+                                  tiny_config)
 
-pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
 
@@ -33,7 +31,7 @@ def _cfg(style, pp, vp, m, split=None, balance="even", layers=8):
     ("untied", 2, 2, 4, (3, 1, 2, 2)),  # interleaved: chunk sizes differ on one rank
     ("tied", 4, 1, 4, (3, 2, 2, 1)),
 ])
-def test_given_split_matches_single_process(style, pp, vp, m, split):
+def test_given_split_matches_single_process(style, pp, vp, m, split, run_distributed):
     model = GPT2_STYLE if style == "tied" else LLAMA_STYLE
     cfg = _cfg(model, pp, vp, m, split)
     ref = reference_run(_cfg(model, pp, vp, m), STEPS)
@@ -48,7 +46,7 @@ def _split_of(trainer):
             "layers": [list(c.decoder.layers.keys()) for c in trainer.chunks]}
 
 
-def test_measured_split_is_agreed_and_matches_single_process():
+def test_measured_split_is_agreed_and_matches_single_process(run_distributed):
     cfg = _cfg(LLAMA_STYLE, 2, 1, 4, balance="measured", layers=6)
     ref = reference_run(cfg.with_(parallel=replace(cfg.parallel, pipeline_balance="even")), STEPS)
     results = run_distributed(run_steps, 2, cfg, STEPS, ref["state"], _split_of, pp=2)
@@ -79,7 +77,7 @@ def _load_and_continue(ps, cfg, sharded, torch_root):
     return {"losses": losses, "last": ps.is_last_stage, "refused": refused}
 
 
-def test_checkpoints_cross_splits(tmp_path):
+def test_checkpoints_cross_splits(tmp_path, run_distributed):
     sharded, torch_root = str(tmp_path / "sharded"), str(tmp_path / "torch")
     a, b = _cfg(GPT2_STYLE, 2, 1, 2, (3, 1), layers=4), _cfg(GPT2_STYLE, 2, 1, 2, (1, 3), layers=4)
     ref = reference_run(_cfg(GPT2_STYLE, 2, 1, 2, layers=4), 4)

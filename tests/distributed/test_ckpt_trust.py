@@ -19,9 +19,8 @@ from megalite.checkpointing.protocol import MARKER
 from megalite.checkpointing.save_lock import LOCK_FILE, acquire_save_lock, release_save_locks
 from megalite.config import CheckpointConfig
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.testing import run_distributed
 from megalite.training import Trainer
-from tests.distributed.common import tiny_config
+from tests.helpers.parity import tiny_config
 
 
 def _trainer(ps, save, load=None):
@@ -43,8 +42,7 @@ def _save_into(ps, roots):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_nodes_that_do_not_share_save_are_refused_at_the_first_save(tmp_path):
+def test_nodes_that_do_not_share_save_are_refused_at_the_first_save(tmp_path, run_distributed):
     a, b = str(tmp_path / "node0"), str(tmp_path / "node1")
     errors = run_distributed(_save_into, 2, [a, b])
     host = socket.gethostname()
@@ -74,8 +72,7 @@ def _load_refused(ps, root):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_a_second_run_is_refused_on_every_rank_and_a_stale_lock_taken_over(tmp_path):
+def test_a_second_run_is_refused_on_every_rank_and_a_stale_lock_taken_over(tmp_path, run_distributed):
     root = str(tmp_path / "ck")
     acquire_save_lock(root)  # this process is the first run
     try:

@@ -2,20 +2,17 @@
 cp 2, dp 2 with the distributed optimizer) put back together equal the one-process capture within the fp32
 band; a weight perturbed on a tensor-parallel run is named where it first shows; the command itself
 under torchrun."""
-import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 
 from megalite.analysis.divergence import compare, load_capture
-from megalite.parallel_state import ParallelState
-from megalite.testing import run_distributed
+from megalite.parallel.state import ParallelState
 from megalite.testing.capture import capture_mock
-from tests.conftest import REPO, TINY_RUN
-from tests.distributed.common import LLAMA_STYLE, tiny_config
+from tests.helpers import REPO, TINY_RUN
+from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
-pytestmark = pytest.mark.multiprocess
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 
 
@@ -38,7 +35,7 @@ def reference(tmp_path_factory):
     ("pp2-vp2", _cfg(pp=2, vp=2), 1, 2, 1),
     ("cp2", _cfg(cp=2), 1, 1, 2),
 ])
-def test_layouts_agree_with_one_process(reference, tmp_path, name, cfg, tp, pp, cp):
+def test_layouts_agree_with_one_process(reference, tmp_path, name, cfg, tp, pp, cp, run_distributed):
     run_distributed(capture_mock, 2, cfg, str(tmp_path), tp=tp, pp=pp, cp=cp)
     report = compare(reference, load_capture(str(tmp_path)))
     assert report.first is None, report.table()
@@ -46,7 +43,7 @@ def test_layouts_agree_with_one_process(reference, tmp_path, name, cfg, tp, pp, 
     assert max(r.rel for r in report.rows) < 1e-5  # far inside the 1e-4 band
 
 
-def test_distributed_optimizer_gradients_are_whole(reference, tmp_path):
+def test_distributed_optimizer_gradients_are_whole(reference, tmp_path, run_distributed):
     cfg = _cfg()
     cfg = cfg.with_(optim=replace(cfg.optim, use_distributed_optimizer=True))
     run_distributed(capture_mock, 2, cfg, str(tmp_path))  # dp 2: each rank reduced only its shard
@@ -54,7 +51,7 @@ def test_distributed_optimizer_gradients_are_whole(reference, tmp_path):
     assert report.first is None, report.table()
 
 
-def test_perturbed_sharded_weight_is_named_first(reference, tmp_path):
+def test_perturbed_sharded_weight_is_named_first(reference, tmp_path, run_distributed):
     run_distributed(capture_mock, 2, _cfg(tp=2), str(tmp_path), (FC1, 1e-3), tp=2)
     report = compare(reference, load_capture(str(tmp_path)))
     first = report.first
@@ -64,11 +61,11 @@ def test_perturbed_sharded_weight_is_named_first(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_command_tp1_against_tp2_under_torchrun(tmp_path):
+def test_command_tp1_against_tp2_under_torchrun(tmp_path, launch):
     flags = TINY_RUN + ["--train-iters", "1", "--num-threads", "1"]
-    proc = subprocess.run([sys.executable, "tools/compare_runs.py", "--b", "--tensor-model-parallel-size 2",
-                           "--nproc-b", "2", "--keep", str(tmp_path), "--"] + flags,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = launch([sys.executable, "tools/compare_runs.py", "--b", "--tensor-model-parallel-size 2",
+                   "--nproc-b", "2", "--keep", str(tmp_path), "--"] + flags,
+                  cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("side A: tp 1 pp 1 dp 1, float32, 4 micro-batches")

@@ -18,13 +18,12 @@ import pytest
 
 from megalite.config import Config
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.parallel_state import ParallelState
-from megalite.testing import run_distributed
+from megalite.parallel.state import ParallelState
 from megalite.training.mock import train_mock
-from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, param_error, tiny_config,
-                                      train_losses)
+from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, param_error, tiny_config,
+                                  train_losses)
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 STEPS = 3
 PACKED = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
@@ -89,7 +88,7 @@ def _run_cases(ps: ParallelState, cases: List[tuple]) -> List[List[dict]]:
     return out
 
 
-def _check(world: int, cases: List[tuple], tp: int = 1, pp: int = 1, cp: int = 2) -> None:
+def _check(run_distributed, world: int, cases: List[tuple], tp: int = 1, pp: int = 1, cp: int = 2) -> None:
     """Run ``cases`` [(name, cfg, packed)] in one launch of ``world`` ranks and compare each with one process."""
     refs = [_reference(cfg, packed) for _, cfg, packed in cases]
     per_rank = run_distributed(_run_cases, world, [(cfg, packed, ref["state"]) for (_, cfg, packed), ref
@@ -104,46 +103,47 @@ def _check(world: int, cases: List[tuple], tp: int = 1, pp: int = 1, cp: int = 2
             raise AssertionError(f"{name}: {e}") from None
 
 
-def test_cp2_each_comm_type_and_packed_documents():
+def test_cp2_each_comm_type_and_packed_documents(run_distributed):
     cases = [(f"cp2 {comm}", _config(LLAMA_STYLE, 2, comm), False) for comm in ("p2p", "all_gather", "a2a")]
     cases += [("cp2 packed rope p2p", _config(LLAMA_STYLE, 2, "p2p", packed=True), True),
               ("cp2 packed learned all_gather", _config(GPT2_STYLE, 2, "all_gather", packed=True), True)]
-    _check(2, cases)
+    _check(run_distributed, 2, cases)
 
 
-def test_cp4_each_comm_type():
-    _check(4, [(f"cp4 {comm}", _config(GPT2_STYLE, 4, comm), False) for comm in ("p2p", "all_gather", "a2a")],
-           cp=4)
+def test_cp4_each_comm_type(run_distributed):
+    _check(run_distributed, 4,
+           [(f"cp4 {comm}", _config(GPT2_STYLE, 4, comm), False) for comm in ("p2p", "all_gather", "a2a")], cp=4)
 
 
-def test_cp2_with_tp2_sequence_parallel():
+def test_cp2_with_tp2_sequence_parallel(run_distributed):
     recompute = _config(LLAMA_STYLE, 2, "p2p", tp=2, sequence_parallel=True)
     recompute = recompute.with_(model=replace(recompute.model, recompute_granularity="selective"))
-    _check(4, [("cp2 tp2 sp p2p selective recompute", recompute, False),
-               ("cp2 tp2 sp a2a packed", _config(GPT2_STYLE, 2, "a2a", packed=True, tp=2, sequence_parallel=True),
-                True)], tp=2)
+    _check(run_distributed, 4,
+           [("cp2 tp2 sp p2p selective recompute", recompute, False),
+            ("cp2 tp2 sp a2a packed", _config(GPT2_STYLE, 2, "a2a", packed=True, tp=2, sequence_parallel=True), True)],
+           tp=2)
 
 
-def test_cp2_with_pp2_schedules():
+def test_cp2_with_pp2_schedules(run_distributed):
     cases = [("cp2 pp2 1f1b", _config(LLAMA_STYLE, 2, "p2p", num_layers=4, pp=2, pipeline_schedule="1f1b"),
               False),
              ("cp2 pp2 interleaved packed", _config(LLAMA_STYLE, 2, "p2p", packed=True, num_layers=4, pp=2, vp=2,
                                                     pipeline_schedule="interleaved_1f1b"), True),
              ("cp2 pp2 zero-bubble V a2a", _config(LLAMA_STYLE, 2, "a2a", num_layers=4, pp=2, vp=2,
                                                    pipeline_schedule="zbv"), False)]
-    _check(4, cases, pp=2)
+    _check(run_distributed, 4, cases, pp=2)
 
 
-def test_packed_documents_reach_middle_pipeline_stages():
+def test_packed_documents_reach_middle_pipeline_stages(run_distributed):
     # pp 4: ranks 1 and 2 hold neither embedding nor loss, yet their attention and RoPE need the documents
     cfg = _config(LLAMA_STYLE, 1, "p2p", packed=True, num_layers=4, pp=4, pipeline_schedule="1f1b")
-    _check(4, [("pp4 packed 1f1b", cfg, True)], pp=4, cp=1)
+    _check(run_distributed, 4, [("pp4 packed 1f1b", cfg, True)], pp=4, cp=1)
 
 
-def test_cp2_with_dp2_distributed_optimizer():
+def test_cp2_with_dp2_distributed_optimizer(run_distributed):
     cfg = _config(LLAMA_STYLE, 2, "all_gather")
     cfg = cfg.with_(optim=replace(cfg.optim, use_distributed_optimizer=True))
-    _check(4, [("cp2 dp2 distributed optimizer", cfg, False)])
+    _check(run_distributed, 4, [("cp2 dp2 distributed optimizer", cfg, False)])
 
 
 def _resume(ps: ParallelState, cfg: Config, load_dir: str, save_dir: str) -> tuple:
@@ -153,7 +153,7 @@ def _resume(ps: ParallelState, cfg: Config, load_dir: str, save_dir: str) -> tup
     return resumed, first
 
 
-def test_checkpoint_moves_between_cp_sizes(tmp_path):
+def test_checkpoint_moves_between_cp_sizes(tmp_path, run_distributed):
     cfg2 = _config(LLAMA_STYLE, 2, "p2p")
     cfg2 = cfg2.with_(train=replace(cfg2.train, train_iters=4))
     cfg1 = cfg2.with_(parallel=replace(cfg2.parallel, cp=1))

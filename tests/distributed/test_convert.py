@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 
@@ -20,55 +19,14 @@ import pytest
 import torch
 
 from megalite.checkpointing import save_checkpoint
+from megalite.checkpointing.run import RunParts
 from megalite.training import Trainer
-from megalite.testing import free_port, run_distributed
-from tests.distributed.common import tiny_config
+from megalite.testing import free_port
+from tests.helpers.parity import tiny_config
 from megalite.checkpointing.safe_load import load_megatron_file
-from tests.unit.test_convert import VOCAB, convert, loaded, make_trainer, megalite_logits, state
-from tests.unit.test_megatron_files import run_convert
-
-pytestmark = pytest.mark.multiprocess
-
-STYLES = {"gpt2": dict(normalization="LayerNorm", swiglu=False, pos="learned_absolute", bias=True, groups=None,
-                       tied=True),
-          "llama": dict(normalization="RMSNorm", swiglu=True, pos="rope", bias=False, groups=2, tied=False)}
-
-
-def _megatron_core_model(style: str):
-    """A 2-layer megatron-core GPTModel on CPU (hidden 32, 4 heads, vocab padded to 256), weights drawn large."""
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    s = STYLES[style]
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=s["groups"],
-                            ffn_hidden_size=128, normalization=s["normalization"],
-                            gated_linear_unit=s["swiglu"], activation_func=F.silu if s["swiglu"] else F.gelu,
-                            add_bias_linear=s["bias"], use_cpu_initialization=True, hidden_dropout=0.0,
-                            attention_dropout=0.0, layernorm_epsilon=1e-5, init_method_std=0.3)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization=s["normalization"]), vocab_size=256,
-                     max_sequence_length=16, position_embedding_type=s["pos"],
-                     share_embeddings_and_output_weights=s["tied"]).eval()
-    with torch.no_grad():  # biases and norms away from their 0/1 init, so a mix-up would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def _megatron_args(style: str) -> argparse.Namespace:
-    from megatron.core.transformer.enums import AttnBackend
-    s = STYLES[style]
-    return argparse.Namespace(
-        num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
-        group_query_attention=s["groups"] is not None, num_query_groups=s["groups"], kv_channels=8, seq_length=16,
-        max_position_embeddings=16, position_embedding_type=s["pos"], rotary_base=10000, rotary_percent=1.0,
-        normalization=s["normalization"], norm_epsilon=1e-5, swiglu=s["swiglu"],
-        untie_embeddings_and_output_weights=not s["tied"], add_bias_linear=s["bias"], add_qkv_bias=s["bias"],
-        vocab_size=None, padded_vocab_size=256, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, params_dtype=torch.float32,
-        bf16=False, fp16=False, transformer_impl="local", attention_backend=AttnBackend.auto, hidden_dropout=0.0,
-        attention_dropout=0.0, init_method_std=0.3, iteration=7)
+from tests.helpers.convert import (VOCAB, _differences, convert, loaded, make_trainer, megalite_logits, run_convert,
+                                   state)
+from tests.helpers.megatron_core import _megatron_args, _megatron_core_model
 
 
 def _megatron_core_oracle(ps, style: str, root: str):
@@ -103,22 +61,8 @@ def _megatron_core_oracle(ps, style: str, root: str):
     return {"theirs": theirs.tolist()}
 
 
-def _differences(ours: dict, theirs: dict) -> list:
-    """Keys whose tensors differ; vocabulary tables compare their real rows, and our padding must be zero."""
-    bad = sorted(set(ours) ^ set(theirs))
-    for k, v in theirs.items():
-        b = ours.get(k)
-        if v is None or b is None:
-            bad += [] if v is None and b is None else [k]
-        elif k.endswith(("word_embeddings.weight", "output_layer.weight")):
-            bad += [] if b.shape == v.shape and torch.equal(b[:VOCAB], v[:VOCAB]) and not b[VOCAB:].any() else [k]
-        elif not torch.equal(b, v):
-            bad.append(k)
-    return bad
-
-
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
-def test_megatron_core_checkpoint_converts_with_its_logits(tmp_path, style):
+def test_megatron_core_checkpoint_converts_with_its_logits(tmp_path, style, run_distributed):
     pytest.importorskip("megatron.core")
     out = run_distributed(_megatron_core_oracle, 1, style, str(tmp_path))[0]
     # the converter runs as users run it, in a fresh interpreter: megatron.core's import (in the worker)
@@ -142,13 +86,13 @@ def test_megatron_core_checkpoint_converts_with_its_logits(tmp_path, style):
 
 def _save_sharded_run(ps, cfg, root: str, fmt: str) -> bool:
     t = Trainer(cfg, ps)
-    save_checkpoint(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, root, fmt)  # iteration 0
+    save_checkpoint(RunParts(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), root, fmt)  # iteration 0
     return True
 
 
 @pytest.mark.parametrize("style,tp,pp,vp,layers,fmt", [("llama", 2, 2, 1, 2, "torch"), ("llama", 2, 1, 1, 2, "sharded"),
                                                        ("gpt2", 1, 2, 2, 4, "torch")])
-def test_hf_export_of_tp_pp_sharded_run(tmp_path, style, tp, pp, vp, layers, fmt):
+def test_hf_export_of_tp_pp_sharded_run(tmp_path, style, tp, pp, vp, layers, fmt, run_distributed):
     transformers = pytest.importorskip("transformers")
     one = make_trainer(style, num_layers=layers)  # initialization does not depend on the layout
     cfg = tiny_config(tp=tp, pp=pp, vp=vp).with_(model=one.cfg.model)

@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from megalite.checkpointing import load_checkpoint
-from megalite.checkpointing.native_io import MegaliteSource
+from megalite.checkpointing.run import RunParts
+from megalite.interop.native_io import MegaliteSource
 from megalite.inference import config_from_dict
 from megalite.checkpointing.safe_load import load_megatron_file
-from megalite.testing import free_port, run_distributed
+from megalite.testing import free_port
 from megalite.training import Trainer
-from tests.unit.test_convert_moe import IDS, VOCAB, hf_model, logits, run_cli
-
-pytestmark = pytest.mark.multiprocess
+from tests.helpers.convert import _differences, run_convert
+from tests.helpers.convert_moe import IDS, VOCAB, hf_model, logits, run_cli
 
 
 def _load_and_run(ps, root: str, full_root: str):
@@ -38,7 +38,7 @@ def _load_and_run(ps, root: str, full_root: str):
                     data=replace(cfg.data, mock_data=True, tokenizer_type=None),
                     train=replace(cfg.train, micro_batch_size=2, global_batch_size=4))
     t = Trainer(cfg, ps)
-    load_checkpoint(cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, root, finetune=True)
+    load_checkpoint(RunParts(cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), root, finetune=True)
     model = t.chunks[0].eval()
     want = model.local_from_full(full)
     experts = sorted({n.split("local_experts.")[1].split(".")[0] for n in want if "local_experts" in n})
@@ -49,7 +49,7 @@ def _load_and_run(ps, root: str, full_root: str):
 
 
 @pytest.mark.slow
-def test_converted_mixtral_loads_at_ep2_in_both_formats(tmp_path):
+def test_converted_mixtral_loads_at_ep2_in_both_formats(tmp_path, run_distributed):
     hf = hf_model("mixtral")
     hf.save_pretrained(tmp_path / "hf")
     theirs = logits(hf, IDS, True)
@@ -115,10 +115,8 @@ def _megatron_core_moe(ps, root: str):
 
 
 @pytest.mark.slow
-def test_megatron_core_moe_state_dict_round_trips(tmp_path):
+def test_megatron_core_moe_state_dict_round_trips(tmp_path, run_distributed):
     pytest.importorskip("megatron.core")
-    from tests.distributed.test_convert import _differences
-    from tests.unit.test_megatron_files import run_convert
     keys = run_distributed(_megatron_core_moe, 1, str(tmp_path))[0]
     assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in keys
     assert "decoder.layers.1.mlp.linear_fc1.weight" in keys  # layer 1 dense (moe_layer_freq [1, 0])

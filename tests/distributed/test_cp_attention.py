@@ -7,8 +7,7 @@ import torch
 from megalite.context_parallel import blocks, context_parallel_attention, ring
 from megalite.context_parallel.sequence import cp_token_index
 from megalite.tensor_parallel import RNGTracker
-from megalite.testing import run_distributed
-from tests.unit.test_cp_attention import dense_reference, packed_segments
+from tests.helpers.cp_attention import dense_reference, packed_segments
 
 S, B, D = 64, 2, 8
 
@@ -73,9 +72,8 @@ def _cases(cp):
     return out
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("cp", [2, 4])
-def test_every_comm_type_matches_one_process(cp):
+def test_every_comm_type_matches_one_process(cp, run_distributed):
     cases = _cases(cp)
     results = run_distributed(_all_cases, cp, cases, cp=cp)
     for rank, (errors, ring_steps, dropout_ok) in enumerate(results):

@@ -32,14 +32,15 @@ from megalite.checkpointing.async_save import conclude, start_save
 from megalite.checkpointing.manager import load_checkpoint, save_checkpoint
 from megalite.config import Config, OptimConfig, ParallelConfig
 from megalite.data.samplers import PretrainingSampler
-from megalite.logging import mean_over_data_parallel
+from megalite.observability.logging import mean_over_data_parallel
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
-from megalite.testing import run_distributed
 from megalite.training.state import TrainState
-from tests.distributed.common import GPT2_STYLE, tiny_config, train_losses
+from megalite.checkpointing.run import RunParts
+from megalite.checkpointing.run_formats import RUN_FORMATS
+from tests.helpers.parity import GPT2_STYLE, tiny_config, train_losses
 
 SEQ, VOCAB, HIDDEN = 16, 64, 32
 GBS, MBS, STEPS = 4, 1, 3
@@ -133,13 +134,13 @@ def _cfg(ps):
 
 
 def _save(ps, root, fmt, model, opt, background=False):
-    args = (_cfg(ps), ps, [model], opt, LRScheduler(opt, opt.cfg, STEPS),
-            TrainState(iteration=STEPS, consumed_samples=STEPS * GBS), RNGTracker(1, 0, 0, ps.device), root, fmt)
+    run = RunParts(_cfg(ps), ps, [model], opt, LRScheduler(opt, opt.cfg, STEPS),
+                   TrainState(iteration=STEPS, consumed_samples=STEPS * GBS), RNGTracker(1, 0, 0, ps.device))
     if not background:
-        save_checkpoint(*args)
+        save_checkpoint(run, root, fmt)
         return
     # --async-save: host snapshot, the optimizer shards gathered in a thread over dp_cp's gloo copy
-    job = start_save(*args, None, copy=True)
+    job = start_save(run, root, RUN_FORMATS.get(fmt), None, copy=True)
     job.run(background=True)
     conclude(job, ps)
 
@@ -166,7 +167,7 @@ def _cp_run(ps, tmp):
 def _load(ps, tmp, fmt, tag):
     model, opt = _build(ps, distopt=True)
     scheduler, state = LRScheduler(opt, opt.cfg, STEPS), TrainState()
-    got = load_checkpoint(_cfg(ps), ps, [model], opt, scheduler, state, RNGTracker(1, 0, 0, ps.device),
+    got = load_checkpoint(RunParts(_cfg(ps), ps, [model], opt, scheduler, state, RNGTracker(1, 0, 0, ps.device)),
                           os.path.join(tmp, f"{fmt}_1"))
     assert got == STEPS and state.consumed_samples == STEPS * GBS
     full = _full_state(model, opt)
@@ -185,8 +186,7 @@ def _assert_bit_equal(got, want, where):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_cp2_dp2_grads_optimizer_and_checkpoints(tmp_path):
+def test_cp2_dp2_grads_optimizer_and_checkpoints(tmp_path, run_distributed):
     tmp = str(tmp_path)
     results = run_distributed(_cp_run, 4, tmp, cp=2)
     assert [r["grid"] for r in results] == [(0, 0, [0, 1, 2, 3]), (1, 0, [0, 1, 2, 3]), (0, 1, [0, 1, 2, 3]),
@@ -228,8 +228,7 @@ def _trainer_cfg(cp):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_trainer_checkpoint_saved_at_cp2_resumes_in_one_process(tmp_path):
+def test_trainer_checkpoint_saved_at_cp2_resumes_in_one_process(tmp_path, run_distributed):
     """The real Trainer (mock data, the GPT path's CP slicing and ring attention): saved at cp 2 x dp 2
     with the distributed optimizer at iteration 2, resumed in one process, the last two losses equal
     the uninterrupted one-process run's."""

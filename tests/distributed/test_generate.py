@@ -11,12 +11,9 @@ import torch
 
 from megalite.config import CheckpointConfig
 from megalite.inference import Sampling, build_model, generate, read_checkpoint
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
-from megalite.testing import run_distributed
-from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
-
-pytestmark = pytest.mark.multiprocess
+from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 
 def _cfg(style, tp=1, pp=1, vp=1):
@@ -35,7 +32,7 @@ CASES = [("llama", 1, "sharded"), ("gpt2", 2, "torch"), ("llama", 2, "torch")]  
 
 
 @pytest.mark.parametrize("style,vp,fmt", CASES, ids=[f"{s}-vp{v}-{f}" for s, v, f in CASES])
-def test_tp2_pp2_checkpoint_generates_the_single_process_tokens(tmp_path, style, vp, fmt):
+def test_tp2_pp2_checkpoint_generates_the_single_process_tokens(tmp_path, style, vp, fmt, run_distributed):
     model_style = GPT2_STYLE if style == "gpt2" else LLAMA_STYLE
     root = str(tmp_path / "ck")
     run_distributed(_save, 4, _cfg(model_style, tp=2, pp=2, vp=vp), root, fmt, tp=2, pp=2)

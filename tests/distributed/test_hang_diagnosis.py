@@ -12,14 +12,13 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
-from tests.distributed.test_faults import Job
+from tests.helpers import REPO
 
 TIMEOUT = ["--distributed-timeout-minutes", "0.2"]  # a slow start on a loaded machine must not time out
 
 
-def _start(tmp_path, name, extra=(), nproc=2):
-    job = Job(tmp_path, name, nproc, [*TIMEOUT, "--debug-dir", str(tmp_path / name), *extra])
+def _start(torchrun_job, tmp_path, name, extra=(), nproc=2):
+    job = torchrun_job(name, nproc, [*TIMEOUT, "--debug-dir", str(tmp_path / name), *extra])
     job.debug = tmp_path / name
     return job
 
@@ -62,13 +61,12 @@ def _offline(job):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_hung_stopped_killed_and_deadlocked_ranks_are_named(tmp_path):
-    stopped, killed = _start(tmp_path, "stopped"), _start(tmp_path, "killed", nproc=4)
-    skip = _start(tmp_path, "skip", ["--inject-fault-at-iteration", "3", "--inject-fault-rank", "0",
-                                     "--inject-fault-kind", "skip-send"])
-    hang = _start(tmp_path, "hang", ["--inject-fault-at-iteration", "3", "--inject-fault-rank", "1",
-                                     "--inject-fault-kind", "hang"])
+def test_hung_stopped_killed_and_deadlocked_ranks_are_named(tmp_path, torchrun_job):
+    stopped, killed = _start(torchrun_job, tmp_path, "stopped"), _start(torchrun_job, tmp_path, "killed", nproc=4)
+    skip = _start(torchrun_job, tmp_path, "skip", ["--inject-fault-at-iteration", "3", "--inject-fault-rank", "0",
+                                                   "--inject-fault-kind", "skip-send"])
+    hang = _start(torchrun_job, tmp_path, "hang", ["--inject-fault-at-iteration", "3", "--inject-fault-rank", "1",
+                                                   "--inject-fault-kind", "hang"])
     victims = []
     for job, sig in ((stopped, signal.SIGSTOP), (killed, signal.SIGKILL)):
         job.wait_training()

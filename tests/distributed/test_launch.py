@@ -2,7 +2,8 @@
 losses equal the one-process run's, a bad flag or bad data is said once for the whole job,
 --pipeline-balance measured picks and trains a split on two ranks, and examples/debug_3d_cpu.sh trains
 on 8 ranks. The one-process halves of these checks stay in tests/unit (test_pretrain_cli.py,
-test_bad_inputs.py, test_balance.py, test_examples.py), whose flag lists and data are used here.
+test_bad_inputs.py, test_balance.py, test_examples.py); the flag lists and data both use are in
+tests/helpers (bad_inputs.py, pretrain_cli.py).
 """
 import os
 import re
@@ -11,11 +12,9 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-from tests.unit.test_bad_inputs import DATA, MOCK, _argv, write_data_dir
-from tests.unit.test_pretrain_cli import TINY, _losses
-
-pytestmark = pytest.mark.multiprocess
+from tests.helpers import REPO
+from tests.helpers.bad_inputs import DATA, MOCK, _argv, write_data_dir
+from tests.helpers.pretrain_cli import TINY, _losses
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +23,15 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_torchrun_tp2_dp2_matches_single_process():
+def test_torchrun_tp2_dp2_matches_single_process(launch):
     args = TINY + ["--train-iters", "3", "--eval-iters", "0"]
     single = subprocess.run([sys.executable, "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True,
                             text=True, timeout=300)
     assert single.returncode == 0, single.stderr
-    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node", "4", "pretrain_gpt.py", "--tensor-model-parallel-size", "2",
-                            "--num-threads", "1"] + args,
-                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    multi = launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "4", "pretrain_gpt.py", "--tensor-model-parallel-size", "2",
+                    "--num-threads", "1"] + args,
+                   cwd=REPO, capture_output=True, text=True, timeout=600)
     assert multi.returncode == 0, multi.stderr[-3000:]
     assert "world 4 = tp 2 x dp 2 x pp 1" in multi.stdout
     a, b = _losses(single.stdout), _losses(multi.stdout)
@@ -41,38 +40,38 @@ def test_torchrun_tp2_dp2_matches_single_process():
         assert abs(x - y) <= 1e-5 * abs(x), (a, b)
 
 
-def _torchrun(nproc, argv):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "pretrain_gpt.py", "--num-threads", "1"] + argv,
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+def _torchrun(launch, nproc, argv):
+    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(nproc), "pretrain_gpt.py", "--num-threads", "1"] + argv,
+                  cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
-def test_bad_flag_under_torchrun_is_said_once():
-    proc = _torchrun(2, MOCK + ["--hidden-dropout", "1.5"])
+def test_bad_flag_under_torchrun_is_said_once(launch):
+    proc = _torchrun(launch, 2, MOCK + ["--hidden-dropout", "1.5"])
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py:")]
     assert ours == ["pretrain_gpt.py: error: --hidden-dropout must be in [0, 1), got 1.5"]
     assert "[rank" not in proc.stderr  # no per-rank traceback
 
 
-def test_out_of_vocabulary_ids_stop_every_rank_the_same_way_at_tp2(data_dir):
+def test_out_of_vocabulary_ids_stop_every_rank_the_same_way_at_tp2(data_dir, launch):
     """tp=2 pads the vocabulary to 256, so id 150 has a row; unchecked it trained on an infinite loss."""
-    proc = _torchrun(2, _argv(DATA, "--data-path $T/oov --tensor-model-parallel-size 2", data_dir))
+    proc = _torchrun(launch, 2, _argv(DATA, "--data-path $T/oov --tensor-model-parallel-size 2", data_dir))
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py:")]
     assert len(ours) == 1 and "holds token id 150, outside the model's vocabulary [0, 101)" in ours[0], proc.stderr
     assert "[rank" not in proc.stderr and " iteration        3/" not in proc.stdout
 
 
-def test_pretrain_gpt_measured_balance_on_two_pipeline_ranks_prints_the_split_and_trains():
+def test_pretrain_gpt_measured_balance_on_two_pipeline_ranks_prints_the_split_and_trains(launch):
     # vocabulary 8000 at hidden 32: the output layer + loss cost well over a layer
     args = ["--mock-data", "--vocab-size", "8000", "--num-layers", "4", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "1", "--log-interval", "1",
             "--train-iters", "3", "--eval-iters", "0", "--num-threads", "1",
             "--pipeline-model-parallel-size", "2", "--pipeline-balance", "measured"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "pipeline balance: 1f1b, pp 2 x vp 1, 4 micro-batches" in out
@@ -85,10 +84,10 @@ def test_pretrain_gpt_measured_balance_on_two_pipeline_ranks_prints_the_split_an
 
 
 @pytest.mark.slow
-def test_cpu_3d_script_trains(tmp_path):
+def test_cpu_3d_script_trains(tmp_path, launch):
     env = {**os.environ, "TRAIN_ITERS": "2"}
-    res = subprocess.run(["bash", str(REPO / "examples" / "debug_3d_cpu.sh"), "--eval-iters", "1",
-                          "--log-interval", "1"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    res = launch(["bash", str(REPO / "examples" / "debug_3d_cpu.sh"), "--eval-iters", "1",
+                  "--log-interval", "1"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "world 8 = tp 2 x dp 2 x pp 2 (vp 2)" in res.stdout
     assert " iteration        2/       2 |" in res.stdout and "training done: 2 iterations" in res.stdout

@@ -16,9 +16,8 @@ import io
 import pytest
 import torch
 
-from megalite.testing import free_port, run_distributed
+from megalite.testing import free_port
 
-pytestmark = pytest.mark.multiprocess
 
 VOCAB, SEQ = 256, 12
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48)
@@ -68,12 +67,12 @@ def _megatron_core_side(ps) -> bytes:
 
 
 @pytest.mark.slow
-def test_bias_swiglu_gqa_model_gives_megatron_core_logits_and_gradients():
+def test_bias_swiglu_gqa_model_gives_megatron_core_logits_and_gradients(run_distributed):
     pytest.importorskip("megatron.core")
-    from megalite.checkpointing.megatron import qkv_from_megatron
+    from megalite.interop.megatron import qkv_from_megatron
     from megalite.config import ModelConfig
     from megalite.model.gpt import GPTModel
-    from megalite.parallel_state import ParallelState
+    from megalite.parallel.state import ParallelState
     from megalite.tensor_parallel.random import RNGTracker
     theirs = torch.load(io.BytesIO(run_distributed(_megatron_core_side, 1)[0]), weights_only=True)
     cfg = ModelConfig(**MODEL, seq_length=16, vocab_size=VOCAB, swiglu=True, hidden_dropout=0.0,

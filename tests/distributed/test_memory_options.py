@@ -13,13 +13,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megalite.testing import run_distributed
-from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, full_params,
-                                      reference_run, run_steps, tiny_config)
-from megalite.parallel_state import ParallelState
+from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, full_params,
+                                  reference_run, run_steps, tiny_config)
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 
-pytestmark = pytest.mark.multiprocess
 
 RECOMPUTE_MODES = {
     "none": {},
@@ -46,7 +44,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def test_recompute_equals_no_recompute_with_dropout_under_tp_and_interleaved_pp():
+def test_recompute_equals_no_recompute_with_dropout_under_tp_and_interleaved_pp(run_distributed):
     base = tiny_config(LLAMA_STYLE, gbs=4, mbs=1, num_layers=8, schedule="interleaved_1f1b", tp=2, pp=2, vp=2)
     base = base.with_(model=replace(base.model, hidden_dropout=0.1, attention_dropout=0.1))
     results = run_distributed(_run_modes, 4, base, RECOMPUTE_MODES, 3, tp=2, pp=2)
@@ -69,7 +67,7 @@ SP_CASES = [("tied", 2, 2, 1), ("tied", 4, 2, 1), ("untied", 2, 2, 2)]  # llama 
 
 
 @pytest.mark.parametrize("emb,tp,pp,vp", SP_CASES, ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}" for c in SP_CASES])
-def test_sequence_parallel_matches_single_process(emb, tp, pp, vp):
+def test_sequence_parallel_matches_single_process(emb, tp, pp, vp, run_distributed):
     style = GPT2_STYLE if emb == "tied" else LLAMA_STYLE
     cfg = tiny_config(style, gbs=4, mbs=2, num_layers=4, tp=tp, pp=pp, vp=vp,
                       schedule="interleaved_1f1b" if vp > 1 else None)
@@ -102,7 +100,7 @@ DIST_OPT_CASES = [  # (embeddings, tp, pp, dp, overlap)
 
 @pytest.mark.parametrize("emb,tp,pp,dp,overlap", DIST_OPT_CASES,
                          ids=[f"{c[0]}-tp{c[1]}pp{c[2]}dp{c[3]}{'-overlap' if c[4] else ''}" for c in DIST_OPT_CASES])
-def test_distributed_optimizer_matches_single_process_and_shards_state(emb, tp, pp, dp, overlap):
+def test_distributed_optimizer_matches_single_process_and_shards_state(emb, tp, pp, dp, overlap, run_distributed):
     style = GPT2_STYLE if emb == "tied" else LLAMA_STYLE
     steps = 5
     cfg = tiny_config(style, gbs=2 * dp, mbs=1, num_layers=4, tp=tp, pp=pp)

@@ -1,6 +1,6 @@
 """bf16 and fp16 training: loss curves within 2% of fp32, fp32 main weights, loss-scaler rules.
 
-* one process: bf16 and fp16 20-step loss curves within 2% of fp32 at every step;
+* one process (tests/unit/test_mixed_precision.py): bf16 and fp16 20-step loss curves within 2% of fp32;
 * 3D layouts (tp x pp x dp, distributed optimizer): the same 2% bound against fp32 in one process;
 * fp16 with an overflow forced on one rank at one step: every rank skips exactly that
   step (weights unchanged, LR schedule not advanced, "skipped iterations" counts it) and the
@@ -9,47 +9,9 @@
 from dataclasses import replace
 
 import pytest
-import torch
 
-from megalite.testing import run_distributed
-from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, _train, full_params, reference_run, tiny_config
-from megalite.parallel_state import ParallelState
-
-STEPS = 20
-
-
-def _fp32_reference(style_name, gbs):
-    return reference_run(_tiny(GPT2_STYLE if style_name == "gpt2" else LLAMA_STYLE, gbs), STEPS)  # cached
-
-
-def _tiny(style, gbs, **layout):
-    """tiny_config trained for STEPS iterations (its LR schedule spans the run)."""
-    cfg = tiny_config(style, gbs=gbs, mbs=1, num_layers=4, **layout)
-    return cfg.with_(train=replace(cfg.train, train_iters=STEPS))
-
-
-def _half(cfg, dtype, **optim):
-    return cfg.with_(model=replace(cfg.model, params_dtype=dtype),
-                     optim=replace(cfg.optim, accumulate_allreduce_grads_in_fp32=dtype == "bfloat16",
-                                   initial_loss_scale=2.0 ** 8, **optim))  # no overflow in these runs
-
-
-def _assert_within_2_percent(losses, ref):
-    assert len(losses) == len(ref) == STEPS
-    for step, (a, b) in enumerate(zip(losses, ref)):
-        assert abs(a - b) <= 0.02 * abs(b), f"step {step}: {a} vs fp32 {b}"
-    assert ref[-1] < ref[0] - 0.2  # the curve being followed really falls
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_single_process_follows_fp32(dtype):
-    ref = _fp32_reference("gpt2", 4)
-    cfg = _half(_tiny(GPT2_STYLE, 4), dtype)
-    trainer, losses, _ = _train(cfg, ParallelState.single(), STEPS)
-    _assert_within_2_percent(losses, ref["losses"])
-    assert all(p.dtype == getattr(torch, dtype) for p in trainer.params)
-    assert all(pc.main.dtype == torch.float32 for pc in trainer.optimizer.pieces)  # fp32 main weights
-    assert trainer.executor.dtype == getattr(torch, dtype)  # pipeline p2p in the activation dtype
+from tests.helpers.mixed_precision import STEPS, _assert_within_2_percent, _fp32_reference, _half, _tiny
+from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, _train, full_params, tiny_config
 
 
 def _losses(ps, cfg, steps):
@@ -58,8 +20,7 @@ def _losses(ps, cfg, steps):
 
 
 @pytest.mark.parametrize("style,dtype,tp,pp,dp", [("gpt2", "bfloat16", 2, 2, 2), ("llama", "float16", 1, 2, 2)])
-@pytest.mark.multiprocess
-def test_half_precision_3d_follows_fp32(style, dtype, tp, pp, dp):
+def test_half_precision_3d_follows_fp32(style, dtype, tp, pp, dp, run_distributed):
     ref = _fp32_reference(style, 2 * dp)
     base = _tiny(GPT2_STYLE if style == "gpt2" else LLAMA_STYLE, 2 * dp, tp=tp, pp=pp)
     cfg = _half(base, dtype, use_distributed_optimizer=True)
@@ -94,8 +55,7 @@ def _overflow_run(ps, cfg, poison_steps, steps):
     return {"log": log, "skipped": trainer.state.skipped_iters, "lr_steps": trainer.scheduler.num_steps}
 
 
-@pytest.mark.multiprocess
-def test_fp16_overflow_skips_that_step_everywhere_and_halves_scale():
+def test_fp16_overflow_skips_that_step_everywhere_and_halves_scale(run_distributed):
     base = _half(tiny_config(GPT2_STYLE, gbs=4, mbs=1, num_layers=4, pp=2), "float16", lr_warmup_iters=0)
     cfg1 = base.with_(optim=replace(base.optim, hysteresis=1, initial_loss_scale=1024.0))
     results = run_distributed(_overflow_run, 4, cfg1, {2}, 4, pp=2)

@@ -16,10 +16,9 @@ import pytest
 
 from megalite.checkpointing import CheckpointError, read_latest
 from megalite.config import CheckpointConfig
-from megalite.parallel_state import ParallelState
-from megalite.testing import run_distributed
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
-from tests.distributed.common import tiny_config, train_losses
+from tests.helpers.parity import tiny_config, train_losses
 
 STEPS = 4
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
@@ -48,8 +47,7 @@ def _last(results):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_sharded_moe_checkpoint_loads_into_other_layouts(tmp_path):
+def test_sharded_moe_checkpoint_loads_into_other_layouts(tmp_path, run_distributed):
     whole = train_losses(ParallelState.single(), _cfg())  # the uninterrupted reference
     # ep2 x dp2 (edp 2), distributed optimizer -> ep4 (edp 1), plain optimizer
     src = str(tmp_path / "ep2dp2")
@@ -80,8 +78,7 @@ def _load_error(ps, cfg, root):
     return "loaded"
 
 
-@pytest.mark.multiprocess
-def test_torch_format_moe_round_trip_and_other_ep_error(tmp_path):
+def test_torch_format_moe_round_trip_and_other_ep_error(tmp_path, run_distributed):
     root = str(tmp_path / "torch")
     results = run_distributed(_torch_round_trip, 2, _cfg(ep=2), root, ep=2)
     for r in results:
@@ -89,7 +86,7 @@ def test_torch_format_moe_round_trip_and_other_ep_error(tmp_path):
             assert r["losses"] == r["whole"], r
     it = os.path.join(root, f"iter_{read_latest(root):07d}")
     assert sorted(d for d in os.listdir(it) if d.startswith("mp_rank")) == ["mp_rank_00_000", "mp_rank_00_001"]
-    errors = run_distributed(_load_error, 2, _cfg(ep=1), root)
+    errors = run_distributed(_load_error, 2, _cfg(ep=1), root, experts=True)
     assert all("ep=2 etp=1" in e and "ep=1 etp=1" in e and "--ckpt-format sharded" in e and "\n" not in e
                for e in errors), errors
 
@@ -100,9 +97,8 @@ def _async_torch_round_trip(ps, cfg, root):
             "last": ps.is_last_stage}
 
 
-@pytest.mark.multiprocess
 @pytest.mark.slow
-def test_async_torch_format_gathers_expert_optimizer_shards_over_expert_dp(tmp_path):
+def test_async_torch_format_gathers_expert_optimizer_shards_over_expert_dp(tmp_path, run_distributed):
     """ep2 on 4 ranks (expert DP 2) with the distributed optimizer: the background write gathers the dense
     shards over dp x cp and the experts' over expert DP (their own gloo groups); the resume is exact."""
     root = str(tmp_path / "async")

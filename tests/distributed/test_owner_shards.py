@@ -23,11 +23,10 @@ from megalite.checkpointing.sharded import quiet_single_process
 from megalite.config import CheckpointConfig
 from megalite.data.batches import MicroBatches
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.parallel_state import ParallelState
-from megalite.testing import run_distributed
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
-from tests.distributed.common import GPT2_STYLE, tiny_config
+from tests.helpers.parity import GPT2_STYLE, tiny_config
 
 STEPS = 4
 
@@ -131,9 +130,8 @@ CASES = [(2, "bfloat16", [(1, False), (4, True)]), (4, "float32", [(1, False), (
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("dp,dtype,loads", CASES, ids=[f"dp{c[0]}-{c[1]}" for c in CASES])
-def test_owner_written_shards_load_into_other_dp(tmp_path, dp, dtype, loads):
+def test_owner_written_shards_load_into_other_dp(tmp_path, dp, dtype, loads, run_distributed):
     root = str(tmp_path / f"dp{dp}")
     saved = torch.load(run_distributed(_save, dp, _cfg(dtype, distopt=True), root, str(tmp_path / "saved.pt"))[0])
     _check_files(os.path.join(root, "iter_0000002"), saved, dp, dtype != "float32")
@@ -149,8 +147,7 @@ def test_owner_written_shards_load_into_other_dp(tmp_path, dp, dtype, loads):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_owner_written_shards_load_into_tp2_pp2(tmp_path):
+def test_owner_written_shards_load_into_tp2_pp2(tmp_path, run_distributed):
     root = str(tmp_path / "dp4")
     run_distributed(_save, 4, _cfg(distopt=True), root)
     ref = _eval_and_continue(ParallelState.single(), _cfg(), root)

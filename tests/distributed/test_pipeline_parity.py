@@ -6,11 +6,9 @@ tied and untied embeddings. Models have 8 layers so pp=4, vp=2 holds one layer p
 """
 import pytest
 
-from megalite.testing import run_distributed
-from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run,
-                                      run_steps, tiny_config)
+from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run,
+                                  run_steps, tiny_config)
 
-pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
 LAYERS = 8
@@ -49,21 +47,21 @@ CASES = [
 
 @pytest.mark.parametrize("schedule,tp,pp,vp,dp,m,emb", CASES,
                          ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in CASES])
-def test_schedule_matches_single_process(schedule, tp, pp, vp, dp, m, emb):
-    _check(schedule, tp, pp, vp, dp, m, emb)
+def test_schedule_matches_single_process(schedule, tp, pp, vp, dp, m, emb, run_distributed):
+    _check(run_distributed, schedule, tp, pp, vp, dp, m, emb)
 
 
 @pytest.mark.parametrize("first,last", [(3, 5), (1, 7)])
-def test_uneven_stages_match_single_process(first, last):
-    _check("1f1b", 1, 2, 1, 1, 4, "tied", first, last)
+def test_uneven_stages_match_single_process(first, last, run_distributed):
+    _check(run_distributed, "1f1b", 1, 2, 1, 1, 4, "tied", first, last)
 
 
-def test_uneven_interleaved_stages_match_single_process():
+def test_uneven_interleaved_stages_match_single_process(run_distributed):
     # pp=4, vp=2, 12 layers: first/last ranks hold 1 layer per chunk, the middle two 2 each
-    _check("interleaved_1f1b", 1, 4, 2, 1, 4, "untied", 2, 2, layers=12)
+    _check(run_distributed, "interleaved_1f1b", 1, 4, 2, 1, 4, "untied", 2, 2, layers=12)
 
 
-def _check(schedule, tp, pp, vp, dp, m, emb, first=None, last=None, layers=LAYERS):
+def _check(run_distributed, schedule, tp, pp, vp, dp, m, emb, first=None, last=None, layers=LAYERS):
     mbs = 1
     gbs = m * mbs * dp
     ref = _reference(emb, gbs, mbs, layers)

@@ -9,15 +9,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 
 from megalite.config import DataConfig
 from megalite.data.loading import resolve_data
-from megalite.testing import run_distributed
-from tests.conftest import REPO
-from tests.distributed.common import GPT2_STYLE, assert_close_run, reference_run, run_steps, tiny_config
-
-pytestmark = pytest.mark.multiprocess
+from tests.helpers import REPO
+from tests.helpers.parity import GPT2_STYLE, assert_close_run, reference_run, run_steps, tiny_config
 
 
 def _make_dataset(tmp: Path) -> DataConfig:
@@ -38,7 +34,7 @@ def _make_dataset(tmp: Path) -> DataConfig:
                       merge_file=str(tmp / "tok/merges.txt"), data_cache_path=str(tmp / "cache"))
 
 
-def test_pp2_dp2_on_preprocessed_data_matches_single_process(tmp_path):
+def test_pp2_dp2_on_preprocessed_data_matches_single_process(tmp_path, run_distributed):
     base = tiny_config(GPT2_STYLE, gbs=8, mbs=1)
     cfg = resolve_data(base.with_(data=_make_dataset(tmp_path)))
     assert cfg.model.vocab_size == 500

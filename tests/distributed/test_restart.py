@@ -14,8 +14,7 @@ import sys
 import pytest
 
 import pretrain_gpt
-from megalite.testing.multiprocess import run_distributed
-from tests.conftest import REPO, TINY_RUN
+from tests.helpers import REPO, TINY_RUN
 
 RUN = TINY_RUN + ["--eval-iters", "0", "--num-threads", "1", "--log-interval", "1",
                   "--tensor-model-parallel-size", "2", "--train-iters", "8"]
@@ -32,8 +31,7 @@ def _logged_run(ps, argv):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_torchrun_restarts_a_killed_rank_and_resumes_from_latest(tmp_path):
+def test_torchrun_restarts_a_killed_rank_and_resumes_from_latest(tmp_path, run_distributed):
     ckpt = str(tmp_path / "ckpt")
     out, err = tmp_path / "job.out", tmp_path / "job.err"
     with open(out, "w") as o, open(err, "w") as e:
@@ -65,32 +63,3 @@ def test_torchrun_restarts_a_killed_rank_and_resumes_from_latest(tmp_path):
     assert first.count(f"loaded checkpoint {ckpt}/iter_0000004 (iteration 4") == 1
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert not re.search(r"Traceback", errors), errors
-
-
-def test_injected_exception_is_one_line_and_exit_1(capsys):
-    rc = pretrain_gpt.main(TINY_RUN + ["--eval-iters", "0", "--num-threads", "1", "--train-iters", "3",
-                                       "--inject-fault-at-iteration", "2", "--inject-fault-kind", "exception"])
-    err = capsys.readouterr().err
-    assert rc == 1
-    assert err == ("pretrain_gpt.py: error: rank 0: --inject-fault-kind exception at iteration 2: this rank stops "
-                   "with an error\n")
-
-
-def test_injected_fault_rank_outside_the_world_is_refused(capsys):
-    rc = pretrain_gpt.main(TINY_RUN + ["--train-iters", "3", "--inject-fault-at-iteration", "2",
-                                       "--inject-fault-rank", "1"])
-    assert rc == 2
-    assert capsys.readouterr().err == ("pretrain_gpt.py: error: --inject-fault-rank 1 is not a rank of this world "
-                                       "of 1; give 0..0\n")
-
-
-@pytest.mark.parametrize("name", ["pretrain_gpt_single_node.sh", "pretrain_gpt_multi_node.sh",
-                                  "pretrain_gpt_slurm.sh"])
-def test_launch_scripts_restart_and_resume(name, tmp_path):
-    from tests.unit.test_examples import CASES, _launch
-    env, _ = CASES[name]
-    argv = _launch(REPO / "examples" / name, {**env, "MAX_RESTARTS": "5", "CHECKPOINT_DIR": "/ck"}, tmp_path)
-    script_at = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
-    launcher, flags = argv[:script_at], argv[script_at + 1:]
-    assert launcher[launcher.index("--max-restarts") + 1] == "5"
-    assert flags[flags.index("--save") + 1] == flags[flags.index("--load") + 1] == "/ck"

@@ -13,9 +13,6 @@ megatron-core runs in its own interpreter (this file run as a script: ``save`` o
 from __future__ import annotations
 
 import os
-import pickle
-import shutil
-import subprocess
 import sys
 from typing import Dict
 
@@ -63,8 +60,8 @@ def _megatron_core_main(action: str, root: str, *styles: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from tests.distributed.test_convert import _megatron_args, _megatron_core_model
-    from tests.unit.test_convert import VOCAB
+    from tests.helpers.convert import VOCAB
+    from tests.helpers.megatron_core import _megatron_args, _megatron_core_model
     _megatron_core_setup()
     for style in styles:
         out = os.path.join(root, style)
@@ -89,18 +86,12 @@ def _megatron_core_main(action: str, root: str, *styles: str) -> None:
         torch.save(_megatron_core_logits(model, VOCAB), os.path.join(out, f"logits_{action}.pt"))
 
 
-def _run(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
-def _megatron_core(action: str, root, styles) -> Dict[str, torch.Tensor]:
-    p = _run(__file__, action, root, *styles)
+def _megatron_core(launch, action: str, root, styles) -> Dict[str, torch.Tensor]:
+    """This file as megatron-core's script, in an interpreter (and gloo world) of its own started by ``launch``."""
+    p = launch([sys.executable, __file__, action, str(root), *styles], cwd=REPO, capture_output=True, text=True,
+               timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return {s: torch.load(os.path.join(root, s, f"logits_{action}.pt")) for s in styles}
-
-
-def _convert(*args) -> subprocess.CompletedProcess:
-    return _run("tools/checkpoint/convert.py", "--model-type", "GPT", *args)
 
 
 if __name__ == "__main__":
@@ -110,36 +101,34 @@ if __name__ == "__main__":
 
 # -- the tests (megalite's side) -----------------------------------------------------------------------
 from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from megalite.checkpointing.native_io import MegaliteSource  # noqa: E402
-from megalite.checkpointing.safe_load import CheckpointError  # noqa: E402
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.checkpointing.run import RunParts
 from megalite.training import Trainer  # noqa: E402
-from tests.distributed.common import tiny_config  # noqa: E402
-from tests.unit.test_convert import VOCAB, convert, loaded, make_trainer, megalite_logits, parts  # noqa: E402
+from megalite.interop import checkpoint_formats
+from tests.helpers.parity import tiny_config  # noqa: E402
+from tests.helpers.convert import VOCAB, _convert, loaded, make_trainer, megalite_logits, parts  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess  # subprocesses: megatron-core and the converter
 STYLES = ("gpt2", "llama")
 
 
 @pytest.fixture(scope="module")
-def saved_by_megatron_core(tmp_path_factory):
+def saved_by_megatron_core(tmp_path_factory, launch):
     """Both styles saved by megatron-core (one interpreter): (root, {style: its logits})."""
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("megatron_core")
-    return root, _megatron_core("save", root, STYLES)
+    return root, _megatron_core(launch, "save", root, STYLES)
 
 
 def _load_and_save(ps, cfg, src: str, dst: str) -> int:
     """pretrain_gpt.py's load path on one rank of a tp x pp run, then a megalite save of what it holds."""
     t = Trainer(cfg, ps)
-    it = load_checkpoint(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, src)
-    save_checkpoint(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, dst)
+    it = load_checkpoint(RunParts(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), src, formats=checkpoint_formats())
+    save_checkpoint(RunParts(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), dst)
     return it
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
-def test_megatron_core_torch_dist_reads_with_its_logits(tmp_path, saved_by_megatron_core, style):
+def test_megatron_core_torch_dist_reads_with_its_logits(tmp_path, saved_by_megatron_core, style, run_distributed):
     root, logits = saved_by_megatron_core
     theirs, src = logits[style], root / style
     assert theirs.abs().max() > 1.0
@@ -151,7 +140,7 @@ def test_megatron_core_torch_dist_reads_with_its_logits(tmp_path, saved_by_megat
     assert (megalite_logits(loaded(style, tmp_path / "ml"), _ids(VOCAB)) - theirs).abs().max() < 1e-4
     # pretrain_gpt.py --load reads it in place: weights and counters, in one process ...
     t = make_trainer(style, init_method_std=0.01)
-    assert load_checkpoint(*parts(t), str(src)) == 7
+    assert load_checkpoint(parts(t), str(src), formats=checkpoint_formats()) == 7
     assert (t.state.iteration, t.state.consumed_samples, t.scheduler.num_steps) == (7, 56, 7)
     assert (megalite_logits(t, _ids(VOCAB)) - theirs).abs().max() < 1e-4
     # ... and split over tp 2 x pp 2 (one layer per stage; gpt2's tied head on the last stage)
@@ -161,12 +150,12 @@ def test_megatron_core_torch_dist_reads_with_its_logits(tmp_path, saved_by_megat
 
 
 @pytest.mark.slow
-def test_megalite_to_torch_dist_loads_strictly_into_megatron_core(tmp_path):
+def test_megalite_to_torch_dist_loads_strictly_into_megatron_core(tmp_path, launch):
     pytest.importorskip("megatron.core")
     ours = {}
     for style in STYLES:
         t = make_trainer(style)
-        save_checkpoint(*parts(t), str(tmp_path / "ml" / style))
+        save_checkpoint(parts(t), str(tmp_path / "ml" / style))
         ours[style] = megalite_logits(t, _ids(VOCAB))
         p = _convert("--loader", "megalite", "--saver", "megatron", "--target-format", "torch_dist", "--load-dir",
                      tmp_path / "ml" / style, "--save-dir", tmp_path / "mc" / style)
@@ -174,50 +163,7 @@ def test_megalite_to_torch_dist_loads_strictly_into_megatron_core(tmp_path):
         assert sorted(os.listdir(tmp_path / "mc" / style / "iter_0000000")) == [
             ".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "__0_3.distcp", "common.pt",
             "metadata.json"]
-    theirs = _megatron_core("load", tmp_path / "mc", STYLES)
+    theirs = _megatron_core(launch, "load", tmp_path / "mc", STYLES)
     for style in STYLES:
         assert ours[style].abs().max() > 1.0
         assert (theirs[style] - ours[style]).abs().max() < 1e-4
-
-
-PWNED = "/tmp/megalite_torch_dist_pwned"
-
-
-class _Boom:
-    def __reduce__(self):
-        return (os.system, (f"touch {PWNED}",))
-
-
-@pytest.mark.slow  # ~20 s: a converter subprocess per case
-def test_torch_dist_bad_inputs_name_the_format(tmp_path):
-    """No megatron-core needed: our own torch_dist files, the messages that name the format, and
-    pickled code in either of its pickles refused without running."""
-    t = make_trainer("llama")
-    save_checkpoint(*parts(t), str(tmp_path / "ml"))
-    p = _convert("--loader", "megalite", "--saver", "megatron", "--target-format", "torch_dist", "--load-dir",
-                 tmp_path / "ml", "--save-dir", tmp_path / "td")
-    assert p.returncode == 0, p.stderr
-    td = tmp_path / "td" / "iter_0000000"
-    # megalite's loader (converter and inference) sends the user to the one that reads it
-    with pytest.raises(CheckpointError, match="torch_dist checkpoint.*--loader megatron"):
-        MegaliteSource(str(tmp_path / "td"))
-    # --target-format torch_dist belongs to --saver megatron: one line, nothing written
-    assert convert("megalite", "megalite", tmp_path / "ml", tmp_path / "x", "--target-format", "torch_dist") == 1
-    assert not (tmp_path / "x").exists()
-    for victim in ("common.pt", ".metadata"):
-        broken = tmp_path / f"broken_{victim}"
-        shutil.copytree(tmp_path / "td", broken)
-        path = broken / "iter_0000000" / victim
-        if victim == "common.pt":
-            sd = torch.load(path, weights_only=False)
-            sd["args"].evil = _Boom()
-            torch.save(sd, path)
-        else:
-            md = pickle.loads(path.read_bytes())
-            md.planner_data = _Boom()
-            path.write_bytes(pickle.dumps(md))
-        p = _convert("--loader", "megatron", "--saver", "megalite", "--load-dir", broken, "--save-dir", tmp_path / "x")
-        assert p.returncode != 0 and "refusing" in p.stderr and "Traceback" not in p.stderr, p.stderr
-        assert not os.path.exists(PWNED) and not (tmp_path / "x").exists()
-    assert td.is_dir()
-

@@ -15,7 +15,6 @@ import contextlib
 import io
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -60,7 +59,7 @@ def _megatron_core_main(root: str, style: str) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from tests.distributed.test_convert import _megatron_args, _megatron_core_model
+    from tests.helpers.megatron_core import _megatron_args, _megatron_core_model
     filesystem_async._process_memory = lambda: 0  # its memory log needs psutil
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
@@ -118,13 +117,11 @@ if __name__ == "__main__":
 from dataclasses import replace  # noqa: E402
 
 from megalite.checkpointing import load_checkpoint  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training import Trainer  # noqa: E402
-from tests.distributed.common import tiny_config  # noqa: E402
-from tests.unit.test_convert import STYLES  # noqa: E402
-
-pytestmark = pytest.mark.multiprocess  # megatron-core runs in a subprocess
+from megalite.interop import checkpoint_formats
+from tests.helpers.parity import tiny_config  # noqa: E402
+from tests.helpers.convert import STYLES  # noqa: E402
 
 
 def _trainer(style: str, **checkpoint) -> Trainer:
@@ -137,21 +134,22 @@ def _trainer(style: str, **checkpoint) -> Trainer:
 
 
 @pytest.fixture(scope="module")
-def saved_by_megatron_core(tmp_path_factory):
+def saved_by_megatron_core(tmp_path_factory, launch):
+    """megatron-core's side (this file as a script) in an interpreter and gloo world of its own."""
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("megatron_core_optim")
-    p = subprocess.run([sys.executable, __file__, str(root), "llama"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+    p = launch([sys.executable, __file__, str(root), "llama"], cwd=REPO, capture_output=True, text=True,
+               timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return root, torch.load(root / "megatron_core_state.pt")
 
 
 @pytest.mark.slow
 def test_distributed_optimizer_state_loads_and_steps_as_megatron_core(saved_by_megatron_core, caplog):
-    from megalite.checkpointing.megatron import qkv_from_megatron
+    from megalite.interop.megatron import qkv_from_megatron
     root, theirs = saved_by_megatron_core
     t = _trainer("llama")
-    assert load_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, str(root)) == 2
+    assert load_checkpoint(t.run_parts, str(root), formats=checkpoint_formats()) == 2
     assert "distributed-optimizer state" in caplog.text and "not restored (" not in caplog.text
     full = t.optimizer.full_state_dict()
     for name, want in theirs["state"].items():
@@ -171,7 +169,7 @@ def test_distributed_optimizer_state_loads_and_steps_as_megatron_core(saved_by_m
 def test_no_load_optim_and_unmappable_layouts_load_weights_only(saved_by_megatron_core, tmp_path, caplog):
     root, theirs = saved_by_megatron_core
     t = _trainer("llama")
-    load_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, str(root), load_optim=False)
+    load_checkpoint(t.run_parts, str(root), load_optim=False, formats=checkpoint_formats())
     assert "not restored (--no-load-optim)" in caplog.text and t.optimizer.step_state()["adam_step"] == 0.0
     # a checkpoint whose args say transformer_engine: its bucket order is not mapped; one warning, weights load
     import shutil
@@ -182,7 +180,7 @@ def test_no_load_optim_and_unmappable_layouts_load_weights_only(saved_by_megatro
     torch.save(common, tmp_path / "iter_0000002" / "common.pt")
     caplog.clear()
     t = _trainer("llama")
-    assert load_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, str(tmp_path)) == 2
+    assert load_checkpoint(t.run_parts, str(tmp_path), formats=checkpoint_formats()) == 2
     assert "transformer_engine" in caplog.text and "Adam starts fresh" in caplog.text
     assert t.optimizer.step_state()["adam_step"] == 0.0
     w = theirs["state"]["decoder.final_layernorm.weight"]["param"]
@@ -191,22 +189,22 @@ def test_no_load_optim_and_unmappable_layouts_load_weights_only(saved_by_megatro
 
 def _load_megatron_lm_tp2pp2(ps, d: str):
     """One rank of a megalite tp 2 run loading Megatron-LM's tp 2 x pp 2 file: its parameters' state."""
-    from megalite.checkpointing.torch_dist import TorchDistSource
+    from megalite.interop.torch_dist import TorchDistSource
     t = Trainer(tiny_config(tp=2).with_(model=TorchDistSource(d).cfg), ps)
-    assert load_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, d) == 2
+    assert load_checkpoint(t.run_parts, d, formats=checkpoint_formats()) == 2
     out = io.BytesIO()  # tensors through the result queue would live in the exiting rank's shared memory
     torch.save({n: {k: v.clone() for k, v in e.items()} for n, e in t.optimizer.full_state_dict().items()}, out)
     return out.getvalue()
 
 
 @pytest.mark.slow
-def test_megatron_lm_tp2_pp2_state_loads_into_a_tp2_run(tmp_path):
+def test_megatron_lm_tp2_pp2_state_loads_into_a_tp2_run(tmp_path, run_distributed):
     """megalite at tp 2 (its own split: [Q; K; V] pieces, its vocabulary padding) restores Megatron-LM's tp 2 x
     pp 2 dp_reshardable state: the tp pieces put back together are what Megatron's own fully_reshardable file
     holds."""
-    from megalite.checkpointing.interchange import merge_tp
-    from megalite.checkpointing.torch_dist import TorchDistSource
-    from tests.unit.test_megatron_files import _megatron_model_space_state, unpack_tp2pp2
+    from megalite.interop.interchange import merge_tp
+    from megalite.interop.torch_dist import TorchDistSource
+    from tests.helpers.convert import _megatron_model_space_state, unpack_tp2pp2
     root = unpack_tp2pp2(tmp_path) / "untied"
     cfg = TorchDistSource(str(root / "ckpt")).cfg
     truth = _megatron_model_space_state(root / "ckpt_full" / "iter_0000002", cfg)

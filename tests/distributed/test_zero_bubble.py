@@ -18,11 +18,9 @@ from dataclasses import replace
 
 import pytest
 
-from megalite.testing import run_distributed
-from tests.distributed.common import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run, run_steps,
-                                      tiny_config)
+from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run, run_steps,
+                                  tiny_config)
 
-pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
 LAYERS = 8
@@ -33,7 +31,7 @@ def _reference(emb, gbs, model=None):
     return reference_run(tiny_config(style, gbs=gbs, mbs=1, num_layers=LAYERS), STEPS)  # cached
 
 
-def _check(schedule, tp, pp, vp, dp, m, emb, parallel=None, optim=None, model=None):
+def _check(run_distributed, schedule, tp, pp, vp, dp, m, emb, parallel=None, optim=None, model=None):
     gbs = m * dp
     ref = _reference(emb, gbs)
     style = {**(GPT2_STYLE if emb == "tied" else LLAMA_STYLE), **(model or {})}
@@ -71,21 +69,21 @@ OVERLAP_CASES = [
 
 @pytest.mark.parametrize("schedule,tp,pp,vp,dp,m,emb", CASES,
                          ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in CASES])
-def test_zero_bubble_matches_single_process(schedule, tp, pp, vp, dp, m, emb):
-    _check(schedule, tp, pp, vp, dp, m, emb)
+def test_zero_bubble_matches_single_process(schedule, tp, pp, vp, dp, m, emb, run_distributed):
+    _check(run_distributed, schedule, tp, pp, vp, dp, m, emb)
 
 
 @pytest.mark.parametrize("schedule,tp,pp,vp,dp,m,emb", OVERLAP_CASES,
                          ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in OVERLAP_CASES])
-def test_overlapped_p2p_matches_single_process(schedule, tp, pp, vp, dp, m, emb):
-    _check(schedule, tp, pp, vp, dp, m, emb, parallel=dict(overlap_p2p_comm=True))
+def test_overlapped_p2p_matches_single_process(schedule, tp, pp, vp, dp, m, emb, run_distributed):
+    _check(run_distributed, schedule, tp, pp, vp, dp, m, emb, parallel=dict(overlap_p2p_comm=True))
 
 
-def test_zb_h1_with_sequence_parallel_and_full_recompute():
-    _check("zb_h1", 2, 2, 1, 1, 4, "tied", parallel=dict(sequence_parallel=True),
+def test_zb_h1_with_sequence_parallel_and_full_recompute(run_distributed):
+    _check(run_distributed, "zb_h1", 2, 2, 1, 1, 4, "tied", parallel=dict(sequence_parallel=True),
            model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
 
 
-def test_zbv_with_distributed_optimizer_and_overlapped_reduce():
-    _check("zbv", 1, 2, 2, 2, 4, "untied",
+def test_zbv_with_distributed_optimizer_and_overlapped_reduce(run_distributed):
+    _check(run_distributed, "zbv", 1, 2, 2, 2, 4, "untied",
            optim=dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True))

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.config import ConfigError
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_megatron_flags_map_to_config():
@@ -54,7 +54,7 @@ def test_cli_defaults_are_the_config_defaults():
 
 
 def test_help_shows_every_new_flag_with_its_default():
-    from megalite.arguments import build_parser
+    from megalite.config.arguments import build_parser
     text = " ".join(build_parser().format_help().split())
     for flag in ("--bf16", "--fp16", "--loss-scale", "--initial-loss-scale", "--min-loss-scale",
                  "--loss-scale-window", "--hysteresis", "--accumulate-allreduce-grads-in-fp32",
@@ -68,7 +68,7 @@ def test_help_shows_every_new_flag_with_its_default():
 
 def test_every_flag_has_help_in_megatrons_groups_and_unimplemented_ones_are_listed():
     import argparse
-    from megalite.arguments import NOT_IMPLEMENTED, build_parser
+    from megalite.config.arguments import NOT_IMPLEMENTED, build_parser
     p = build_parser()
     for action in p._actions:
         if action.option_strings and action.help is not argparse.SUPPRESS and "-h" not in action.option_strings:
@@ -181,13 +181,13 @@ def test_pretrain_cli_reports_error_before_any_process_group(tmp_path):
 # -- the parser is built from the flag declarations next to the config fields ------------------------------------
 
 def _declared():
-    from megalite.arguments import declared_fields
+    from megalite.config.arguments import declared_fields
     return list(declared_fields())
 
 
 def test_every_declared_field_is_an_option_with_the_fields_default():
     import argparse
-    from megalite.arguments import build_parser
+    from megalite.config.arguments import build_parser
     parser = build_parser()
     actions = {o: a for a in parser._actions for o in a.option_strings}
     for _cls, f, _tp, cli in _declared():
@@ -210,7 +210,7 @@ def test_every_declared_field_is_an_option_with_the_fields_default():
 
 
 def test_every_option_is_declared_once_by_a_field():
-    from megalite.arguments import NOT_IMPLEMENTED, build_parser
+    from megalite.config.arguments import NOT_IMPLEMENTED, build_parser
     declared = [flag.name for *_, cli in _declared() for flag in cli.flags]
     assert len(declared) == len(set(declared))  # each flag declared in exactly one place
     options = [o for a in build_parser()._actions for o in a.option_strings if o not in ("-h", "--help")]
@@ -226,7 +226,7 @@ def test_only_log_timers_has_no_flag():
 
 
 def test_schedule_choices_come_from_the_registry():
-    from megalite.arguments import build_parser
+    from megalite.config.arguments import build_parser
     from megalite.pipeline.registry import SCHEDULES
     action = next(a for a in build_parser()._actions if "--pipeline-schedule" in a.option_strings)
     assert tuple(action.choices) == tuple(SCHEDULES)
@@ -235,7 +235,7 @@ def test_schedule_choices_come_from_the_registry():
 def test_declared_ranges_give_one_line_with_the_flag():
     from dataclasses import replace
     from megalite.config import Config, ModelConfig
-    from megalite.validate import check_ranges
+    from megalite.config.validate import check_ranges
     with pytest.raises(ConfigError, match=r"^--norm-epsilon must be > 0, got -1$"):
         check_ranges(Config(model=ModelConfig(layernorm_epsilon=-1.0)))
     with pytest.raises(ConfigError, match=r"^--recompute-num-layers must be >= 1, got 0$"):
@@ -256,7 +256,7 @@ def test_declared_ranges_give_one_line_with_the_flag():
     (["--pipeline-model-parallel-size", "2", "--pipeline-balance", "measured"], 2, (1, 2, "1f1b", False, None)),
 ])
 def test_resolve_settings(argv, world, expected):
-    from megalite.settings import resolve_settings
+    from megalite.config.settings import resolve_settings
     cfg = parse_args(argv, world_size=world)
     s = resolve_settings(cfg, world)
     assert (s.dp, s.num_microbatches, s.schedule, s.layout.v_shape, s.stage_layers) == expected
@@ -265,7 +265,7 @@ def test_resolve_settings(argv, world, expected):
 
 def test_resolve_settings_refuses_what_it_cannot_derive():
     from megalite.config import Config, ParallelConfig, TrainConfig
-    from megalite.settings import resolve_settings
+    from megalite.config.settings import resolve_settings
     with pytest.raises(ConfigError, match="world size 3 is not divisible"):
         resolve_settings(Config(parallel=ParallelConfig(tp=2)), 3)
     with pytest.raises(ConfigError, match="--global-batch-size 16 is not divisible by --micro-batch-size 8 x "

@@ -6,24 +6,16 @@ and output paths. Most cases call ``main()`` in this process (an exception escap
 test just as a traceback would); a subset runs as real processes. The two torchrun cases (the line appears
 once for the whole job) are in tests/distributed/test_launch.py.
 """
-import os
-import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from megalite.data.indexed_dataset import IndexedDatasetBuilder
+from megalite.checkpointing.run import RunParts
 
 import pretrain_gpt
-from tests.conftest import REPO, TINY_MODEL
-
-# the tiny model with vocabulary 100 (the data files' ids are checked against it) and global batch 4
-TINY = ["--vocab-size", "100", *TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
-        "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1"]
-MOCK = ["--mock-data"] + TINY
-DATA = TINY + ["--tokenizer-type", "NullTokenizer", "--split", "80,20,0"]
+from tests.helpers import REPO
+from tests.helpers.bad_inputs import DATA, MOCK, _argv, write_data_dir
 
 # (base, extra flags, exit code, text the one error line must contain). $T is the data directory.
 CASES = [
@@ -117,52 +109,9 @@ CASES = [
 ]
 
 
-def _write(prefix, docs):
-    b = IndexedDatasetBuilder(prefix, dtype=np.uint16)
-    for d in docs:
-        b.add_item(np.asarray(d))
-        b.end_document()
-    b.finalize()
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return write_data_dir(tmp_path_factory.mktemp("bad_inputs"))
-
-
-def write_data_dir(t):
-    """A good dataset (ids < 100), damaged copies, one with out-of-vocabulary ids, a damaged cache, in ``t``."""
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 100, size=int(rng.integers(5, 40))) for _ in range(60)]
-    _write(t / "good", docs)
-    _write(t / "oov", [np.append(d, 150) if i % 4 == 1 else d for i, d in enumerate(docs)])
-    for name in ("trunc_bin", "trunc_idx", "magic", "dtype"):
-        for ext in ("bin", "idx"):
-            shutil.copy(t / f"good.{ext}", t / f"{name}.{ext}")
-    with open(t / "trunc_bin.bin", "r+b") as f:
-        f.truncate(os.path.getsize(t / "good.bin") - 10)
-    with open(t / "trunc_idx.idx", "r+b") as f:
-        f.truncate(40)
-    with open(t / "magic.idx", "r+b") as f:
-        f.write(b"XXXXXXXXX")
-    with open(t / "dtype.idx", "r+b") as f:
-        f.seek(17)
-        f.write(bytes([42]))
-    (t / "afile").write_text("x")
-    (t / "list.json").write_text("[1, 2]")
-    (t / "vocab.json").write_text('{"<|endoftext|>": 0, "a": 1}')
-    (t / "merges.txt").write_text("#version: 0.2\n")
-    (t / "bad_merges.txt").write_text("#version: 0.2\na b c\n")
-    (t / "latin1.txt").write_bytes("#version: 0.2\né e\n".encode("latin-1"))
-    # A cache built by a good run, then damaged: every .npy cut short.
-    assert pretrain_gpt.main(DATA + ["--data-path", str(t / "good"), "--data-cache-path", str(t / "badcache")]) == 0
-    for npy in (t / "badcache").rglob("*.npy"):
-        npy.write_bytes(npy.read_bytes()[:100])
-    return t
-
-
-def _argv(base, extra, t):
-    return base + extra.replace("$T", str(t)).split()
 
 
 @pytest.mark.parametrize("base,extra,code,text", CASES, ids=[c[1][:60] for c in CASES])
@@ -196,7 +145,7 @@ def test_bad_input_as_a_process_has_no_traceback(data_dir):
 
 
 def test_eval_interval_0_is_accepted_when_evaluation_is_off():
-    from megalite.arguments import parse_args
+    from megalite.config.arguments import parse_args
     cfg = parse_args(MOCK + ["--eval-interval", "0", "--eval-iters", "0"])
     assert (cfg.train.eval_interval, cfg.train.eval_iters) == (0, 0)
 
@@ -211,7 +160,7 @@ def test_starting_from_scratch_is_said_once_per_job(tmp_path, caplog, monkeypatc
     from megalite.config import Config
     caplog.set_level("WARNING", logger="megalite")
     ps = SimpleNamespace(is_logging_rank=logging_rank, rank=0 if logging_rank else 1)
-    assert load_checkpoint(Config(), ps, [], None, None, None, None, str(tmp_path / "none")) is None
+    assert load_checkpoint(RunParts(Config(), ps, [], None, None, None, None), str(tmp_path / "none")) is None
     said = [r.getMessage() for r in caplog.records]
     assert said == ([f"no latest_checkpointed_iteration.txt in {tmp_path / 'none'}: starting from scratch"]
                     if logging_rank else [])

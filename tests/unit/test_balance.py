@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.analysis.balance import LayerCosts, _simulator_options, choose_split, even_split, stage_costs
 from megalite.analysis.measure import measure_layer_costs, plan_for
-from megalite.settings import resolve_settings
+from megalite.config.settings import resolve_settings
 from megalite.analysis.simulate import simulate
 from megalite.pipeline.partition import stage_layer_counts, validate_partition
 from megalite.pipeline.registry import SCHEDULES, build_schedule

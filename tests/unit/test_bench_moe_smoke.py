@@ -8,7 +8,7 @@ TINY = ["--quick", "--hidden-size", "32", "--heads", "2", "--seq-length", "16", 
         "--ffn-hidden-size", "64", "--warmup", "1", "--steps", "1", "--eps", "2", "--memory-eps", "2"]
 
 
-@pytest.mark.multiprocess  # gloo workers: 1, 2, 4 and 2 ranks
+@pytest.mark.usefixtures("run_distributed")  # the benchmark forks gloo workers: 1, 2, 4 and 2 ranks
 @pytest.mark.slow  # ~15 s on 2 cores
 def test_bench_moe_prints_every_table(capsys):
     assert main(TINY) == 0

@@ -18,7 +18,7 @@ import pytest
 
 from megalite.checkpointing import CheckpointError
 from megalite.checkpointing.save_lock import LOCK_FILE, acquire_save_lock, release_save_locks
-from tests.conftest import REPO, TINY_RUN
+from tests.helpers import REPO, TINY_RUN
 
 RUN = TINY_RUN + ["--eval-iters", "0", "--num-threads", "1", "--lr-warmup-iters", "1", "--log-interval", "1"]
 LATEST = "latest_checkpointed_iteration.txt"

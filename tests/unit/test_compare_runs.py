@@ -10,9 +10,9 @@ import torch
 
 from megalite.analysis.divergence import Capture, compare, load_capture, order_key
 from megalite.config import ConfigError
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.testing.capture import capture_mock
-from tests.distributed.common import GPT2_STYLE, tiny_config
+from tests.helpers.parity import GPT2_STYLE, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import compare_runs  # noqa: E402

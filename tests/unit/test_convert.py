@@ -3,59 +3,17 @@ trips through every format, resharding, and bad input refused before anything is
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
 
-from megalite.checkpointing import load_checkpoint, save_checkpoint
-from megalite.parallel_state import ParallelState
-from megalite.training import Trainer
-from tests.conftest import REPO
-from tests.distributed.common import GPT2_STYLE, LLAMA_STYLE, tiny_config
-
-_spec = importlib.util.spec_from_file_location("convert_cli", REPO / "tools" / "checkpoint" / "convert.py")
-convert_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert_cli)
-VOCAB = 250
-# larger weights than training's init so logits and greedy choices are far from ties
-STYLES = {"gpt2": dict(GPT2_STYLE, init_method_std=0.3),
-          "llama": dict(LLAMA_STYLE, init_method_std=0.3)}  # llama: GQA (2 groups for 4 heads), untied
-
-
-def convert(loader, saver, src, dst, *extra) -> int:
-    return convert_cli.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
-                             "--save-dir", str(dst), *map(str, extra)])
-
-
-def make_trainer(style: str, **model) -> Trainer:
-    cfg = tiny_config(STYLES[style])
-    return Trainer(cfg.with_(model=replace(cfg.model, **model)), ParallelState.single())
-
-
-def parts(t: Trainer) -> tuple:
-    """The explicit state objects save_checkpoint and load_checkpoint take."""
-    return t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker
-
-
-def state(trainer: Trainer) -> dict:
-    return {k: v.clone() for k, v in trainer.chunks[0].state_dict().items()}
-
-
-def loaded(style: str, root, **model) -> Trainer:
-    t = make_trainer(style, **{"init_method_std": 0.01, **model})  # other weights: the load must replace them all
-    load_checkpoint(*parts(t), str(root), finetune=True)
-    return t
-
-
-def megalite_logits(trainer: Trainer, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return trainer.chunks[0].eval()(ids).transpose(0, 1)[..., :VOCAB]  # [b, s, V] without the padding
+from megalite.checkpointing import save_checkpoint
+from tests.helpers import REPO
+from tests.helpers.convert import VOCAB, convert, convert_cli, loaded, make_trainer, megalite_logits, parts, state
 
 
 def greedy(step, ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -70,7 +28,7 @@ def test_hf_export_matches_transformers_and_round_trips(tmp_path, style):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     t = make_trainer(style)
-    save_checkpoint(*parts(t), str(tmp_path / "ml"))
+    save_checkpoint(parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "hf", tmp_path / "ml", tmp_path / "hf") == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[style]]
@@ -97,7 +55,7 @@ def test_hf_export_matches_transformers_and_round_trips(tmp_path, style):
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_megatron_round_trip_through_sharded_files_is_lossless(tmp_path, style):
     t = make_trainer(style, num_layers=4)
-    save_checkpoint(*parts(t), str(tmp_path / "ml"))
+    save_checkpoint(parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "megatron", tmp_path / "ml", tmp_path / "mt", "--target-tensor-parallel-size", 2,
                    "--target-pipeline-parallel-size", 2, "--target-num-layers-per-virtual-pipeline-stage", 1) == 0
     files = sorted(str(p.relative_to(tmp_path / "mt")) for p in (tmp_path / "mt").rglob("*.pt"))
@@ -121,7 +79,7 @@ def test_megatron_round_trip_through_sharded_files_is_lossless(tmp_path, style):
 
 def test_reshard_to_torch_format_and_back(tmp_path):
     t = make_trainer("gpt2", num_layers=4)  # tied embeddings: the last stage keeps its own copy
-    save_checkpoint(*parts(t), str(tmp_path / "ml"))
+    save_checkpoint(parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "megalite", tmp_path / "ml", tmp_path / "tp2pp2", "--ckpt-format", "torch",
                    "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2,
                    "--target-virtual-pipeline-model-parallel-size", 2) == 0
@@ -139,7 +97,7 @@ def _run_cli(*args) -> subprocess.CompletedProcess:
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     t = make_trainer("llama")  # 4 heads, 2 query groups, 2 layers
-    save_checkpoint(*parts(t), str(tmp_path / "ml"))
+    save_checkpoint(parts(t), str(tmp_path / "ml"))
     cases = [
         (["--loader", "megatron", "--saver", "hf"], "not a Megatron-LM"),
         (["--loader", "hf", "--saver", "megalite"], "no config.json"),
@@ -177,7 +135,7 @@ class _Boom:
 
 def test_megatron_file_with_pickled_code_is_refused(tmp_path):
     t = make_trainer("gpt2")
-    save_checkpoint(*parts(t), str(tmp_path / "ml"))
+    save_checkpoint(parts(t), str(tmp_path / "ml"))
     assert convert("megalite", "megatron", tmp_path / "ml", tmp_path / "mt") == 0
     path = tmp_path / "mt" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
     sd = torch.load(path, weights_only=False)

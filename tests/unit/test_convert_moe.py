@@ -21,36 +21,11 @@ import torch
 
 from megalite.checkpointing import save_checkpoint
 from megalite.inference import build_model, read_checkpoint
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
-from tests.conftest import REPO
-from tests.distributed.common import LLAMA_STYLE, tiny_config
-
-VOCAB = 256
-CONVERT = str(REPO / "tools" / "checkpoint" / "convert.py")
-
-
-def run_cli(loader: str, saver: str, src, dst, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, CONVERT, "--model-type", "GPT", "--loader", loader, "--saver", saver,
-                           "--load-dir", str(src), "--save-dir", str(dst), *map(str, extra)],
-                          capture_output=True, text=True, cwd=str(REPO), timeout=120)
-
-
-def hf_model(kind: str, **over):
-    """A tiny random transformers MoE model (hidden 64, 4 experts, top-2, vocab 256, fp32)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors")
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  num_hidden_layers=2, num_experts_per_tok=2, max_position_embeddings=64, initializer_range=0.1,
-                  dtype="float32")
-    if kind == "mixtral":
-        cfg = transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, **over)
-        return transformers.MixtralForCausalLM(cfg).eval()
-    cfg = transformers.Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, intermediate_size=48,
-                                      moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=4,
-                                      **over)
-    return transformers.Qwen2MoeForCausalLM(cfg).eval()
+from tests.helpers import REPO
+from tests.helpers.convert_moe import CONVERT, IDS, hf_model, logits, run_cli
+from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
 
 def megalite_model(root):
@@ -58,12 +33,6 @@ def megalite_model(root):
     return build_model(cfg, full), cfg
 
 
-def logits(model, ids, hf: bool) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits if hf else model(ids).transpose(0, 1)[..., :VOCAB]
-
-
-IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
 CASES = {"mixtral": ("mixtral", {}),
          "qwen2_moe": ("qwen2_moe", {}),  # norm_topk_prob False: pre-softmax
          "qwen2_moe_renorm_dense_layer": ("qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=[1]))}
@@ -111,7 +80,7 @@ def _full(t: Trainer) -> dict:
 
 
 def _save(t: Trainer, root) -> None:
-    save_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, str(root))
+    save_checkpoint(t.run_parts, str(root))
 
 
 def _same_weights(root, want: dict) -> None:

@@ -1,7 +1,6 @@
 """Context-parallel attention on one process: causal and packed-document masks against a dense softmax
 over an explicit mask, grouped-query attention, half precision, the tiled arithmetic on every rank's
 chunk layout (what the all-gather path computes), and the one-line errors."""
-import math
 
 import pytest
 import torch
@@ -11,8 +10,9 @@ from megalite.context_parallel import blocks
 from megalite.context_parallel.blocks import (CAUSAL, DIAGONAL, PAST, TiledAttention, concat_runs, layout_runs,
                                               tile_pairs)
 from megalite.context_parallel.sequence import cp_token_index
-from megalite.parallel_state import AxisGroup
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel import RNGTracker
+from tests.helpers.cp_attention import dense_reference, packed_segments
 
 ONE = AxisGroup([0], 0)
 
@@ -26,26 +26,6 @@ def kernel(request, monkeypatch):
     if request.param == "explicit":
         monkeypatch.setattr(blocks, "_FLASH", None)
     return request.param
-
-
-def dense_reference(q, k, v, segment_ids=None):
-    """softmax(q k^T / sqrt(d) + mask) v in float64; q [b, nq, s, d], k/v [b, nkv, s, d], natural order."""
-    rep = q.shape[1] // k.shape[1]
-    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    s = q.shape[2]
-    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None]
-    if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~allowed[:, None], float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
-def packed_segments(b, s, seed=0):
-    """Document ids [b, s] of rows packing several documents (ends at random places, one row unpacked)."""
-    g = torch.Generator().manual_seed(seed)
-    ends = (torch.rand(b, s, generator=g) < 0.15).long()
-    ends[-1] = 0
-    return ends.cumsum(1) - ends
 
 
 def _inputs(b=2, nq=4, nkv=2, s=32, d=8, dtype=torch.float32, seed=0):

@@ -276,7 +276,7 @@ def test_megatron_num_samples():
 def test_damaged_cache_through_pretrain_gpt_is_one_line(tmp_path):
     import subprocess
     import sys
-    from tests.conftest import REPO
+    from tests.helpers import REPO
     b = IndexedDatasetBuilder(tmp_path / "d", np.uint16)
     rng = np.random.RandomState(0)
     for _ in range(200):

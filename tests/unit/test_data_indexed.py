@@ -229,7 +229,7 @@ def test_open_is_lazy_memory_map(tmp_path):
 def test_merge_tool_on_a_directory(tmp_path):
     import subprocess
     import sys
-    from tests.conftest import REPO
+    from tests.helpers import REPO
     shards = tmp_path / "shards"
     shards.mkdir()
     _build(shards / "b", [[3], [4, 5]])

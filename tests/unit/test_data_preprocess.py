@@ -17,7 +17,7 @@ from megalite.data.indexed_dataset import IndexedDataset, dataset_exists
 from megalite.data.preprocess import PreprocessError, PreprocessOptions, preprocess
 from megalite.data.tokenizers import build_tokenizer
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 NULL = DataConfig(tokenizer_type="NullTokenizer")
 
 

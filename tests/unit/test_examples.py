@@ -1,5 +1,6 @@
-"""Launch scripts in examples/: shellcheck-clean and their pretrain_gpt.py flags valid at their world size
-(the CPU 3D script's 8-rank training run is in tests/distributed/test_launch.py).
+"""Launch scripts in examples/: shellcheck-clean, their pretrain_gpt.py flags valid at their world size, and
+the training scripts' in-job restart (--max-restarts, --save = --load) as flags (the CPU 3D script's 8-rank
+training run is in tests/distributed/test_launch.py, a real restart in tests/distributed/test_restart.py).
 
 The flags are taken from a real run of each script with ``torchrun``, ``srun`` and ``scontrol``
 replaced by stubs on PATH that record their arguments, so the test reads exactly what the script
@@ -18,9 +19,9 @@ from typing import Dict, List
 
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 EXAMPLES = sorted((REPO / "examples").glob("*.sh"))
 GPU_BENCH = REPO / "benchmarks" / "gpu_bench.sh"
 
@@ -110,3 +111,14 @@ def test_gpu_bench_python_runs_on_cpu_smoke():
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith(("megalite", "plain PyTorch"))]
     assert len(rows) == 3 and "backend gloo" in res.stdout
     assert float(rows[0].split()[2]) > 0  # tokens/s of the megalite run
+
+
+@pytest.mark.parametrize("name", ["pretrain_gpt_single_node.sh", "pretrain_gpt_multi_node.sh",
+                                  "pretrain_gpt_slurm.sh"])
+def test_launch_scripts_restart_and_resume(name, tmp_path):
+    env, _ = CASES[name]
+    argv = _launch(REPO / "examples" / name, {**env, "MAX_RESTARTS": "5", "CHECKPOINT_DIR": "/ck"}, tmp_path)
+    script_at = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
+    launcher, flags = argv[:script_at], argv[script_at + 1:]
+    assert launcher[launcher.index("--max-restarts") + 1] == "5"
+    assert flags[flags.index("--save") + 1] == flags[flags.index("--load") + 1] == "/ck"

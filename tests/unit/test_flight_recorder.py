@@ -1,9 +1,9 @@
-"""The flight recorder's ring and the hang diagnosis from synthetic buffers (megalite.diagnosis)."""
+"""The flight recorder's ring and the hang diagnosis from synthetic buffers (megalite.observability.diagnosis)."""
 import json
 import time
 
-from megalite.diagnosis import diagnose, rank_table, rank_list, read_dumps
-from megalite.flight_recorder import FlightRecorder
+from megalite.observability.diagnosis import diagnose, rank_table, rank_list, read_dumps
+from megalite.observability.flight_recorder import FlightRecorder
 from tools import diagnose as diagnose_tool
 
 GRID = {"tp": 1, "cp": 1, "dp": 2, "pp": 2}  # 4 ranks: dp groups [0,1] [2,3], pp groups [0,2] [1,3]
@@ -183,8 +183,8 @@ def test_the_watch_diagnoses_once_through_a_store_and_writes_every_file(tmp_path
     """Two ranks' watches on one store (no threads): rank 1 is stuck in a forward, rank 0 waits for it."""
     import torch.distributed as dist
 
-    from megalite.hang_watch import HangWatch
-    from megalite.parallel_state import ParallelState
+    from megalite.observability.hang_watch import HangWatch
+    from megalite.parallel.state import ParallelState
     store = dist.HashStore()
     recs, watches = [FlightRecorder(16), FlightRecorder(16)], []
     waiting_recv(recs[0], 1, "B", 0, 0)
@@ -209,7 +209,7 @@ def test_the_watch_diagnoses_once_through_a_store_and_writes_every_file(tmp_path
 
 
 def test_skip_send_fault_drops_exactly_the_first_send(capfd):
-    from megalite.faults import ScheduleFault
+    from megalite.training.faults import ScheduleFault
     from megalite.pipeline.actions import Comm, Compute, P2POp
     recv, send = P2POp("recv", "B", 0, 1, 0, 1), P2POp("send", "F", 1, 0, 1, 1)
     actions = [Compute("F", 0, 0), Comm((P2POp("send", "F", 0, 0, 1, 1),)), Compute("F", 1, 0), Comm((send, recv))]
@@ -224,3 +224,16 @@ def test_recorded_calls_pass_group_keywords_through():
     rec = FlightRecorder(8)
     assert rec.call("dp_cp", lambda t, group=None, op=None: (t, group, op), 1, group="g", op="sum") == (1, "g", "sum")
     assert rec.snapshot()["seq"] == {"dp_cp": 1}
+
+
+def test_each_parallel_state_holds_its_own_recorder():
+    """A run records into its ParallelState's recorder (schedule actions, phases); no process-wide one."""
+    from megalite.parallel.state import ParallelState
+    from megalite.training import Trainer
+    from megalite.training.mock import MockFeed
+    from tests.helpers.parity import tiny_config
+    trainer, other = Trainer(tiny_config(gbs=4, mbs=2), ParallelState.single()), ParallelState.single()
+    trainer.train_step(MockFeed(trainer, 1).next())
+    kinds = [e["kind"] for e in trainer.ps.recorder.events()]
+    assert kinds == ["phase", "F", "B", "F", "B", "phase", "phase"] and trainer.ps.recorder.run == 1
+    assert other.recorder.events() == [] and other.recorder is not trainer.ps.recorder

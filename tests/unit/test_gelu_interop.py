@@ -17,15 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.checkpointing.hf import config_from_hf, hf_config
-from megalite.checkpointing.interchange import Layout
-from megalite.checkpointing.megatron import args_for, config_from_args, tanh_gelu
+from megalite.interop.hf import config_from_hf, hf_config
+from megalite.interop.interchange import Layout
+from megalite.interop.megatron import args_for, config_from_args, tanh_gelu
 from megalite.checkpointing.run_state import SHAPE_FIELDS, check_model_shape
 from megalite.checkpointing.safe_load import CheckpointError, load_megatron_file
 from megalite.config import ModelConfig
 from megalite.inference import build_model, config_from_dict, read_checkpoint
 from megalite.model.transformer import MLP
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
@@ -49,7 +49,7 @@ def megalite_logits(root, tokens: torch.Tensor, **model_changes) -> torch.Tensor
 
 # -- the model and its flag ------------------------------------------------------------------------------
 def test_flag_selects_the_tanh_form_in_the_mlp():
-    from megalite.arguments import parse_args
+    from megalite.config.arguments import parse_args
     base = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--mock-data",
             "--micro-batch-size", "1", "--global-batch-size", "1"]
     assert not parse_args(base, world_size=1).model.openai_gelu  # megalite's default: the exact GeLU

@@ -24,7 +24,7 @@ from megalite.config import ModelConfig
 from megalite.inference import Sampling, build_model, generate, next_token, read_checkpoint, run_tokenizer
 from megalite.model.gpt import GPTModel
 from megalite.model.kv_cache import KVCache
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
 

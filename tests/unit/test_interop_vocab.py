@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from megalite.checkpointing import save_checkpoint
-from megalite.checkpointing.interchange import WORD
-from megalite.checkpointing.tokenizer_vocab import megatron_vocab, vocab_size_arg
+from megalite.interop.interchange import WORD
+from megalite.interop.tokenizer_vocab import megatron_vocab, vocab_size_arg
 from megalite.data.tokenizers.bpe_trainer import save_bpe, train_bpe
 from megalite.inference import build_model, read_checkpoint, run_tokenizer
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
-from tests.conftest import REPO
-from tests.distributed.common import LLAMA_STYLE, tiny_config
+from tests.helpers import REPO
+from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
 N = 249  # NullTokenizer --vocab-size: ids 0..248 and eod 249, a vocabulary of 250 padded to 256
 MEGATRON_FILE = "iter_0000000/mp_rank_00/model_optim_rng.pt"
@@ -50,7 +50,7 @@ def null_run(tmp_path) -> Trainer:
     t = Trainer(cfg, ParallelState.single())
     with torch.no_grad():  # an eod row unlike the others, so losing it shows
         t.chunks[0].state_dict()[WORD][N].fill_(1.5)
-    save_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, str(tmp_path / "ml"))
+    save_checkpoint(t.run_parts, str(tmp_path / "ml"))
     return t
 
 

@@ -25,9 +25,9 @@ import torch
 
 from megalite.checkpointing.safe_load import CheckpointError, MegatronValue, load_megatron_file, safe_torch_load
 from megalite.inference import build_model, read_checkpoint
-
-REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
+from megalite.interop import checkpoint_formats
+from tests.helpers import REPO
+from tests.helpers.convert import FIXTURES, _megatron_model_space_state, run_convert, unpack_tp2pp2
 
 
 def in_fresh_interpreter(test):
@@ -42,13 +42,6 @@ def in_fresh_interpreter(test):
                               env={**os.environ, "MEGALITE_FRESH_TEST": test.__name__})
         assert done.returncode == 0, done.stdout[-3000:]
     return run
-
-
-def run_convert(loader: str, saver: str, src, dst, *extra) -> subprocess.CompletedProcess:
-    """tools/checkpoint/convert.py in a fresh interpreter (nothing this process imported can help it)."""
-    return subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT",
-                           "--loader", loader, "--saver", saver, "--load-dir", str(src), "--save-dir", str(dst),
-                           *map(str, extra)], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 TOKENIZER = FIXTURES / "tokenizer"
@@ -105,8 +98,8 @@ def test_megatron_lm_torch_dist_run_resumes_with_its_distributed_optimizer_state
 def test_megatron_lm_distributed_optimizer_buckets_map_onto_its_weights():
     """The bucket layout megalite rebuilds for the real file: each parameter's fp32 main copy in the
     optimizer's buckets is the weight saved next to it (fp32 training), moments are there, step is 2."""
-    from megalite.checkpointing.torch_dist import TorchDistSource
-    from megalite.checkpointing.torch_dist_optim import read_distributed_optimizer
+    from megalite.interop.torch_dist import TorchDistSource
+    from megalite.interop.torch_dist_optim import read_distributed_optimizer
     src = TorchDistSource(str(FIXTURES / "llama_torch_dist" / "ckpt"))
     opt = read_distributed_optimizer(src)
     assert opt["step"] == 2.0
@@ -239,8 +232,8 @@ def test_moved_checkpoint_without_its_tokenizer_files_keeps_every_row_and_says_s
 def test_a_wrongly_rebuilt_bucket_layout_is_refused_not_loaded(monkeypatch):
     """Two same-sized parameters in the wrong order pass the bucket-size check; the fp32 copies then differ
     from the weights saved beside them, and the optimizer state is refused (weights still load)."""
-    from megalite.checkpointing import torch_dist_optim as tdo
-    from megalite.checkpointing.torch_dist import TorchDistSource
+    from megalite.interop import torch_dist_optim as tdo
+    from megalite.interop.torch_dist import TorchDistSource
     real = tdo.rank_order
 
     def swapped(*args):
@@ -264,41 +257,9 @@ MP_RUN = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "
           "8", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0", "--num-threads", "1"]
 
 
-def unpack_tp2pp2(root: Path) -> Path:
-    """tp2pp2_torch_dist.tar.xz unpacked: {untied,tied}/ckpt (dp_reshardable) and /ckpt_full (fully_reshardable)."""
-    import tarfile
-    with tarfile.open(FIXTURES / "tp2pp2_torch_dist.tar.xz") as tar:
-        tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    return root
-
-
 @pytest.fixture(scope="module")
 def tp2pp2(tmp_path_factory):
     return unpack_tp2pp2(tmp_path_factory.mktemp("tp2pp2"))
-
-
-def _megatron_model_space_state(d: Path, cfg) -> dict:
-    """What Megatron-LM's own fully_reshardable save holds per parameter, read with plain DCP (none of megalite's
-    readers), in megalite's names and layout."""
-    import torch.distributed.checkpoint as dcp
-    from megalite.checkpointing.interchange import layer_names, post_names, pre_names
-    from megalite.checkpointing.megatron import megatron_name, qkv_from_megatron
-    reader = dcp.FileSystemReader(str(d))
-    md = reader.read_metadata().state_dict_metadata
-    want = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in md
-            if k.startswith("optimizer.state.")}
-    dcp.load(want, storage_reader=reader, no_dist=True)
-    out = {}
-    for kind in ("param", "exp_avg", "exp_avg_sq"):
-        for n in pre_names(cfg) + post_names(cfg):
-            rows = cfg.vocab_size if n.endswith(("word_embeddings.weight", "output_layer.weight")) else None
-            out.setdefault(n, {})[kind] = want[f"optimizer.state.{kind}.{n}"][:rows]
-        for rel in layer_names(cfg):
-            stacked = want[f"optimizer.state.{kind}.decoder.layers.{megatron_name(rel, True)}"]
-            for i in range(cfg.num_layers):
-                t = qkv_from_megatron(cfg, stacked[i]) if ".linear_qkv." in rel else stacked[i]
-                out.setdefault(f"decoder.layers.{i}.{rel}", {})[kind] = t
-    return out
 
 
 def _load(d: Path, caplog):
@@ -306,17 +267,17 @@ def _load(d: Path, caplog):
     saved run's Adam settings."""
     from dataclasses import replace
     from megalite.checkpointing import load_checkpoint
-    from megalite.checkpointing.torch_dist import TorchDistSource
-    from megalite.parallel_state import ParallelState
+    from megalite.interop.torch_dist import TorchDistSource
+    from megalite.parallel.state import ParallelState
     from megalite.training import Trainer
-    from tests.distributed.common import tiny_config
+    from tests.helpers.parity import tiny_config
     src = TorchDistSource(str(d))
     a, cfg = src.args, tiny_config(gbs=1, mbs=1)
     optim = replace(cfg.optim, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
                     clip_grad=a.clip_grad, weight_decay=a.weight_decay)
     t = Trainer(cfg.with_(model=src.cfg, optim=optim), ParallelState.single())
     caplog.clear()
-    assert load_checkpoint(t.cfg, t.ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker, str(d)) == 2
+    assert load_checkpoint(t.run_parts, str(d), formats=checkpoint_formats()) == 2
     return t
 
 
@@ -355,7 +316,7 @@ def test_megatron_lm_fully_reshardable_file_it_wrote_wrong_is_refused(tp2pp2, ca
     t = _load(tp2pp2 / "tied" / "ckpt_full", caplog)
     assert "Adam starts fresh" in caplog.text and "embedding.word_embeddings.weight is not the weight" in caplog.text
     assert t.optimizer.step_state()["adam_step"] == 0.0
-    from megalite.checkpointing.torch_dist import TorchDistSource
+    from megalite.interop.torch_dist import TorchDistSource
     src = TorchDistSource(str(tp2pp2 / "tied" / "ckpt_full"))
     saved = src.pre()[WORD_NAME]
     assert torch.equal(dict(t.chunks[0].named_parameters())[WORD_NAME].detach()[:len(saved)], saved)
@@ -376,4 +337,3 @@ def test_megatron_lm_tp2_pp2_run_resumes_with_its_optimizer_state(tp2pp2):
     assert "(iteration 2): weights and distributed-optimizer state" in log, log[-3000:]
     assert "Adam starts fresh" not in log
     assert re.search(r" iteration +3/ +3 \|", log), log[-3000:]
-

@@ -7,16 +7,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.config import ConfigError
-from megalite.config_moe import layer_freq
+from megalite.config.moe import layer_freq
 from megalite.moe import moe_layers, update_expert_bias
 from megalite.moe.experts import _activation
 from megalite.moe.metrics import reduce_moe_stats
-from megalite.parallel_state import ParallelState, expert_grid_groups
+from megalite.parallel.state import ParallelState, expert_grid_groups
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
-from tests.distributed.common import LLAMA_STYLE, tiny_config
+from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_ffn_hidden_size=48)
 BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -170,7 +170,7 @@ def test_moe_block_equals_token_by_token_computation():
     for t in range(12):
         for e in routing[t].nonzero().flatten().tolist():
             ex = layer.experts.local_experts[str(e)]
-            h = _activation(layer.cfg, tokens[t] @ ex.linear_fc1.weight.t())
+            h = _activation(ex.spec, tokens[t] @ ex.linear_fc1.weight.t())
             ref[t] += probs[t, e] * (h @ ex.linear_fc2.weight.t())
     ref = ref.view(6, 2, 32) + layer.shared_experts(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -234,3 +234,15 @@ def test_balancing_loss_counts_the_unbiased_choices():
         losses.append(got["seq_load_balancing_loss"])
     assert routing[:, 0].all()  # the bias did steer every token to expert 0
     torch.testing.assert_close(losses[0], losses[1])
+
+
+def test_aux_loss_scale_is_held_by_each_runs_routers():
+    """The executor sets its own routers' aux-loss scale (loss scale / micro-batches, x cp) each step;
+    another run's routers in the same process keep theirs (no process-wide scale)."""
+    from megalite.moe import routers_of
+    first, second = (Trainer(moe_cfg(), ParallelState.single()) for _ in range(2))
+    routers = routers_of(first.chunks)
+    assert len(routers) == 2 and all(r.aux_loss_scale == 1.0 for r in routers)
+    first.train_step(MockFeed(first, 1).next())
+    assert [r.aux_loss_scale for r in routers] == [1.0 / first.m] * 2 and first.m == 4
+    assert all(r.aux_loss_scale == 1.0 for r in routers_of(second.chunks))

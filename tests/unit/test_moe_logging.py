@@ -11,14 +11,13 @@ import pytest
 
 from megalite.config import LoggingConfig
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.logging import format_log_line, format_moe_fields, format_moe_layers, moe_tensorboard
+from megalite.observability.logging import format_log_line, format_moe_fields, format_moe_layers, moe_tensorboard
 from megalite.moe import moe_layers
-from megalite.parallel_state import ParallelState
-from megalite.testing import run_distributed
-from megalite.throughput import flops_per_iteration
+from megalite.parallel.state import ParallelState
+from megalite.observability.throughput import flops_per_iteration
 from megalite.training import Trainer
 from megalite.training import reporting
-from tests.distributed.common import LLAMA_STYLE, tiny_config
+from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_ffn_hidden_size=48)
 
@@ -179,9 +178,8 @@ def _history_moe(ps: ParallelState, cfg):
     return [h["moe"] for h in trainer.train(ds, None)]
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_every_rank_reduces_the_same_figures_as_one_process(dispatcher):
+def test_every_rank_reduces_the_same_figures_as_one_process(dispatcher, run_distributed):
     """Expert parallelism over 2 ranks (data-parallel for the dense layers): each rank routes its own
     micro-batches and the reduction over the world gives the one-process figures, on every rank."""
     cfg = moe_cfg(iters=2)

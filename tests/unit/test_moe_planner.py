@@ -12,14 +12,13 @@ from megalite.analysis.moe_plan import dispatch_bytes_per_layer
 from megalite.analysis.plan_check import layout_of
 from megalite.analysis.planner import Layout, estimate_memory, estimate_step_time, Hardware, memory_per_rank
 from megalite.analysis.search import candidate_layouts, plan
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.config import ModelConfig
-from megalite.parallel_state import ParallelState
-from megalite.settings import resolve_settings
-from megalite.testing import run_distributed
+from megalite.parallel.state import ParallelState
+from megalite.config.settings import resolve_settings
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
-from tests.distributed.common import LLAMA_STYLE, tiny_config
+from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_ffn_hidden_size=48)
 
@@ -64,10 +63,9 @@ def test_state_bytes_equal_the_trainers_in_one_process(model):
     _check(got, est)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("world,tp,ep,etp,dist_opt", [(4, 1, 2, None, True), (4, 2, 2, 1, True),
                                                      (2, 1, 2, None, False)])
-def test_state_bytes_with_expert_parallelism_equal_the_trainers(world, tp, ep, etp, dist_opt):
+def test_state_bytes_with_expert_parallelism_equal_the_trainers(world, tp, ep, etp, dist_opt, run_distributed):
     cfg = moe_cfg({"params_dtype": "bfloat16"}, dist_opt=dist_opt, tp=tp, ep=ep, etp=etp,
                   sequence_parallel=tp > 1, moe_token_dispatcher_type="alltoall")
     results = run_distributed(measure, world, cfg, tp=tp, ep=ep, etp=etp)

@@ -10,7 +10,7 @@ from megalite.config import ModelConfig, OptimConfig
 from megalite.model.transformer import Attention
 from megalite.optim.grad_scaler import DynamicGradScaler
 from megalite.optim.optimizer import MegatronOptimizer
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker, checkpoint
 
 

@@ -17,7 +17,7 @@ from megalite.context_parallel.sequence import (SequenceOptions, add_document_fi
                                                 slice_for_cp)
 from megalite.data.batches import MicroBatches, eod_token, sequence_options
 from megalite.model.gpt import GPTModel
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
 EOD = 96

@@ -12,8 +12,8 @@ from megalite.analysis.plan_check import FREE_ENV, layout_of, refusal
 from megalite.analysis.planner import GiB, Layout, estimate_memory, layer_activation_bytes, memory_per_rank
 from megalite.analysis.simulate import simulate_schedule
 from megalite.config import ModelConfig
-from megalite.settings import resolve_settings
-from tests.conftest import TINY_RUN
+from megalite.config.settings import resolve_settings
+from tests.helpers import TINY_RUN
 
 MODEL = dict(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=512, vocab_size=4096,
              params_dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
@@ -24,7 +24,7 @@ PLAN_RUN = ["--mock-data", "--vocab-size", "4096", "--num-layers", "8", "--hidde
 
 
 def _parse(argv):
-    from megalite.arguments import parse_args
+    from megalite.config.arguments import parse_args
     return parse_args(argv)
 
 

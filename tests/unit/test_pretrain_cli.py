@@ -8,13 +8,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, TINY_RUN
-
-TINY = TINY_RUN + ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "1", "--log-interval", "1"]
-
-
-def _losses(text):
-    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", text)]
+from tests.helpers import REPO
+from tests.helpers.pretrain_cli import TINY, _losses
 
 
 def test_single_process_run_logs_evaluates_and_writes_tensorboard(tmp_path, capsys):

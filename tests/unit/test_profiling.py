@@ -7,8 +7,7 @@ import time
 import pytest
 
 from megalite.config import ConfigError
-from megalite.testing.multiprocess import run_distributed
-from tests.conftest import TINY_RUN
+from tests.helpers import TINY_RUN
 
 TINY = TINY_RUN + ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "1", "--num-threads", "1"]
 
@@ -40,7 +39,7 @@ def test_profile_traces_the_asked_iterations_only(tmp_path, capsys):
 
 
 def _profiled_dp2(ps, tmp):
-    from megalite.arguments import parse_args
+    from megalite.config.arguments import parse_args
     from megalite.data.mock_dataset import MockGPTDataset
     from megalite.training import Trainer
 
@@ -51,8 +50,7 @@ def _profiled_dp2(ps, tmp):
     trainer.train(MockGPTDataset(16, 200, cfg.train.seed, 3 * 8), None)
 
 
-@pytest.mark.multiprocess
-def test_profile_ranks_picks_the_ranks_and_defaults_to_the_tensorboard_dir(tmp_path):
+def test_profile_ranks_picks_the_ranks_and_defaults_to_the_tensorboard_dir(tmp_path, run_distributed):
     run_distributed(_profiled_dp2, 2, str(tmp_path))
     traces = sorted(p.name for p in tmp_path.glob("*.pt.trace.json"))
     assert traces == ["rank1_iter2-2.pt.trace.json"]
@@ -68,7 +66,7 @@ def test_profile_ranks_picks_the_ranks_and_defaults_to_the_tensorboard_dir(tmp_p
     (["--straggler-threshold", "-1"], 1, "--straggler-threshold must be >= 0, got -1"),
 ])
 def test_bad_profiling_flags_are_one_line(argv, world, message):
-    from megalite.arguments import parse_args
+    from megalite.config.arguments import parse_args
     with pytest.raises(ConfigError) as e:
         parse_args(TINY + argv, world_size=world)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)

@@ -19,7 +19,7 @@ from megalite.pipeline.communication import add_communication
 from megalite.pipeline.registry import build_schedule
 from megalite.pipeline.schedules import build_1f1b, interleaved_warmup
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def _approx_all(values, expected):

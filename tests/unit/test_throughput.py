@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megalite.config import ModelConfig, ParallelConfig
-from megalite.parallel_state import ParallelState
+from megalite.config import ModelConfig
+from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
-from megalite.throughput import (Throughput, device_peak_tflops, flops_per_iteration, format_memory_report,
+from megalite.observability.throughput import (Throughput, device_peak_tflops, flops_per_iteration, format_memory_report,
                                  peak_tflops_for, recompute_flops_per_iteration)
 
 
@@ -177,8 +177,8 @@ def test_log_line_and_tensorboard_of_a_run(tmp_path, capsys):
     """A real 2-iteration run: MFU and hardware TFLOP/s in the log line after Megatron's fields, and in TensorBoard."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megalite.arguments import parse_args
-    from megalite.logging import setup_logging
+    from megalite.config.arguments import parse_args
+    from megalite.observability.logging import setup_logging
     from megalite.data.loading import build_datasets
     from megalite.training import Trainer
     cfg = parse_args(["--mock-data", "--vocab-size", "256", "--num-layers", "2", "--hidden-size", "32",

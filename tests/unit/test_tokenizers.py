@@ -122,7 +122,7 @@ def test_huggingface_tokenizer_from_json(tmp_path, data_bpe_files):
 def test_train_tokenizer_tool_bpe(tmp_path, data_texts):
     import subprocess
     import sys
-    from tests.conftest import REPO
+    from tests.helpers import REPO
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in data_texts) + "not json\n")
     out = subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(corpus),
@@ -137,7 +137,7 @@ def test_megatron_sentencepiece_vocabulary_counts_its_extra_ids(sp_model):
     """A Megatron run's SentencePieceTokenizer holds the model's pieces, the added <CLS> <SEP> <EOD> <MASK>,
     and --vocab-extra-ids <extra_id_N> tokens: a converter keeps all of those rows."""
     import argparse
-    from megalite.checkpointing.tokenizer_vocab import megatron_vocab
+    from megalite.interop.tokenizer_vocab import megatron_vocab
     plain = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model)).vocab_size
     ns = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model, vocab_size=None)
     assert megatron_vocab(ns, 1024)[0] == plain

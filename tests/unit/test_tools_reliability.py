@@ -25,7 +25,7 @@ import torch
 from megalite.data.tokenizers.bpe_trainer import train_bpe
 from megalite.data.tokenizers.sentencepiece import SP_MAX_SENTENCE_BYTES, split_for_sentencepiece
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

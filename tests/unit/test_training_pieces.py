@@ -10,9 +10,9 @@ from megalite.config import OptimConfig
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.samplers import PretrainingSampler
 from megalite.data_parallel.grad_buffer import GradBuffer
-from megalite.logging import format_log_line
+from megalite.observability.logging import format_log_line
 from megalite.optim.lr_scheduler import LRScheduler
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 
 
 def _sched(**kw):
@@ -125,7 +125,7 @@ def test_validation_follows_megatrons_plan():
 
 def test_mock_data_vocabulary_is_the_tokenizers_when_one_is_given():
     """--mock-data --vocab-size N: N ids; with --tokenizer-type NullTokenizer, Megatron's N + 1 (eod = N)."""
-    from megalite.arguments import parse_args
+    from megalite.config.arguments import parse_args
     from megalite.data.loading import resolve_data
     assert resolve_data(parse_args(["--mock-data", "--vocab-size", "100"])).model.vocab_size == 100
     cfg = resolve_data(parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]))

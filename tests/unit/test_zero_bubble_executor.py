@@ -6,11 +6,11 @@ split's extra passes; its B must compute nothing and its W the whole backward.
 """
 import torch
 
-from megalite.parallel_state import ParallelState
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Compute
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
-from tests.distributed.common import tiny_config
+from tests.helpers.parity import tiny_config
 
 
 def _grads(trainer: Trainer) -> dict:

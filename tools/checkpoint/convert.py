@@ -26,13 +26,14 @@ from typing import Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megalite.checkpointing.hf import (TOKENIZER_FILES, HFSource, architecture_for, save_hf,  # noqa: E402
+from megalite.interop.hf import (TOKENIZER_FILES, HFSource, architecture_for, save_hf,  # noqa: E402
                                        tokenizer_fields)
-from megalite.checkpointing.interchange import Layout, ModelSource, check_fits  # noqa: E402
-from megalite.checkpointing.megatron import MegatronSource, save_megatron  # noqa: E402
-from megalite.checkpointing.torch_dist import TorchDistSource, torch_dist_dir  # noqa: E402
-from megalite.checkpointing.torch_dist_save import save_torch_dist  # noqa: E402
-from megalite.checkpointing.native_io import MegaliteSource, save_sharded, save_torch  # noqa: E402
+from megalite.interop.interchange import Layout, ModelSource, check_fits  # noqa: E402
+from megalite.interop.megatron import MegatronSource, save_megatron  # noqa: E402
+from megalite.interop.torch_dist import TorchDistSource, torch_dist_dir  # noqa: E402
+from megalite.interop.torch_dist_save import save_torch_dist  # noqa: E402
+from megalite.interop.native_io import MegaliteSource, megalite_writer  # noqa: E402
+from megalite.checkpointing.format_info import format_info, format_names  # noqa: E402
 from megalite.checkpointing.safe_load import CheckpointError  # noqa: E402
 
 FORMATS = ("megalite", "megatron", "hf")
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-expert-tensor-parallel-size", type=int,
                    help="MoE, megalite torch format: the expert TP the run will use (dividing the target tp; "
                         "default: the source's, else the target tp)")
-    p.add_argument("--ckpt-format", choices=["sharded", "torch"], default="sharded",
+    p.add_argument("--ckpt-format", choices=format_names(), default=format_names()[0],
                    help="megalite saver: layout-free sharded (default) or the per-rank torch format")
     p.add_argument("--target-format", choices=["torch", "torch_dist"], default="torch",
                    help="megatron saver: Megatron-LM's legacy per-rank torch files (default) or Megatron-Core's "
@@ -148,14 +149,14 @@ def check_moe_target(a: argparse.Namespace, src: ModelSource, layout: Layout) ->
         return
     given = [f for f, v in (("--target-expert-parallel-size", a.target_expert_parallel_size),
                             ("--target-expert-tensor-parallel-size", a.target_expert_tensor_parallel_size)) if v]
-    if a.saver == "megalite" and a.ckpt_format == "sharded" and given:
+    if a.saver == "megalite" and format_info(a.ckpt_format).layout_free and given:
         raise CheckpointError(f"{given[0]} sets the files of a per-rank format, but the sharded format is "
                               f"layout-free (it loads at any ep and etp): drop it, or add --ckpt-format torch")
     etp = layout.expert_tp
     if a.saver == "megatron" and etp != layout.tp:
         raise CheckpointError(f"--saver megatron writes experts split like the dense layers (expert tp = tp = "
                               f"{layout.tp}); --target-expert-tensor-parallel-size {etp} is not supported there")
-    if a.saver == "megalite" and a.ckpt_format == "torch" and layout.tp % etp:
+    if a.saver == "megalite" and format_info(a.ckpt_format).files_per_tp_rank and layout.tp % etp:
         raise CheckpointError(f"the torch format holds an expert tp rank's shard in the file of tp rank t = that "
                               f"rank mod etp, so etp must divide tp ({layout.tp}); got {etp}: use --ckpt-format "
                               f"sharded, which loads into any layout")
@@ -247,10 +248,8 @@ def convert(a: argparse.Namespace) -> None:
             if a.saver == "megatron":
                 save = save_torch_dist if a.target_format == "torch_dist" else save_megatron
                 save(src, tmp, layout, tok, progress, getattr(src, "args", None))
-            elif a.ckpt_format == "torch":
-                save_torch(src, tmp, layout, tok, progress)
             else:
-                save_sharded(src, tmp, layout, tok, progress)
+                megalite_writer(a.ckpt_format)(src, tmp, layout, tok, progress)
             note = f"{tok.get('tokenizer_type')} recorded" if tok else (
                 f"none found in {a.load_dir}, none recorded; tools/generate.py then reads and writes token ids "
                 f"(as --tokenizer-type NullTokenizer --vocab-size {cfg.vocab_size}); for text give it "
