@@ -8,6 +8,7 @@ Exit codes: 0 done (or stopped on request after saving), 1 the run failed (a
 non-finite loss, a bad sample, a lost or hung rank), 2 bad flags, data or paths,
 128 + N killed by signal N without --exit-signal-handler.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,18 +20,18 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from megalite.analysis.plan_check import preflight as plan_preflight
-from megalite.config.arguments import parse_args
 from megalite.checkpointing import CheckpointError
 from megalite.checkpointing.save_lock import release_save_locks
 from megalite.config import ConfigError
-from megalite.training.faults import ExitConditions, ExitSignals, InjectedFault, restart_round, watch_launcher
-from megalite.observability.hang_watch import start_hang_watch
-from megalite.observability.logging import setup_logging
-from megalite.parallel.state import ParallelState
+from megalite.config.arguments import parse_args
 from megalite.config.checks import check_fault_injection
 from megalite.config.preflight import check_output_paths
 from megalite.data.loading import DatasetError, build_datasets, resolve_data
+from megalite.observability.hang_watch import start_hang_watch
+from megalite.observability.logging import setup_logging
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer, TrainingStopped
+from megalite.training.faults import ExitConditions, ExitSignals, InjectedFault, restart_round, watch_launcher
 
 PROG = "pretrain_gpt.py"
 
@@ -42,15 +43,25 @@ def _error(message: str) -> None:
 def _is_comm_failure(e: RuntimeError) -> bool:
     """A collective or transfer failed because a peer died or hung (gloo reports these as RuntimeError)."""
     text = str(e)
-    return isinstance(e, dist.DistError) or any(k in text for k in (
-        "gloo/transport", "Timed out waiting", "Connection closed by peer", "Connection reset by peer",
-        "NCCL communicator was aborted", "Broken pipe"))
+    return isinstance(e, dist.DistError) or any(
+        k in text
+        for k in (
+            "gloo/transport",
+            "Timed out waiting",
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "NCCL communicator was aborted",
+            "Broken pipe",
+        )
+    )
 
 
 def _restart_line(load: Optional[str], iteration: int) -> str:
     """The log line of a round torchrun restarted: which round, and where training resumes."""
-    head = (f"restart {restart_round()} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} "
-            f"(torchrun --max-restarts): ")
+    head = (
+        f"restart {restart_round()} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} "
+        f"(torchrun --max-restarts): "
+    )
     if not load:
         return head + "no --load: training starts again from iteration 0 (give --save and --load one directory)"
     if iteration == 0:
@@ -91,8 +102,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first = first.split(". ")[0]  # gloo appends generic advice after the first sentence
         if signals.watch is not None:  # before the line: the ranks that can still talk name the culprit
             signals.watch.on_failure(f"rank {rank}: {first[:80]}")
-        _error(f"rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
-               f"(a rank that died first has its own message above)")
+        _error(
+            f"rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
+            f"(a rank that died first has its own message above)"
+        )
         return 1
     finally:
         release_save_locks()  # an in-process run (tests, tools) must not keep --save locked
@@ -115,11 +128,15 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
         return 2
     m = cfg.model
     cp = f" x cp {ps.cp_size}" if ps.cp_size > 1 else ""
-    log.info(f"megalite: world {ps.world_size} = tp {ps.tp_size}{cp} x dp {ps.dp_size} x pp {ps.pp_size} "
-             f"(vp {par.vp}), backend {ps.backend or 'none'}, device {ps.device}")
-    log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
-             f"seq {m.seq_length}, vocab {m.vocab_size}; data: "
-             f"{'mock' if cfg.data.mock_data else ' '.join(cfg.data.data_path or cfg.data.train_data_path)}")
+    log.info(
+        f"megalite: world {ps.world_size} = tp {ps.tp_size}{cp} x dp {ps.dp_size} x pp {ps.pp_size} "
+        f"(vp {par.vp}), backend {ps.backend or 'none'}, device {ps.device}"
+    )
+    log.info(
+        f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
+        f"seq {m.seq_length}, vocab {m.vocab_size}; data: "
+        f"{'mock' if cfg.data.mock_data else ' '.join(cfg.data.data_path or cfg.data.train_data_path)}"
+    )
     refused = plan_preflight(cfg, ps)  # --plan-check: a layout that cannot fit stops every rank, one line
     if refused is not None:
         if refused.report:
@@ -143,8 +160,9 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     if restart_round() > 0:  # torchrun --max-restarts started this round after a failed one
         log.info(_restart_line(cfg.checkpoint.load, trainer.state.iteration))
     n_params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
-    log.info(f"schedule {trainer.schedule_name}, {trainer.m} micro-batches per step; "
-             f"parameters on this rank: {n_params:,}")
+    log.info(
+        f"schedule {trainer.schedule_name}, {trainer.m} micro-batches per step; parameters on this rank: {n_params:,}"
+    )
     try:
         datasets = build_datasets(cfg, ps)
     except DatasetError as e:  # bad data files, split or caches: every rank stops, one says why
@@ -153,8 +171,12 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
         ps.destroy()
         return 2
     try:
-        trainer.train(datasets.train, datasets.valid, ExitConditions(signals, cfg.train.exit_duration_in_mins, start),
-                      test_ds=datasets.test)
+        trainer.train(
+            datasets.train,
+            datasets.valid,
+            ExitConditions(signals, cfg.train.exit_duration_in_mins, start),
+            test_ds=datasets.test,
+        )
     except TrainingStopped as e:
         if e.report:  # the rank that knows the problem says it once
             _error(str(e))

@@ -14,6 +14,7 @@ ranks) and what the simulator predicted from the measured layer costs.
   python benchmarks/bench_balance.py                     # pp 2 and 4, m 4 and 8 (minutes on 2 cores)
   python benchmarks/bench_balance.py --quick             # pp 2, m 4, hidden 256, 2 timed steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,13 @@ import sys
 import time
 from typing import Dict, List, Sequence, Tuple
 
-from common import pipeline_config, run_distributed  # first: puts the repository on sys.path
 import torch
+from common import pipeline_config, run_distributed  # first: puts the repository on sys.path
 
-from megalite.config import Config
-from megalite.parallel.state import ParallelState
 from megalite.analysis.measure import measure_layer_costs, plan_for
+from megalite.config import Config
 from megalite.config.settings import resolve_settings
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 
@@ -49,12 +50,15 @@ def run_row(ps: ParallelState, a: argparse.Namespace, row: Row) -> Dict:
     costs = measure_layer_costs(cfg, ps, settings)
     plan = plan_for(cfg, settings, costs)
     plan_s = time.perf_counter() - t0
-    trainers = {"even": Trainer(make_config(a, pp, schedule, vp, m, plan.baseline.counts), ps),
-                "balanced": Trainer(make_config(a, pp, schedule, vp, m, plan.chosen.counts), ps)}
+    trainers = {
+        "even": Trainer(make_config(a, pp, schedule, vp, m, plan.baseline.counts), ps),
+        "balanced": Trainer(make_config(a, pp, schedule, vp, m, plan.chosen.counts), ps),
+    }
     feed = MockFeed(trainers["even"], 4)  # both trainers read the same micro-batches
     batches = [feed.next() for _ in range(4)]
-    res: Dict[str, List] = {k: [] for name in trainers for k in (name, f"bubble_{name}", f"compute_{name}",
-                                                                  f"other_{name}")}
+    res: Dict[str, List] = {
+        k: [] for name in trainers for k in (name, f"bubble_{name}", f"compute_{name}", f"other_{name}")
+    }
     for i in range(a.warmup + a.steps):
         order = list(trainers) if i % 2 == 0 else list(reversed(trainers))
         for name in order:
@@ -83,8 +87,13 @@ def summarize(a: argparse.Namespace, row: Row, per_rank: List[Dict]) -> Dict:
     """Step time = the slower rank's; bubbles are means over ranks and steps."""
     pp, schedule, vp, m = row
     tokens = m * a.micro_batch_size * a.seq_length
-    out = {"pp": pp, "schedule": schedule, "m": m, "plan": per_rank[0]["plan"],
-           "plan_s": max(r["plan_s"] for r in per_rank)}
+    out = {
+        "pp": pp,
+        "schedule": schedule,
+        "m": m,
+        "plan": per_rank[0]["plan"],
+        "plan_s": max(r["plan_s"] for r in per_rank),
+    }
     for name in ("even", "balanced"):
         steps = [max(ts) for ts in zip(*(r[name] for r in per_rank))]
         out[f"tok_{name}"] = tokens / statistics.median(steps)
@@ -96,32 +105,44 @@ def summarize(a: argparse.Namespace, row: Row, per_rank: List[Dict]) -> Dict:
 
 
 def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
-    print(f"gloo on CPU, 1 thread per rank; GPT-2 style {a.num_layers} layers, hidden {a.hidden_size}, heads "
-          f"{a.num_attention_heads}, seq "
-          f"{a.seq_length}, micro-batch {a.micro_batch_size}, vocab {a.vocab_size} (tied), dropout 0.1; "
-          f"{a.steps} timed steps per split after {a.warmup} warmup, alternating even/balanced")
-    print("split: layers per stage; tok/s from the median step (slower rank); bubble: measured (Trainer, mean "
-          "over ranks) / predicted by the simulator from the measured layer costs")
-    head = (f"{'pp':>2} |{'schedule':<17}|{'m':>3} |{'even split':>12} |{'balanced':>12} |{'even tok/s':>11} |"
-            f"{'bal tok/s':>10} |{'speedup':>8} |{'predicted':>9} |{'even bubble':>14} |{'bal bubble':>14} |"
-            f"{'plan s':>7}")
+    print(
+        f"gloo on CPU, 1 thread per rank; GPT-2 style {a.num_layers} layers, hidden {a.hidden_size}, heads "
+        f"{a.num_attention_heads}, seq "
+        f"{a.seq_length}, micro-batch {a.micro_batch_size}, vocab {a.vocab_size} (tied), dropout 0.1; "
+        f"{a.steps} timed steps per split after {a.warmup} warmup, alternating even/balanced"
+    )
+    print(
+        "split: layers per stage; tok/s from the median step (slower rank); bubble: measured (Trainer, mean "
+        "over ranks) / predicted by the simulator from the measured layer costs"
+    )
+    head = (
+        f"{'pp':>2} |{'schedule':<17}|{'m':>3} |{'even split':>12} |{'balanced':>12} |{'even tok/s':>11} |"
+        f"{'bal tok/s':>10} |{'speedup':>8} |{'predicted':>9} |{'even bubble':>14} |{'bal bubble':>14} |"
+        f"{'plan s':>7}"
+    )
     print(head)
     print("-" * len(head))
     for s in summaries:
         p = s["plan"]
         fmt = lambda c: ",".join(map(str, c))  # noqa: E731
-        print(f"{s['pp']:>2} |{s['schedule']:<17}|{s['m']:>3} |{fmt(p.baseline.counts):>12} |"
-              f"{fmt(p.chosen.counts):>12} |{s['tok_even']:>11.0f} |{s['tok_balanced']:>10.0f} |"
-              f"{s['tok_balanced'] / s['tok_even']:>7.2f}x |{p.speedup:>8.2f}x |"
-              f"{100 * s['bubble_even']:>5.0f}% / {100 * p.baseline.bubble:>4.0f}% |"
-              f"{100 * s['bubble_balanced']:>5.0f}% / {100 * p.chosen.bubble:>4.0f}% |{s['plan_s']:>7.1f}")
+        print(
+            f"{s['pp']:>2} |{s['schedule']:<17}|{s['m']:>3} |{fmt(p.baseline.counts):>12} |"
+            f"{fmt(p.chosen.counts):>12} |{s['tok_even']:>11.0f} |{s['tok_balanced']:>10.0f} |"
+            f"{s['tok_balanced'] / s['tok_even']:>7.2f}x |{p.speedup:>8.2f}x |"
+            f"{100 * s['bubble_even']:>5.0f}% / {100 * p.baseline.bubble:>4.0f}% |"
+            f"{100 * s['bubble_balanced']:>5.0f}% / {100 * p.chosen.bubble:>4.0f}% |{s['plan_s']:>7.1f}"
+        )
     for s in summaries:
-        print(f"  pp={s['pp']} {s['schedule']} m={s['m']}: measured ms per micro-batch (forward/backward, max "
-              f"over ranks): {s['plan'].costs.describe()}")
+        print(
+            f"  pp={s['pp']} {s['schedule']} m={s['m']}: measured ms per micro-batch (forward/backward, max "
+            f"over ranks): {s['plan'].costs.describe()}"
+        )
         for name in ("even", "balanced"):
-            print(f"    {name:<8} ms per step: forward+backward per rank "
-                  f"{' / '.join(f'{c:.0f}' for c in s[f'compute_{name}'])}, grad sync + optimizer "
-                  f"{s[f'other_{name}']:.0f}; predicted step {1e3 * getattr(s['plan'], 'baseline' if name == 'even' else 'chosen').step_time:.0f}")
+            print(
+                f"    {name:<8} ms per step: forward+backward per rank "
+                f"{' / '.join(f'{c:.0f}' for c in s[f'compute_{name}'])}, grad sync + optimizer "
+                f"{s[f'other_{name}']:.0f}; predicted step {1e3 * getattr(s['plan'], 'baseline' if name == 'even' else 'chosen').step_time:.0f}"
+            )
 
 
 def main(argv: Sequence[str] = None) -> int:
@@ -144,8 +165,12 @@ def main(argv: Sequence[str] = None) -> int:
     torch.set_num_threads(1)
     summaries = []
     for pp in a.pp:
-        rows = [(pp, s, 2 if s == "interleaved_1f1b" else 1, m) for s in a.schedules for m in a.micro_batches
-                if not (s == "interleaved_1f1b" and m % pp)]
+        rows = [
+            (pp, s, 2 if s == "interleaved_1f1b" else 1, m)
+            for s in a.schedules
+            for m in a.micro_batches
+            if not (s == "interleaved_1f1b" and m % pp)
+        ]
         per_rank = run_distributed(run_rows, pp, a, rows, pp=pp, timeout=3600)
         summaries += [summarize(a, row, [per_rank[r][i] for r in range(pp)]) for i, row in enumerate(rows)]
     print_table(a, summaries)

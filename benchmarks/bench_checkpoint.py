@@ -21,6 +21,7 @@ formats), and at dp 1/2/4 with --use-distributed-optimizer (tp 1, pp 1) the save
 extra resident memory per rank (sampled every 2 ms) and the bytes each rank writes: the sharded
 format's owners write their own shards, the torch format gathers over DP to rank 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,8 @@ import threading
 import time
 from typing import Dict
 
-from common import mock_config, run_distributed  # first: puts the repository on sys.path
 import torch
+from common import mock_config, run_distributed  # first: puts the repository on sys.path
 
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.checkpointing.run import RunParts
@@ -45,8 +46,15 @@ from megalite.training.mock import MockFeed
 
 
 def make_config(a, tp=1, pp=1) -> Config:
-    m = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=12 if a.hidden % 12 == 0 else 8,
-                    seq_length=64, vocab_size=a.vocab, hidden_dropout=0.0, attention_dropout=0.0)
+    m = ModelConfig(
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=12 if a.hidden % 12 == 0 else 8,
+        seq_length=64,
+        vocab_size=a.vocab,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return mock_config(m, mbs=1, gbs=pp, seed=1, train_iters=10, tp=tp, pp=pp)
 
 
@@ -89,9 +97,13 @@ def one_process(a, tmp: str) -> Dict[str, Dict[str, float]]:
         fresh = Trainer(trainer.cfg, ps)
         load = timed(lambda: load_checkpoint(parts(fresh), root))
         rows[fmt] = {"save": save, "load": load, "bytes": dir_bytes(root)}
-    state = {"model": trainer.chunks[0].state_dict(),
-             "optimizer": {name: {k: v for k, v in trainer.optimizer.optimizer.state[p].items()}
-                           for name, p in trainer.chunks[0].named_parameters()}}
+    state = {
+        "model": trainer.chunks[0].state_dict(),
+        "optimizer": {
+            name: {k: v for k, v in trainer.optimizer.optimizer.state[p].items()}
+            for name, p in trainer.chunks[0].named_parameters()
+        },
+    }
     path = os.path.join(tmp, "plain.pt")
     save = timed(lambda: torch.save(state, path))
     load = timed(lambda: torch.load(path, weights_only=True))
@@ -160,8 +172,9 @@ def _save_once(trainer: Trainer, root: str, fmt: str, background: bool, repeats:
     """Saves through the run's Checkpointer, best of ``repeats`` (this machine is shared): wall seconds a
     save blocks training, main-thread CPU seconds it blocks, seconds until published; the largest peak
     extra bytes."""
-    trainer.checkpointer.cfg = trainer.cfg.with_(checkpoint=CheckpointConfig(save=root, ckpt_format=fmt,
-                                                                             async_save=background))
+    trainer.checkpointer.cfg = trainer.cfg.with_(
+        checkpoint=CheckpointConfig(save=root, ckpt_format=fmt, async_save=background)
+    )
     best: Dict[str, float] = {}
     for _ in range(repeats):
         trainer.ps.barrier()
@@ -180,8 +193,9 @@ def _save_once(trainer: Trainer, root: str, fmt: str, background: bool, repeats:
 def _save_rows(ps: ParallelState, a, tmp: str) -> Dict[str, object]:
     """Sync and async saves of both formats at this world's dp (tp 1, pp 1, --use-distributed-optimizer)."""
     m = make_config(a).model
-    cfg = mock_config(m, mbs=1, gbs=ps.dp_size, seed=1, train_iters=10,
-                      optim=OptimConfig(use_distributed_optimizer=True))
+    cfg = mock_config(
+        m, mbs=1, gbs=ps.dp_size, seed=1, train_iters=10, optim=OptimConfig(use_distributed_optimizer=True)
+    )
     trainer = Trainer(cfg, ps)
     trainer.train_step(MockFeed(trainer, 1).next())  # Adam state exists
     trainer.state.iteration = 1
@@ -200,11 +214,16 @@ def save_tables(a, tmp: str) -> None:
     first and reused after (its peak extra memory is that first allocation, the rank's share)."""
     by_dp = {}
     for dp in (1, 2, 4):
-        by_dp[dp] = (run_distributed(_save_rows, dp, a, tmp, timeout=3600) if dp > 1
-                     else [_save_rows(ParallelState.single(), a, tmp)])
+        by_dp[dp] = (
+            run_distributed(_save_rows, dp, a, tmp, timeout=3600)
+            if dp > 1
+            else [_save_rows(ParallelState.single(), a, tmp)]
+        )
     print("\n## Time a save blocks training (--async-save vs synchronous; slowest rank)")
-    print("| dp | format | sync save s | async: blocks s | blocks / sync | async: main-thread CPU s | "
-          "async: until published s |")
+    print(
+        "| dp | format | sync save s | async: blocks s | blocks / sync | async: main-thread CPU s | "
+        "async: until published s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for dp, res in by_dp.items():
         for fmt in ("sharded", "torch"):
@@ -214,18 +233,22 @@ def save_tables(a, tmp: str) -> None:
             pub = max(r[(fmt, True)]["total"] for r in res)
             print(f"| {dp} | {fmt} | {sync:.2f} | {blk:.3f} | {100 * blk / sync:.0f}% | {cpu:.3f} | {pub:.2f} |")
     print("\n## Synchronous save per rank with --use-distributed-optimizer (tp 1, pp 1)")
-    print("| dp | format | save s (slowest rank) | peak extra memory per rank MB (max) | "
-          "async snapshot: peak extra MB per rank (max) | bytes written per rank MB (max) |")
+    print(
+        "| dp | format | save s (slowest rank) | peak extra memory per rank MB (max) | "
+        "async snapshot: peak extra MB per rank (max) | bytes written per rank MB (max) |"
+    )
     print("|---|---|---|---|---|---|")
     for dp, res in by_dp.items():
         for fmt in ("sharded", "torch"):
             root = os.path.join(tmp, f"dp{dp}_{fmt}_sync")
             tags = [f"__{r['rank']}_" for r in res] if fmt == "sharded" else ["mp_rank_00"]
             written = max(dir_bytes(root, tag) for tag in tags)
-            print(f"| {dp} | {fmt}{' (DP gather to rank 0)' if fmt == 'torch' else ' (owner-written)'} | "
-                  f"{max(r[(fmt, False)]['block'] for r in res):.2f} | "
-                  f"{max(r[(fmt, False)]['extra'] for r in res) / 1e6:.0f} | "
-                  f"{max(r[(fmt, True)]['extra'] for r in res) / 1e6:.0f} | {written / 1e6:.0f} |")
+            print(
+                f"| {dp} | {fmt}{' (DP gather to rank 0)' if fmt == 'torch' else ' (owner-written)'} | "
+                f"{max(r[(fmt, False)]['block'] for r in res):.2f} | "
+                f"{max(r[(fmt, False)]['extra'] for r in res) / 1e6:.0f} | "
+                f"{max(r[(fmt, True)]['extra'] for r in res) / 1e6:.0f} | {written / 1e6:.0f} |"
+            )
 
 
 def load_table(a, tmp: str, repeats: int = 3) -> None:
@@ -235,20 +258,32 @@ def load_table(a, tmp: str, repeats: int = 3) -> None:
     cfg = make_config(a)
     plain = os.path.join(tmp, "plain.pt")
     times: Dict[str, float] = {}
-    dirs = {"sharded": os.path.join(tmp, "one_sharded"), "torch format": os.path.join(tmp, "one_torch"),
-            "torch.load of the same tensors (one file)": None}
+    dirs = {
+        "sharded": os.path.join(tmp, "one_sharded"),
+        "torch format": os.path.join(tmp, "one_torch"),
+        "torch.load of the same tensors (one file)": None,
+    }
     for name, root in dirs.items():
         runs = []
         for _ in range(repeats):
             fresh = None
             gc.collect()  # a Trainer holds reference cycles: free the previous one before the next
             fresh = Trainer(cfg, ps) if root else None
-            runs.append(timed(lambda: load_checkpoint(parts(fresh), root) if fresh is not None
-                              else torch.load(plain, weights_only=True)))
+            runs.append(
+                timed(
+                    lambda: (
+                        load_checkpoint(parts(fresh), root)
+                        if fresh is not None
+                        else torch.load(plain, weights_only=True)
+                    )
+                )
+            )
         times[name] = sorted(runs)[len(runs) // 2]
     base = times["torch.load of the same tensors (one file)"]
-    print(f"\n## Load, one process (median of {repeats}; checksums verified; target: sharded <= 2x torch.load "
-          f"and <= torch format)")
+    print(
+        f"\n## Load, one process (median of {repeats}; checksums verified; target: sharded <= 2x torch.load "
+        f"and <= torch format)"
+    )
     print("| load | s | x torch.load | MB/s |")
     print("|---|---|---|---|")
     sizes = {n: dir_bytes(d) if d else os.path.getsize(plain) for n, d in dirs.items()}
@@ -269,8 +304,10 @@ def main() -> None:
             return save_tables(a, tmp)
         one = one_process(a, tmp)
         n = one.pop("_params")["n"]
-        print(f"model: GPT-2 style, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}: {n / 1e6:.1f} M parameters, "
-              f"fp32 + AdamW state; torch {torch.__version__}")
+        print(
+            f"model: GPT-2 style, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}: {n / 1e6:.1f} M parameters, "
+            f"fp32 + AdamW state; torch {torch.__version__}"
+        )
         print("\n## One process")
         print("| format | save s | load s | bytes on disk (MB) |")
         print("|---|---|---|---|")
@@ -286,10 +323,14 @@ def main() -> None:
             legacy = {0: "mp_rank_00_000", 1: "mp_rank_01_000", 2: "mp_rank_00_001", 3: "mp_rank_01_001"}
             for r in res:
                 tag = f"__{r['rank']}_" if fmt == "sharded" else legacy[r["rank"]]
-                print(f"| {fmt} | {r['rank']} | {r[f'{fmt}_save']:.2f} | {r[f'{fmt}_load']:.2f} | "
-                      f"{dir_bytes(root, tag) / 1e6:.0f} |")
-            print(f"| {fmt} | total (slowest rank) | {max(r[f'{fmt}_save'] for r in res):.2f} | "
-                  f"{max(r[f'{fmt}_load'] for r in res):.2f} | {dir_bytes(root) / 1e6:.0f} |")
+                print(
+                    f"| {fmt} | {r['rank']} | {r[f'{fmt}_save']:.2f} | {r[f'{fmt}_load']:.2f} | "
+                    f"{dir_bytes(root, tag) / 1e6:.0f} |"
+                )
+            print(
+                f"| {fmt} | total (slowest rank) | {max(r[f'{fmt}_save'] for r in res):.2f} | "
+                f"{max(r[f'{fmt}_load'] for r in res):.2f} | {dir_bytes(root) / 1e6:.0f} |"
+            )
         same = max(r["sharded_load"] for r in res)
         other = max(r["reshard_load"] for r in res)
         print("\n## Layout change (sharded format)")

@@ -17,6 +17,7 @@ shared cores -- make the waits longer than the transfers).
 
 The ranks share this machine's cores (tokens/s at cp 4 on 2 cores is not a speed-up measurement).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,9 +100,18 @@ def _measure(ps, comm: str, seqs: List[int], a: argparse.Namespace) -> List[dict
     cp = ps.cp.size
     rows = []
     for s in seqs:
-        model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.heads,
-                            num_query_groups=a.num_query_groups, seq_length=s, max_position_embeddings=s, vocab_size=a.vocab_size,
-                            position_embedding_type="rope", attention_dropout=0.0, hidden_dropout=0.0)
+        model = ModelConfig(
+            num_layers=a.num_layers,
+            hidden_size=a.hidden_size,
+            num_attention_heads=a.heads,
+            num_query_groups=a.num_query_groups,
+            seq_length=s,
+            max_position_embeddings=s,
+            vocab_size=a.vocab_size,
+            position_embedding_type="rope",
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+        )
         cfg = common.mock_config(model, 1, 1, seed=1, train_iters=a.steps + 1, cp=cp, cp_comm_type=comm)
         trainer = Trainer(cfg, ps)
         feed = MockFeed(trainer, a.steps + 1)
@@ -157,29 +167,39 @@ def main() -> None:
         a.seq_lengths, a.cps = [1024, 2048], [1, 2]
     rows: List[dict] = []
     for cp in a.cps:
-        for comm in (["p2p"] if cp == 1 else a.comm_types):
+        for comm in ["p2p"] if cp == 1 else a.comm_types:
             per_rank = common.run_distributed(_measure, cp, comm, a.seq_lengths, a, cp=cp, timeout=3600)
             for i, row in enumerate(per_rank[0]):  # the peak is the largest rank's; times agree (collectives)
                 row["peak"] = max(r[i]["peak"] for r in per_rank)
                 rows.append(row)
     base = {r["s"]: r["peak"] for r in rows if r["cp"] == 1}
-    print(f"context parallelism on CPU ({os.cpu_count()} cores shared by all ranks): hidden {a.hidden_size}, "
-          f"{a.num_layers} layers, {a.heads} heads ({a.num_query_groups or a.heads} K/V groups), RoPE, batch 1, fp32; memory = bytes saved for the backward "
-          f"per rank (peak)")
-    print(f"{'seq':>6} {'cp':>3} {'comm':>10} {'MiB/rank':>9} {'cp1/CP':>8} {'ratio':>6} {'tokens/s':>9} "
-          f"{'ring s':>7} {'wait s':>7} {'alone s':>8} {'wait/ring':>9} {'hidden':>7}")
+    print(
+        f"context parallelism on CPU ({os.cpu_count()} cores shared by all ranks): hidden {a.hidden_size}, "
+        f"{a.num_layers} layers, {a.heads} heads ({a.num_query_groups or a.heads} K/V groups), RoPE, batch 1, fp32; memory = bytes saved for the backward "
+        f"per rank (peak)"
+    )
+    print(
+        f"{'seq':>6} {'cp':>3} {'comm':>10} {'MiB/rank':>9} {'cp1/CP':>8} {'ratio':>6} {'tokens/s':>9} "
+        f"{'ring s':>7} {'wait s':>7} {'alone s':>8} {'wait/ring':>9} {'hidden':>7}"
+    )
     for r in rows:
         theory = base[r["s"]] / r["cp"] if r["s"] in base else float("nan")
         ring_cols = f"{'':>7} {'':>7} {'':>8} {'':>9} {'':>7}"
         if r["alone_s"]:
-            ring_cols = (f"{r['ring_s']:7.2f} {r['wait_s']:7.3f} {r['alone_s']:8.3f} {r['wait_s'] / r['ring_s']:9.1%} "
-                         f"{max(0.0, 1 - r['wait_s'] / r['alone_s']):7.0%}")
+            ring_cols = (
+                f"{r['ring_s']:7.2f} {r['wait_s']:7.3f} {r['alone_s']:8.3f} {r['wait_s'] / r['ring_s']:9.1%} "
+                f"{max(0.0, 1 - r['wait_s'] / r['alone_s']):7.0%}"
+            )
         comm = r["comm"] if r["cp"] > 1 else "(none)"
-        print(f"{r['s']:>6} {r['cp']:>3} {comm:>10} {r['peak'] / MiB:9.1f} {theory / MiB:8.1f} "
-              f"{r['peak'] / theory:6.2f} {r['s'] / r['step_s']:9.0f} {ring_cols}")
-    print(f"\nlongest sequence within {a.budget_mib:.0f} MiB of saved activations per rank (line through the "
-          f"measured points):")
-    for (cp, comm) in dict.fromkeys((r["cp"], r["comm"]) for r in rows):
+        print(
+            f"{r['s']:>6} {r['cp']:>3} {comm:>10} {r['peak'] / MiB:9.1f} {theory / MiB:8.1f} "
+            f"{r['peak'] / theory:6.2f} {r['s'] / r['step_s']:9.0f} {ring_cols}"
+        )
+    print(
+        f"\nlongest sequence within {a.budget_mib:.0f} MiB of saved activations per rank (line through the "
+        f"measured points):"
+    )
+    for cp, comm in dict.fromkeys((r["cp"], r["comm"]) for r in rows):
         pts = [r for r in rows if (r["cp"], r["comm"]) == (cp, comm)]
         if len(pts) >= 2:
             label = comm if cp > 1 else "(none)"

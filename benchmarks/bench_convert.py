@@ -8,6 +8,7 @@ runs as its own process, and its peak resident memory (ru_maxrss of that process
 is printed next to the model's size and the memory of a process that only imports the
 converter (python + torch), so the part the conversion itself holds can be read off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,17 +19,18 @@ import sys
 import tempfile
 import time
 
-from common import REPO  # first: puts the repository on sys.path
 import torch
+from common import REPO  # first: puts the repository on sys.path
 
-from megalite.interop.interchange import (Layout, ModelSource, SourceInfo, full_shape,
-                                                layer_names, post_names, pre_names)
-from megalite.interop.native_io import save_sharded
 from megalite.config import ModelConfig
+from megalite.interop.interchange import Layout, ModelSource, SourceInfo, full_shape, layer_names, post_names, pre_names
+from megalite.interop.native_io import save_sharded
 
 # runs one command and reports that child's peak RSS (KiB on Linux)
-_MEASURE = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode;"
-            " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)")
+_MEASURE = (
+    "import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode;"
+    " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)"
+)
 
 
 class RandomSource(ModelSource):
@@ -66,35 +68,70 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--workdir", default=None)
     a = p.parse_args()
-    cfg = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.hidden // 64,
-                      num_query_groups=a.hidden // 64 // 3, ffn_hidden_size=int(a.hidden * 8 / 3) // 64 * 64,
-                      vocab_size=a.vocab, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                      untie_embeddings_and_output_weights=True, add_bias_linear=False, seq_length=2048)
+    cfg = ModelConfig(
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.hidden // 64,
+        num_query_groups=a.hidden // 64 // 3,
+        ffn_hidden_size=int(a.hidden * 8 / 3) // 64 * 64,
+        vocab_size=a.vocab,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        add_bias_linear=False,
+        seq_length=2048,
+    )
     work = a.workdir or tempfile.mkdtemp(prefix="bench_convert_")
-    params = sum(torch.Size(full_shape(cfg, n)).numel() for n in pre_names(cfg) + post_names(cfg)) + \
-        cfg.num_layers * sum(torch.Size(full_shape(cfg, n)).numel() for n in layer_names(cfg))
+    params = sum(
+        torch.Size(full_shape(cfg, n)).numel() for n in pre_names(cfg) + post_names(cfg)
+    ) + cfg.num_layers * sum(torch.Size(full_shape(cfg, n)).numel() for n in layer_names(cfg))
     torch.manual_seed(0)
     save_sharded(RandomSource(cfg), os.path.join(work, "megalite"), Layout(), {}, lambda _: None)
-    layer_mib = sum(torch.Size(full_shape(cfg, n)).numel() for n in layer_names(cfg)) * 4 / 2 ** 20
-    emb_mib = cfg.vocab_size * cfg.hidden_size * 4 / 2 ** 20
+    layer_mib = sum(torch.Size(full_shape(cfg, n)).numel() for n in layer_names(cfg)) * 4 / 2**20
+    emb_mib = cfg.vocab_size * cfg.hidden_size * 4 / 2**20
     tool = [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT"]
-    runs = [("megalite -> hf", "megalite", "hf", "megalite", "hf", []),
-            ("hf -> megalite", "hf", "megalite", "hf", "megalite_from_hf", []),
-            ("megalite -> megatron", "megalite", "megatron", "megalite", "megatron", []),
-            ("megatron -> megalite", "megatron", "megalite", "megatron", "megalite_from_megatron", []),
-            ("reshard megalite -> megatron tp2 pp2", "megalite", "megatron", "megalite", "megatron_tp2pp2",
-             ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]),
-            ("reshard megatron tp2 pp2 -> megalite torch tp4 pp1", "megatron", "megalite", "megatron_tp2pp2",
-             "megalite_tp4", ["--ckpt-format", "torch", "--target-tensor-parallel-size", "4",
-                              "--target-pipeline-parallel-size", "1"])]
+    runs = [
+        ("megalite -> hf", "megalite", "hf", "megalite", "hf", []),
+        ("hf -> megalite", "hf", "megalite", "hf", "megalite_from_hf", []),
+        ("megalite -> megatron", "megalite", "megatron", "megalite", "megatron", []),
+        ("megatron -> megalite", "megatron", "megalite", "megatron", "megalite_from_megatron", []),
+        (
+            "reshard megalite -> megatron tp2 pp2",
+            "megalite",
+            "megatron",
+            "megalite",
+            "megatron_tp2pp2",
+            ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"],
+        ),
+        (
+            "reshard megatron tp2 pp2 -> megalite torch tp4 pp1",
+            "megatron",
+            "megalite",
+            "megatron_tp2pp2",
+            "megalite_tp4",
+            ["--ckpt-format", "torch", "--target-tensor-parallel-size", "4", "--target-pipeline-parallel-size", "1"],
+        ),
+    ]
     _, base_mib, _ = measure(tool[:2] + ["--help"])  # imports everything, converts nothing
-    print(f"model: {params / 1e6:.1f}M parameters fp32 = {params * 4 / 2 ** 20:.0f} MiB "
-          f"(one layer {layer_mib:.0f} MiB, one vocabulary table {emb_mib:.0f} MiB); "
-          f"python + torch + converter imported: {base_mib:.0f} MiB peak")
+    print(
+        f"model: {params / 1e6:.1f}M parameters fp32 = {params * 4 / 2**20:.0f} MiB "
+        f"(one layer {layer_mib:.0f} MiB, one vocabulary table {emb_mib:.0f} MiB); "
+        f"python + torch + converter imported: {base_mib:.0f} MiB peak"
+    )
     print(f"{'direction':<52} {'time s':>7} {'peak MiB':>9} {'above import':>13}")
     for name, loader, saver, src, dst, extra in runs:
-        cmd = tool + ["--loader", loader, "--saver", saver, "--load-dir", os.path.join(work, src),
-                      "--save-dir", os.path.join(work, dst), *extra]
+        cmd = tool + [
+            "--loader",
+            loader,
+            "--saver",
+            saver,
+            "--load-dir",
+            os.path.join(work, src),
+            "--save-dir",
+            os.path.join(work, dst),
+            *extra,
+        ]
         seconds, mib, rc = measure(cmd)
         status = "" if rc == 0 else f"  (exit {rc})"
         print(f"{name:<52} {seconds:>7.1f} {mib:>9.0f} {mib - base_mib:>13.0f}{status}")

@@ -27,6 +27,7 @@ vocabulary and --workers, times both tools as whole processes, and checks that t
 megatron.training; on a machine without it, that one module is stubbed by the runner
 below (nothing in preprocessing uses it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ from megalite.data.default_corpus import prepare_default_corpus
 def source_files():
     """Offline real text: pydoc topics, then .py files under sys.prefix."""
     from pydoc_data.topics import topics
+
     for k in sorted(topics):
         yield topics[k]
     for root in sorted(Path(sys.prefix).rglob("*.py")):
@@ -99,17 +101,19 @@ print(json.dumps(dict(seconds=s.seconds, bytes=s.bytes_read, tokens=sum(s.tokens
 
 
 def run_preprocess(inp: Path, out: Path, tok: dict, workers: int) -> dict:
-    code = _CHILD.format(repo=str(REPO), vocab=tok["vocab_file"], merge=tok["merge_file"],
-                         inp=str(inp), out=str(out), workers=workers)
+    code = _CHILD.format(
+        repo=str(REPO), vocab=tok["vocab_file"], merge=tok["merge_file"], inp=str(inp), out=str(out), workers=workers
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def bench_preprocess(tmp: Path, tok: dict, throughput_mb: float, memory_mb: tuple) -> None:
-    print(f"\n## Preprocessing (GPT2BPETokenizer 4k vocab, --append-eod), {os.cpu_count()} CPUs,"
-          f" load average {os.getloadavg()[0]:.1f} at start")
-    print("| input | workers | docs | seconds | MB/s | tokens/s | CPU s main / workers "
-          "| peak RSS main / worker (MB) |")
+    print(
+        f"\n## Preprocessing (GPT2BPETokenizer 4k vocab, --append-eod), {os.cpu_count()} CPUs,"
+        f" load average {os.getloadavg()[0]:.1f} at start"
+    )
+    print("| input | workers | docs | seconds | MB/s | tokens/s | CPU s main / workers | peak RSS main / worker (MB) |")
     print("|---|---|---|---|---|---|---|---|")
     corpora = {("all", throughput_mb): tmp / "corpus_throughput.jsonl"}
     build_corpus(corpora["all", throughput_mb], throughput_mb)
@@ -121,11 +125,14 @@ def bench_preprocess(tmp: Path, tok: dict, throughput_mb: float, memory_mb: tupl
     for kind, mb, workers in runs:
         r = run_preprocess(corpora[kind, mb], tmp / "out", tok, workers)
         label = "sources" if kind == "all" else f"first {min(memory_mb):g} MB, cycled"
-        print(f"| {r['bytes'] / 1e6:.0f} MB ({label}) | {workers} | {r['docs']} | "
-              f"{r['seconds']:.1f} | "
-              f"{r['bytes'] / 1e6 / r['seconds']:.2f} | {r['tokens'] / r['seconds']:,.0f} | "
-              f"{r['cpu_main']:.1f} / {r['cpu_workers']:.1f} | "
-              f"{r['rss_main_mb']:.0f} / {r['rss_worker_mb']:.0f} |", flush=True)
+        print(
+            f"| {r['bytes'] / 1e6:.0f} MB ({label}) | {workers} | {r['docs']} | "
+            f"{r['seconds']:.1f} | "
+            f"{r['bytes'] / 1e6 / r['seconds']:.2f} | {r['tokens'] / r['seconds']:,.0f} | "
+            f"{r['cpu_main']:.1f} / {r['cpu_workers']:.1f} | "
+            f"{r['rss_main_mb']:.0f} / {r['rss_worker_mb']:.0f} |",
+            flush=True,
+        )
 
 
 _MEGATRON_RUNNER = """
@@ -149,31 +156,57 @@ runpy.run_path(tool, run_name="__main__")
 
 def _timed(cmd: list, env: dict | None = None, cwd: Path | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 
-def _tool_commands(megatron_lm: Path, runner: Path, tok: dict, inp: Path, out: Path,
-                   workers: int) -> tuple[list, list]:
-    common = ["--input", str(inp), "--tokenizer-type", "GPT2BPETokenizer",
-              "--vocab-file", tok["vocab_file"], "--merge-file", tok["merge_file"],
-              "--append-eod", "--workers", str(workers)]
-    ours = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), *common,
-            "--output-prefix", str(out / "megalite"), "--log-interval", "0"]
-    theirs = [sys.executable, str(runner), str(megatron_lm / "tools" / "preprocess_data.py"),
-              *common, "--output-prefix", str(out / "megatron"), "--legacy-tokenizer",
-              "--log-interval", "100000000"]
+def _tool_commands(megatron_lm: Path, runner: Path, tok: dict, inp: Path, out: Path, workers: int) -> tuple[list, list]:
+    common = [
+        "--input",
+        str(inp),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        tok["vocab_file"],
+        "--merge-file",
+        tok["merge_file"],
+        "--append-eod",
+        "--workers",
+        str(workers),
+    ]
+    ours = [
+        sys.executable,
+        str(REPO / "tools" / "preprocess_data.py"),
+        *common,
+        "--output-prefix",
+        str(out / "megalite"),
+        "--log-interval",
+        "0",
+    ]
+    theirs = [
+        sys.executable,
+        str(runner),
+        str(megatron_lm / "tools" / "preprocess_data.py"),
+        *common,
+        "--output-prefix",
+        str(out / "megatron"),
+        "--legacy-tokenizer",
+        "--log-interval",
+        "100000000",
+    ]
     return ours, theirs
 
 
-def bench_vs_megatron(tmp: Path, tok: dict, megatron_lm: Path, megabytes: float,
-                      workers_list: list[int]) -> None:
-    print(f"\n## Preprocessing vs Megatron-LM's tools/preprocess_data.py ({megatron_lm}), "
-          f"GPT2BPETokenizer 4k vocab, --append-eod, {megabytes:g} MB, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f} at start")
-    print("| workers | megalite s | Megatron s | speedup | startup s megalite / Megatron "
-          "| speedup after startup | identical .bin/.idx |")
+def bench_vs_megatron(tmp: Path, tok: dict, megatron_lm: Path, megabytes: float, workers_list: list[int]) -> None:
+    print(
+        f"\n## Preprocessing vs Megatron-LM's tools/preprocess_data.py ({megatron_lm}), "
+        f"GPT2BPETokenizer 4k vocab, --append-eod, {megabytes:g} MB, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at start"
+    )
+    print(
+        "| workers | megalite s | Megatron s | speedup | startup s megalite / Megatron "
+        "| speedup after startup | identical .bin/.idx |"
+    )
     print("|---|---|---|---|---|---|---|")
     runner = tmp / "run_megatron_tool.py"
     runner.write_text(_MEGATRON_RUNNER)
@@ -189,12 +222,16 @@ def bench_vs_megatron(tmp: Path, tok: dict, megatron_lm: Path, megabytes: float,
             ours, theirs = _tool_commands(megatron_lm, runner, tok, inp, out, workers)
             startup.append((_timed(ours), _timed(theirs, env=env, cwd=out)))
         (s_ours, s_theirs), (t_ours, t_theirs) = startup
-        same = all((out / f"megalite_text_document{e}").read_bytes()
-                   == (out / f"megatron_text_document{e}").read_bytes() for e in (".bin", ".idx"))
+        same = all(
+            (out / f"megalite_text_document{e}").read_bytes() == (out / f"megatron_text_document{e}").read_bytes()
+            for e in (".bin", ".idx")
+        )
         net = (t_theirs - s_theirs) / max(t_ours - s_ours, 1e-9)
-        print(f"| {workers} | {t_ours:.1f} | {t_theirs:.1f} | {t_theirs / t_ours:.1f}x | "
-              f"{s_ours:.1f} / {s_theirs:.1f} | {net:.1f}x | {'yes' if same else 'NO'} |",
-              flush=True)
+        print(
+            f"| {workers} | {t_ours:.1f} | {t_theirs:.1f} | {t_theirs / t_ours:.1f}x | "
+            f"{s_ours:.1f} / {s_theirs:.1f} | {net:.1f}x | {'yes' if same else 'NO'} |",
+            flush=True,
+        )
 
 
 _INDEX_CHILD = """
@@ -275,8 +312,7 @@ print(json.dumps(dict(seconds=best, peak_mb=(rss_kb("VmHWM:") - base) / 1024, md
 
 
 def _index_child(builder: str, n: int, seq: int, epochs: int, repeats: int) -> dict:
-    code = _INDEX_CHILD.format(repo=str(REPO), n=n, seq=seq, epochs=epochs, builder=builder,
-                               repeats=repeats)
+    code = _INDEX_CHILD.format(repo=str(REPO), n=n, seq=seq, epochs=epochs, builder=builder, repeats=repeats)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"{builder} index build failed:\n{res.stderr[-2000:]}")
@@ -302,9 +338,11 @@ def bench_indices(cases: list[tuple[int, int]], seq_length: int = 2048, repeats:
     ``repeats``; peak RSS over the process's own baseline); the arrays' md5 must agree.
     """
     mcore = _have_megatron_core()
-    print(f"\n## Index build vs megatron-core (seq_length {seq_length}, doc sizes ~ lognormal, "
-          f"mean ~660 tokens; CPU seconds of the builder's process (one thread), best of "
-          f"{repeats}, and the total's wall clock; load average {os.getloadavg()[0]:.1f} at start)")
+    print(
+        f"\n## Index build vs megatron-core (seq_length {seq_length}, doc sizes ~ lognormal, "
+        f"mean ~660 tokens; CPU seconds of the builder's process (one thread), best of "
+        f"{repeats}, and the total's wall clock; load average {os.getloadavg()[0]:.1f} at start)"
+    )
     if not mcore:
         print("(megatron-core with its compiled helpers is not installed: megalite only)")
     print("| documents | epochs | samples | index | megalite s | megatron-core s | speedup |")
@@ -315,10 +353,8 @@ def bench_indices(cases: list[tuple[int, int]], seq_length: int = 2048, repeats:
         theirs = _index_child("megatron-core", n, seq_length, epochs, repeats) if mcore else None
         label = f"{ours['epochs']}" + (" (last separate)" if ours["separate"] else "")
         rows = list(zip(names, ours["seconds"], theirs["seconds"] if theirs else [None] * 4))
-        rows.append(("total", sum(ours["seconds"][:3]),
-                     sum(theirs["seconds"][:3]) if theirs else None))
-        rows.append(("total, wall clock", ours["seconds"][3],
-                     theirs["seconds"][3] if theirs else None))
+        rows.append(("total", sum(ours["seconds"][:3]), sum(theirs["seconds"][:3]) if theirs else None))
+        rows.append(("total, wall clock", ours["seconds"][3], theirs["seconds"][3] if theirs else None))
         rows.append(("peak RSS MB", ours["peak_mb"], theirs["peak_mb"] if theirs else None))
         for name, a, b in rows:
             fmt = "{:.0f}" if name.startswith("peak") else "{:.2f}"
@@ -326,12 +362,12 @@ def bench_indices(cases: list[tuple[int, int]], seq_length: int = 2048, repeats:
             ratio = f"{b / a:.2f}x" if b is not None and a > 0 else "-"
             if name.startswith("peak"):
                 ratio = f"{a / b:.2f} of it" if b else "-"
-            print(f"| {n:,} | {label} | {ours['samples']:,} | {name} | {fmt.format(a)} | {other} "
-                  f"| {ratio} |", flush=True)
+            print(
+                f"| {n:,} | {label} | {ours['samples']:,} | {name} | {fmt.format(a)} | {other} | {ratio} |", flush=True
+            )
         if theirs is not None:
             same = ours["md5"] == theirs["md5"]
-            print(f"| {n:,} | {label} | | arrays byte-identical | {'yes' if same else 'NO'} | | |",
-                  flush=True)
+            print(f"| {n:,} | {label} | | arrays byte-identical | {'yes' if same else 'NO'} | | |", flush=True)
 
 
 def bench_blending(sizes: list[int]) -> None:
@@ -349,17 +385,18 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--only", choices=("preprocess", "indices", "megatron"), default=None)
-    p.add_argument("--megatron-lm", type=Path, default=None,
-                   help="a Megatron-LM checkout (core_v0.16.x): adds the comparison with its "
-                        "tools/preprocess_data.py")
-    p.add_argument("--megatron-mb", type=float, default=20.0,
-                   help="corpus size for the Megatron comparison (MB)")
+    p.add_argument(
+        "--megatron-lm",
+        type=Path,
+        default=None,
+        help="a Megatron-LM checkout (core_v0.16.x): adds the comparison with its tools/preprocess_data.py",
+    )
+    p.add_argument("--megatron-mb", type=float, default=20.0, help="corpus size for the Megatron comparison (MB)")
     p.add_argument("--megatron-workers", type=int, nargs="+", default=[1, 2])
     args = p.parse_args()
     if args.only == "megatron" and args.megatron_lm is None:
         p.error("--only megatron needs --megatron-lm PATH (a Megatron-LM checkout)")
-    if args.megatron_lm is not None and not (args.megatron_lm / "tools" /
-                                             "preprocess_data.py").is_file():
+    if args.megatron_lm is not None and not (args.megatron_lm / "tools" / "preprocess_data.py").is_file():
         p.error(f"--megatron-lm {args.megatron_lm}: no tools/preprocess_data.py there")
     scale = 0.04 if args.quick else 1.0
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -371,11 +408,9 @@ def main() -> None:
         if args.only in (None, "preprocess"):
             bench_preprocess(tmp, tok, 50 * scale, (10 * scale, 100 * scale))
         if compare:
-            bench_vs_megatron(tmp, tok, args.megatron_lm.resolve(), args.megatron_mb,
-                              args.megatron_workers)
+            bench_vs_megatron(tmp, tok, args.megatron_lm.resolve(), args.megatron_mb, args.megatron_workers)
         if args.only in (None, "indices"):
-            bench_indices([(int(1_000_000 * scale), 1), (int(10_000_000 * scale), 1),
-                           (int(10_000_000 * scale), 3)])
+            bench_indices([(int(1_000_000 * scale), 1), (int(10_000_000 * scale), 1), (int(10_000_000 * scale), 3)])
             bench_blending([int(1_000_000 * scale)])
 
 

@@ -21,6 +21,7 @@ A last table times a training step of each option on CPU against the plain run.
   python benchmarks/bench_memory.py            # all tables, ~3 minutes on 2 cores
   python benchmarks/bench_memory.py --quick    # smaller model, fewer steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,8 @@ import time
 from dataclasses import replace
 from typing import Dict, List
 
-from common import mock_config, run_distributed  # first: puts the repository on sys.path
 import torch
+from common import mock_config, run_distributed  # first: puts the repository on sys.path
 
 from megalite.analysis.plan_check import SavedBytes  # also what a run's predicted-vs-measured block counts
 from megalite.config import Config, ModelConfig, OptimConfig
@@ -41,16 +42,37 @@ from megalite.pipeline.registry import build_schedule
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 
-RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 def make_config(a, tp=1, pp=1, dp=1, sp=False, dtype="bfloat16", backend="unfused", m=1, **model) -> Config:
-    mdl = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, seq_length=a.seq,
-                      vocab_size=4096, hidden_dropout=0.1, attention_dropout=0.1, params_dtype=dtype,
-                      attention_backend=backend, **model)
-    return mock_config(mdl, a.mbs, a.mbs * m * dp, seed=1, train_iters=10,
-                       optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True), tp=tp, pp=pp, sequence_parallel=sp)
+    mdl = ModelConfig(
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        seq_length=a.seq,
+        vocab_size=4096,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        params_dtype=dtype,
+        attention_backend=backend,
+        **model,
+    )
+    return mock_config(
+        mdl,
+        a.mbs,
+        a.mbs * m * dp,
+        seed=1,
+        train_iters=10,
+        optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True),
+        tp=tp,
+        pp=pp,
+        sequence_parallel=sp,
+    )
 
 
 def theory_per_layer(a, t: int, sp: bool, recompute: str) -> float:
@@ -75,6 +97,7 @@ def _layer_bytes(ps: ParallelState, a, sp: bool, recompute: str, backend: str) -
     def counted(x, rope):
         with counter:
             return run_layers(x, rope)
+
     chunk._run_layers = counted
     out = chunk(tokens)
     chunk.loss(out, tokens, torch.ones_like(tokens, dtype=torch.float32)).backward()
@@ -94,8 +117,10 @@ def table_per_layer(a) -> None:
         else:
             got = run_distributed(_layer_bytes, tp, a, sp, rec, backend, tp=tp)[0]
         theory = theory_per_layer(a, tp, sp, rec)
-        print(f"| {backend} | {tp} | {'on' if sp else 'off'} | {rec} | {got['per_layer'] / 1024:.0f} | "
-              f"{theory / 1024:.0f} | {got['per_layer'] / theory:.3f} |")
+        print(
+            f"| {backend} | {tp} | {'on' if sp else 'off'} | {rec} | {got['per_layer'] / 1024:.0f} | "
+            f"{theory / 1024:.0f} | {got['per_layer'] / theory:.3f} |"
+        )
 
 
 def _in_flight(ps: ParallelState, a, recompute: str, m: int) -> Dict[str, float]:
@@ -117,6 +142,7 @@ def _in_flight(ps: ParallelState, a, recompute: str, m: int) -> Dict[str, float]
                 out = loss(*args)
             sizes[-1] += c.total
             return out
+
         chunk.forward, chunk.loss = counted_forward, counted_loss
     trainer.train_step(MockFeed(trainer, 1).next())
     actions = [x for x in build_schedule("1f1b", ps.pp_size, 1, m)[ps.pp_rank] if isinstance(x, Compute)]
@@ -146,8 +172,10 @@ def table_in_flight(a, pp: int = 4, m: int = 8) -> None:
             if r["rank"] == pp - 1:  # final norm input, output layer input (bf16), fp32 softmax of the loss
                 per_mb += 4 * sbh + 4 * a.seq * a.mbs * vocab
             theory = n * per_mb
-            print(f"| {rec} | {r['rank']} | {n} | {r['peak'] / 2**20:.2f} | {theory / 2**20:.2f} | "
-                  f"{r['peak'] / theory:.3f} |")
+            print(
+                f"| {rec} | {r['rank']} | {n} | {r['peak'] / 2**20:.2f} | {theory / 2**20:.2f} | "
+                f"{r['peak'] / theory:.3f} |"
+            )
 
 
 def _optimizer_bytes(ps: ParallelState, a, dist_opt: bool) -> Dict[str, float]:
@@ -156,31 +184,48 @@ def _optimizer_bytes(ps: ParallelState, a, dist_opt: bool) -> Dict[str, float]:
     trainer = Trainer(cfg, ps)
     trainer.train_step(MockFeed(trainer, 1).next())  # Adam state exists after a step
     n = sum(p.numel() for p in trainer.params)
-    return {"state": trainer.optimizer.state_bytes(), "params": n,
-            "grad_buffer": sum(part.grad_data.numel() * 4 for part in trainer.optimizer.grads.parts)}
+    return {
+        "state": trainer.optimizer.state_bytes(),
+        "params": n,
+        "grad_buffer": sum(part.grad_data.numel() * 4 for part in trainer.optimizer.grads.parts),
+    }
 
 
 def table_optimizer(a) -> None:
     print("\n## Optimizer state per rank (bf16 weights, fp32 grads, fp32 main weights + Adam moments)")
-    print("| dp | distributed optimizer | parameters | weights MiB | grad buffer MiB | optimizer state MiB | "
-          "theory 12 x params / dp MiB | measured / theory |")
+    print(
+        "| dp | distributed optimizer | parameters | weights MiB | grad buffer MiB | optimizer state MiB | "
+        "theory 12 x params / dp MiB | measured / theory |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for dp in (1, 2, 4):
-        r = (_optimizer_bytes(ParallelState.single(), a, False) if dp == 1
-             else run_distributed(_optimizer_bytes, dp, a, True)[0])
+        r = (
+            _optimizer_bytes(ParallelState.single(), a, False)
+            if dp == 1
+            else run_distributed(_optimizer_bytes, dp, a, True)[0]
+        )
         theory = 12 * r["params"] / dp
-        print(f"| {dp} | {'yes' if dp > 1 else 'no'} | {r['params']:,} | {2 * r['params'] / 2**20:.2f} | "
-              f"{r['grad_buffer'] / 2**20:.2f} | {r['state'] / 2**20:.2f} | {theory / 2**20:.2f} | "
-              f"{r['state'] / theory:.3f} |")
+        print(
+            f"| {dp} | {'yes' if dp > 1 else 'no'} | {r['params']:,} | {2 * r['params'] / 2**20:.2f} | "
+            f"{r['grad_buffer'] / 2**20:.2f} | {r['state'] / 2**20:.2f} | {theory / 2**20:.2f} | "
+            f"{r['state'] / theory:.3f} |"
+        )
 
 
 def _step_times(ps: ParallelState, a, variants: Dict[str, dict], steps: int) -> Dict[str, float]:
     torch.set_num_threads(1)
     out = {}
     for name, v in variants.items():
-        cfg = make_config(a, tp=ps.tp_size, dp=ps.dp_size, m=2, sp=v.get("sp", False),
-                          dtype=v.get("dtype", "float32"), backend=v.get("backend", "auto"),
-                          **{k: x for k, x in v.items() if k.startswith("recompute")})
+        cfg = make_config(
+            a,
+            tp=ps.tp_size,
+            dp=ps.dp_size,
+            m=2,
+            sp=v.get("sp", False),
+            dtype=v.get("dtype", "float32"),
+            backend=v.get("backend", "auto"),
+            **{k: x for k, x in v.items() if k.startswith("recompute")},
+        )
         cfg = cfg.with_(optim=replace(cfg.optim, use_distributed_optimizer=v.get("dist_opt", False)))
         trainer = Trainer(cfg, ps)
         feed = MockFeed(trainer, steps + 1)
@@ -200,11 +245,18 @@ def table_step_time(a) -> None:
     print(f"\n## Step time on CPU (fp32 unless noted, 1 thread per rank, median of {a.steps} steps, ms)")
     print("| layout | option | ms per step | vs plain |")
     print("|---|---|---|---|")
-    one = {"plain": {}, "selective recompute": RECOMPUTE["selective"], "full recompute": RECOMPUTE["full"],
-           "unfused attention": {"backend": "unfused"}, "bf16": {"dtype": "bfloat16"}}
-    groups = [("1 process", 1, {}, one),
-              ("tp=2", 2, dict(tp=2), {"plain": {}, "sequence parallel": {"sp": True}}),
-              ("dp=2", 2, {}, {"plain": {}, "distributed optimizer": {"dist_opt": True}})]
+    one = {
+        "plain": {},
+        "selective recompute": RECOMPUTE["selective"],
+        "full recompute": RECOMPUTE["full"],
+        "unfused attention": {"backend": "unfused"},
+        "bf16": {"dtype": "bfloat16"},
+    }
+    groups = [
+        ("1 process", 1, {}, one),
+        ("tp=2", 2, dict(tp=2), {"plain": {}, "sequence parallel": {"sp": True}}),
+        ("dp=2", 2, {}, {"plain": {}, "distributed optimizer": {"dist_opt": True}}),
+    ]
     for layout, world, kw, variants in groups:
         if world == 1:
             res = _step_times(ParallelState.single(), a, variants, a.steps)
@@ -220,8 +272,10 @@ def main() -> None:
     p.add_argument("--tables", default="layer,flight,optimizer,time")
     a = p.parse_args()
     a.layers, a.hidden, a.heads, a.seq, a.mbs, a.steps = (4, 128, 4, 128, 2, 3) if a.quick else (8, 256, 8, 256, 2, 5)
-    print(f"model: GPT-2 style, {a.layers} layers, hidden {a.hidden}, heads {a.heads}, seq {a.seq}, "
-          f"micro-batch {a.mbs}, vocab 4096; torch {torch.__version__}")
+    print(
+        f"model: GPT-2 style, {a.layers} layers, hidden {a.hidden}, heads {a.heads}, seq {a.seq}, "
+        f"micro-batch {a.mbs}, vocab 4096; torch {torch.__version__}"
+    )
     tables = a.tables.split(",")
     if "layer" in tables:
         table_per_layer(a)

@@ -23,6 +23,7 @@ waits per unit of compute, the recorder's worst case).
   python benchmarks/bench_overhead.py --quick          # smoke run (< 60 s)
   python benchmarks/bench_overhead.py --profile        # also print where each side spends CPU time
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.config.arguments import parse_args
 from megalite.config import Config, ModelConfig
+from megalite.config.arguments import parse_args
 from megalite.observability.flight_recorder import FlightRecorder
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Comm, Compute
@@ -56,8 +57,11 @@ class PlainBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, bias, self.cfg = cfg.hidden_size, cfg.add_bias_linear, cfg
-        norm = (lambda: nn.RMSNorm(h, eps=cfg.layernorm_epsilon)) if cfg.normalization == "RMSNorm" \
+        norm = (
+            (lambda: nn.RMSNorm(h, eps=cfg.layernorm_epsilon))
+            if cfg.normalization == "RMSNorm"
             else (lambda: nn.LayerNorm(h, eps=cfg.layernorm_epsilon))
+        )
         self.ln1, self.ln2 = norm(), norm()
         self.qkv = nn.Linear(h, 3 * h, bias=bias)
         self.proj = nn.Linear(h, h, bias=bias)
@@ -139,11 +143,14 @@ class PlainTrainer:
         torch.manual_seed(cfg.train.seed)
         self.model = PlainGPT(cfg.model)
         params = list(self.model.parameters())
-        groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.optim.weight_decay},
-                  {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.optim.weight_decay},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ]
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                           eps=o.adam_eps, foreach=True)
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, foreach=True
+        )
         self.iteration = 0
 
     def lr(self) -> float:
@@ -163,8 +170,7 @@ class PlainTrainer:
             loss = self.model(b["tokens"], b["labels"])
             (loss / len(batches)).backward()
             losses.append(loss.detach())
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad,
-                                                    foreach=True))
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad, foreach=True))
         for g in self.optimizer.param_groups:
             g["lr"] = self.lr()
         if math.isfinite(norm):
@@ -176,13 +182,33 @@ class PlainTrainer:
 # -- the benchmark ---------------------------------------------------------------------------------
 def build_config(a: argparse.Namespace, total_iters: int) -> Config:
     """pretrain_gpt.py's defaults (through its own parser), with the shape flags given here."""
-    argv = ["--mock-data", "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
-            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
-            "--global-batch-size", str(a.global_batch_size), "--train-iters", str(total_iters),
-            "--eval-iters", "0"]
+    argv = [
+        "--mock-data",
+        "--num-layers",
+        str(a.num_layers),
+        "--hidden-size",
+        str(a.hidden_size),
+        "--seq-length",
+        str(a.seq_length),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--global-batch-size",
+        str(a.global_batch_size),
+        "--train-iters",
+        str(total_iters),
+        "--eval-iters",
+        "0",
+    ]
     if a.llama:
-        argv += ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-                 "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+        argv += [
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--position-embedding-type",
+            "rope",
+            "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+        ]
     return parse_args(argv)
 
 
@@ -208,6 +234,7 @@ def profile(name: str, step: Callable, batches: List[List[Batch]], n: int, rows:
     """Print torch.profiler's top ops by self CPU time over ``n`` steps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
+
     step(batches[0])
     with tprofile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
         for i in range(n):
@@ -229,8 +256,12 @@ def main(argv: Sequence[str] = None) -> int:
     p.add_argument("--llama", action="store_true", help="RMSNorm, SwiGLU, RoPE, untied, no biases")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 warmup + 6 timed steps each")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler tables")
-    p.add_argument("--recorder-pp", type=int, default=0, help="also time the flight recorder on/off on a pipeline "
-                   "of this many gloo ranks (0: not)")
+    p.add_argument(
+        "--recorder-pp",
+        type=int,
+        default=0,
+        help="also time the flight recorder on/off on a pipeline of this many gloo ranks (0: not)",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.warmup = 6, 1
@@ -241,10 +272,15 @@ def main(argv: Sequence[str] = None) -> int:
     trainer = Trainer(cfg, ParallelState.single())
     plain = PlainTrainer(cfg)
     batches = make_batches(cfg, trainer, 4)
-    impls = {"megalite": trainer.train_step, "no-rec": without_recorder(trainer.train_step, trainer.ps.recorder),
-             "plain": plain.train_step}
-    n_params = {"megalite": sum(q.numel() for q in trainer.params),
-                "plain": sum(q.numel() for q in plain.model.parameters())}
+    impls = {
+        "megalite": trainer.train_step,
+        "no-rec": without_recorder(trainer.train_step, trainer.ps.recorder),
+        "plain": plain.train_step,
+    }
+    n_params = {
+        "megalite": sum(q.numel() for q in trainer.params),
+        "plain": sum(q.numel() for q in plain.model.parameters()),
+    }
     n_params["no-rec"] = n_params["megalite"]
     wall: Dict[str, List[float]] = {k: [] for k in impls}
     cpu: Dict[str, List[float]] = {k: [] for k in impls}
@@ -271,12 +307,14 @@ def main(argv: Sequence[str] = None) -> int:
 
 def without_recorder(step: Callable[[List[Batch]], dict], recorder: FlightRecorder) -> Callable[[List[Batch]], dict]:
     """``step`` with the run's flight recorder off (what --flight-recorder-size 0 runs)."""
+
     def run(batch: List[Batch]) -> dict:
         recorder.enabled = False
         try:
             return step(batch)
         finally:
             recorder.enabled = True
+
     return run
 
 
@@ -293,9 +331,11 @@ def print_recorder_cost(wall: Dict[str, List[float]], cpu: Dict[str, List[float]
     actions = build_schedule("interleaved_1f1b", 4, 2, 16)[1]
     events = sum(1 if isinstance(x, Compute) else 2 * len(x.ops) for x in actions if isinstance(x, (Compute, Comm)))
     pair, pair_cpu = (statistics.median(x / y for x, y in zip(d["megalite"], d["no-rec"])) for d in (wall, cpu))
-    print(f"flight recorder on / off - 1: median wall {100 * (pair - 1):+.2f}%, median cpu "
-          f"{100 * (pair_cpu - 1):+.2f}% (per-pair); {1e6 * per_event:.2f} us cpu per event; a pp 4 x vp 2 rank "
-          f"with 16 micro-batches records {events} events per step: {1e3 * events * per_event:.2f} ms")
+    print(
+        f"flight recorder on / off - 1: median wall {100 * (pair - 1):+.2f}%, median cpu "
+        f"{100 * (pair_cpu - 1):+.2f}% (per-pair); {1e6 * per_event:.2f} us cpu per event; a pp 4 x vp 2 rank "
+        f"with 16 micro-batches records {events} events per step: {1e3 * events * per_event:.2f} ms"
+    )
 
 
 def _recorder_on_off(ps, cfg: Config, steps: int, warmup: int) -> Dict[str, List[float]]:
@@ -305,7 +345,7 @@ def _recorder_on_off(ps, cfg: Config, steps: int, warmup: int) -> Dict[str, List
     batches = [feed.next() for _ in range(4)]
     times: Dict[str, List[float]] = {"on": [], "off": [], "on cpu": [], "off cpu": []}
     for i in range(warmup + steps):
-        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
             ps.recorder.enabled = mode == "on"
             t0, c0 = time.perf_counter(), time.process_time()
             trainer.train_step(batches[i % len(batches)])
@@ -321,45 +361,62 @@ def pipeline_recorder_rows(pp: int, steps: int, warmup: int) -> None:
     model = ModelConfig(num_layers=4 * pp, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1024)
     cfg = common.mock_config(model, 2, 2 * 4 * pp, seed=1234, train_iters=10_000, pp=pp)
     times = common.run_distributed(_recorder_on_off, pp, cfg, steps, warmup, pp=pp)
+
     def med(key: str, agg) -> float:  # per step: the slowest rank's wall time, the ranks' summed CPU time
         return statistics.median(agg(t[key][i] for t in times) for i in range(steps))
 
     def pair(key: str, agg) -> float:
-        return statistics.median(agg(t["on" + key][i] for t in times) / agg(t["off" + key][i] for t in times)
-                                 for i in range(steps))
-    print(f"\nflight recorder on a pp {pp} pipeline (gloo, 1F1B, {4 * pp} micro-batches of 2 x 64 tokens, hidden 64, "
-          f"{steps} steps each, alternating)")
+        return statistics.median(
+            agg(t["on" + key][i] for t in times) / agg(t["off" + key][i] for t in times) for i in range(steps)
+        )
+
+    print(
+        f"\nflight recorder on a pp {pp} pipeline (gloo, 1F1B, {4 * pp} micro-batches of 2 x 64 tokens, hidden 64, "
+        f"{steps} steps each, alternating)"
+    )
     print(f"{'recorder':<10} {'median ms':>10} {'cpu ms':>9}")
     for k in ("on", "off"):
         print(f"{k:<10} {1e3 * med(k, max):>10.2f} {1e3 * med(k + ' cpu', sum):>9.2f}")
-    print(f"on / off - 1: wall {100 * (pair('', max) - 1):+.2f}%, cpu {100 * (pair(' cpu', sum) - 1):+.2f}% "
-          f"(median of per-step ratios; wall: slowest rank, cpu: all ranks)")
+    print(
+        f"on / off - 1: wall {100 * (pair('', max) - 1):+.2f}%, cpu {100 * (pair(' cpu', sum) - 1):+.2f}% "
+        f"(median of per-step ratios; wall: slowest rank, cpu: all ranks)"
+    )
 
 
-def print_table(a: argparse.Namespace, cfg: Config, wall: Dict[str, List[float]],
-                cpu: Dict[str, List[float]], n_params: Dict[str, int]) -> None:
+def print_table(
+    a: argparse.Namespace,
+    cfg: Config,
+    wall: Dict[str, List[float]],
+    cpu: Dict[str, List[float]],
+    n_params: Dict[str, int],
+) -> None:
     """The result table: wall and CPU time per step, tokens/s, and the overhead over plain."""
     m, t = cfg.model, cfg.train
     tokens = t.global_batch_size * m.seq_length
     style = "llama" if a.llama else "gpt2"
-    print(f"model {style}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
-          f"seq {m.seq_length}, vocab {m.vocab_size}, micro-batch {t.micro_batch_size}, global batch "
-          f"{t.global_batch_size} ({t.global_batch_size // t.micro_batch_size} micro-batches), "
-          f"dropout {m.hidden_dropout}, threads {a.threads}")
+    print(
+        f"model {style}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
+        f"seq {m.seq_length}, vocab {m.vocab_size}, micro-batch {t.micro_batch_size}, global batch "
+        f"{t.global_batch_size} ({t.global_batch_size // t.micro_batch_size} micro-batches), "
+        f"dropout {m.hidden_dropout}, threads {a.threads}"
+    )
     print(f"{a.steps} timed steps per implementation after {a.warmup} warmup, alternating step by step")
-    print(f"{'impl':<10} {'params':>10} {'median ms':>10} {'min ms':>9} {'cpu ms':>9} {'tokens/s':>10} "
-          f"{'vs plain':>9}")
+    print(f"{'impl':<10} {'params':>10} {'median ms':>10} {'min ms':>9} {'cpu ms':>9} {'tokens/s':>10} {'vs plain':>9}")
     base = statistics.median(wall["plain"])
     for name in wall:
         med = statistics.median(wall[name])
-        print(f"{name:<10} {n_params[name]:>10,} {1e3 * med:>10.1f} {1e3 * min(wall[name]):>9.1f} "
-              f"{1e3 * statistics.median(cpu[name]):>9.1f} {tokens / med:>10.0f} "
-              f"{100 * (med / base - 1):>+8.1f}%")
+        print(
+            f"{name:<10} {n_params[name]:>10,} {1e3 * med:>10.1f} {1e3 * min(wall[name]):>9.1f} "
+            f"{1e3 * statistics.median(cpu[name]):>9.1f} {tokens / med:>10.0f} "
+            f"{100 * (med / base - 1):>+8.1f}%"
+        )
     pair = statistics.median(x / y for x, y in zip(wall["megalite"], wall["plain"]))
     pair_cpu = statistics.median(x / y for x, y in zip(cpu["megalite"], cpu["plain"]))
-    print(f"framework overhead, megalite / plain - 1: median wall {100 * (pair - 1):+.1f}% (per-pair), "
-          f"min wall {100 * (min(wall['megalite']) / min(wall['plain']) - 1):+.1f}%, "
-          f"median cpu {100 * (pair_cpu - 1):+.1f}% (per-pair)")
+    print(
+        f"framework overhead, megalite / plain - 1: median wall {100 * (pair - 1):+.1f}% (per-pair), "
+        f"min wall {100 * (min(wall['megalite']) / min(wall['plain']) - 1):+.1f}%, "
+        f"median cpu {100 * (pair_cpu - 1):+.1f}% (per-pair)"
+    )
 
 
 if __name__ == "__main__":

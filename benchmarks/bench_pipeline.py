@@ -41,29 +41,30 @@ per step) plus grad sync + clip + optimizer.
       --schedules 1f1b interleaved_1f1b zb_h1 zbv   # issue 12's table (pp=4 needs 4 cores)
   python benchmarks/bench_pipeline.py --balanced --num-layers 16 --vocab-size 16384 ...  # + balanced split
 """
+
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import replace
 import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from common import pipeline_config, run_distributed  # first: puts the repository on sys.path
 import torch
 import torch.distributed as dist
+from common import pipeline_config, run_distributed  # first: puts the repository on sys.path
 
+from megalite.analysis.measure import measure_layer_costs, plan_for
+from megalite.analysis.simulate import simulate_schedule
 from megalite.config import Config
+from megalite.config.settings import resolve_settings
 from megalite.optim.clip_grads import clip_grad_norm_
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import build_optimizer
 from megalite.parallel.state import ParallelState
-from megalite.analysis.measure import measure_layer_costs, plan_for
-from megalite.config.settings import resolve_settings
-from megalite.analysis.simulate import simulate_schedule
 from megalite.pipeline.registry import layout_for
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training import Trainer, build_model_chunks
@@ -88,10 +89,16 @@ class TorchPipeline:
     """The same model chunks and training step, scheduled by torch.distributed.pipelining."""
 
     def __init__(self, cfg: Config, ps: ParallelState, schedule: str, m: int):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                                  ScheduleZBVZeroBubble)
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
+        )
         from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
         self.cfg, self.ps = cfg, ps
         schedule = _split_name(schedule)[0]
         pp = ps.pp_size
@@ -101,11 +108,21 @@ class TorchPipeline:
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.train_iters)
-        stages = [PipelineStage(_torch_stage_module(c, self.chunks), stage_index=layout.stage(ps.pp_rank, i),
-                                num_stages=layout.num_stages, device=ps.device, group=ps.pp_group)
-                  for i, c in enumerate(self.chunks)]
-        last = next(c for c in self.chunks if c.post_process) if any(c.post_process for c in self.chunks) \
+        stages = [
+            PipelineStage(
+                _torch_stage_module(c, self.chunks),
+                stage_index=layout.stage(ps.pp_rank, i),
+                num_stages=layout.num_stages,
+                device=ps.device,
+                group=ps.pp_group,
+            )
+            for i, c in enumerate(self.chunks)
+        ]
+        last = (
+            next(c for c in self.chunks if c.post_process)
+            if any(c.post_process for c in self.chunks)
             else self.chunks[-1]
+        )
         mbs, s = cfg.train.micro_batch_size, cfg.model.seq_length
         mask = torch.ones(mbs, s)
         loss_fn = lambda logits, labels: last.loss(logits, labels, mask)  # noqa: E731
@@ -131,8 +148,7 @@ class TorchPipeline:
         args = (torch.cat([b["tokens"] for b in batches]),) if self.first else ()
         target = torch.cat([b["labels"] for b in batches]) if self.last else None
         losses: List[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses if self.last else None,
-                           return_outputs=False)
+        self.schedule.step(*args, target=target, losses=losses if self.last else None, return_outputs=False)
         if self.ps.embedding.size > 1:
             for c in self.chunks:
                 w = c.shared_embedding_weight()
@@ -199,7 +215,7 @@ def run_row(ps: ParallelState, a: argparse.Namespace, schedule: str, vp: int, m:
                 res["first_loss"][name] = out["loss"]
     for i in range(a.steps):
         names = list(impls)
-        order = names[i % len(names):] + names[:i % len(names)]
+        order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
             sec, out = timed_step(ps, lambda: impls[name](batches[i % 4]))
             res[name].append(sec)
@@ -220,8 +236,10 @@ def chunk_costs(events: List[dict], m: int) -> Dict[int, Tuple[float, float, flo
         key = (e["chunk"], e["kind"])
         total[key] = total.get(key, 0.0) + e["end"] - e["start"]
     chunks = sorted({c for c, _ in total})
-    return {c: (total[(c, "F")] / m, (total[(c, "B")] + total.get((c, "W"), 0.0)) / m,
-                total.get((c, "W"), 0.0) / m) for c in chunks}
+    return {
+        c: (total[(c, "F")] / m, (total[(c, "B")] + total.get((c, "W"), 0.0)) / m, total.get((c, "W"), 0.0) / m)
+        for c in chunks
+    }
 
 
 def run_rows(ps: ParallelState, a: argparse.Namespace, rows: List[Tuple[str, int, int]]) -> List[Dict]:
@@ -242,8 +260,10 @@ def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[D
     tokens = m * a.micro_batch_size * a.seq_length
     step = {k: [max(ts) for ts in zip(*(r[k] for r in per_rank))] for k in ("megalite", "torch", "balanced")}
     stats = [s for r in per_rank for s in r["stats"]]
-    mean = {k: statistics.mean(s[k] for s in stats) for k in
-            ("forward", "backward", "p2p", "grads_sync", "optimizer", "bubble")}
+    mean = {
+        k: statistics.mean(s[k] for s in stats)
+        for k in ("forward", "backward", "p2p", "grads_sync", "optimizer", "bubble")
+    }
     # Per rank: the pipeline is as fast as its slowest stage, and p2p wait is mostly imbalance.
     compute = [1e3 * statistics.mean(s["forward"] + s["backward"] for s in r["stats"]) for r in per_rank]
     p2p = [1e3 * statistics.mean(s["p2p"] for s in r["stats"]) for r in per_rank]
@@ -251,61 +271,100 @@ def summarize(a: argparse.Namespace, row: Tuple[str, int, int], per_rank: List[D
     sim2 = statistics.mean(simulate_schedule(name, pp, vp, m, 1.0, 2.0, mode="executor").bubble_fraction)
     # The simulator fed with every stage's measured forward, backward and W time per micro-batch:
     # it then sees the last stage's extra output layer and loss and the real B/W split.
-    costs = [tuple(statistics.mean(s["costs"][layout.chunk_of(stage)][i] for s in per_rank[layout.rank_of(stage)]
-                                   ["stats"]) for i in range(3)) for stage in range(pp * vp)]
-    sim_meas = statistics.mean(simulate_schedule(name, pp, vp, m, mode="executor", stage_costs=[
-        c if c[2] > 0 else c[:2] for c in costs]).bubble_fraction)
+    costs = [
+        tuple(
+            statistics.mean(s["costs"][layout.chunk_of(stage)][i] for s in per_rank[layout.rank_of(stage)]["stats"])
+            for i in range(3)
+        )
+        for stage in range(pp * vp)
+    ]
+    sim_meas = statistics.mean(
+        simulate_schedule(
+            name, pp, vp, m, mode="executor", stage_costs=[c if c[2] > 0 else c[:2] for c in costs]
+        ).bubble_fraction
+    )
     pair = statistics.median(x / y for x, y in zip(step["torch"], step["megalite"]))
     # the first-step loss of each implementation, from a rank that has it (a V reports it on every rank)
-    first = {k: next(r["first_loss"][k] for r in per_rank if r["first_loss"].get(k) is not None)
-             for k in ("megalite", "torch")}
+    first = {
+        k: next(r["first_loss"][k] for r in per_rank if r["first_loss"].get(k) is not None)
+        for k in ("megalite", "torch")
+    }
     loss_diff = abs(first["megalite"] - first["torch"]) / abs(first["torch"])
     ml_s, tt_s = statistics.median(step["megalite"]), statistics.median(step["torch"])
-    out = {"schedule": schedule, "pp": pp, "m": m, "loss_diff": loss_diff, "ml": tokens / ml_s, "tt": tokens / tt_s,
-           "pair": pair, "bf": ratio_bf, "sim2": sim2, "sim_meas": sim_meas, "compute": compute,
-           "p2p_rank": p2p, **mean}
+    out = {
+        "schedule": schedule,
+        "pp": pp,
+        "m": m,
+        "loss_diff": loss_diff,
+        "ml": tokens / ml_s,
+        "tt": tokens / tt_s,
+        "pair": pair,
+        "bf": ratio_bf,
+        "sim2": sim2,
+        "sim_meas": sim_meas,
+        "compute": compute,
+        "p2p_rank": p2p,
+        **mean,
+    }
     if step["balanced"]:
-        out.update(bal=tokens / statistics.median(step["balanced"]), plan=per_rank[0]["plan"],
-                   pair_bal=statistics.median(x / y for x, y in zip(step["torch"], step["balanced"])))
+        out.update(
+            bal=tokens / statistics.median(step["balanced"]),
+            plan=per_rank[0]["plan"],
+            pair_bal=statistics.median(x / y for x, y in zip(step["torch"], step["balanced"])),
+        )
     return out
 
 
 def print_table(a: argparse.Namespace, summaries: List[Dict]) -> None:
     """One line per (pp, schedule, m), plus a sanity line on the first-step losses."""
-    print(f"pp in {a.pp} gloo processes (1 thread each) on {os.cpu_count()} cores, GPT-2 style {a.num_layers} "
-          f"layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, vocab {a.vocab_size}, "
-          f"dropout 0.1; {a.steps} timed steps per row after {a.warmup} warmup, alternating the implementations")
-    print("tok/s from the median step time (slower rank); ratio = megalite/torch tok/s (median of "
-          "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated (executor semantics) "
-          "with b/f=2 and with every stage's measured F, B, W costs;\nmegalite ms per step: compute and "
-          "p2p wait, min/max over ranks; grad sync + clip + optimizer (mean of ranks)")
-    head = (f"{'pp':>2} |{'schedule':<19}|{'m':>3} |{'megalite tok/s':>15} |{'torch tok/s':>12} |{'ratio':>6} |"
-            f"{'meas bubble':>12} |{'sim b/f=2':>10} |{'sim measured':>13} |{'b/f':>5} |"
-            f"{'compute min/max':>15}|{'p2p min/max':>12}|{'opt ms':>7}")
+    print(
+        f"pp in {a.pp} gloo processes (1 thread each) on {os.cpu_count()} cores, GPT-2 style {a.num_layers} "
+        f"layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, vocab {a.vocab_size}, "
+        f"dropout 0.1; {a.steps} timed steps per row after {a.warmup} warmup, alternating the implementations"
+    )
+    print(
+        "tok/s from the median step time (slower rank); ratio = megalite/torch tok/s (median of "
+        "per-step pairs);\nbubble: measured (megalite, mean over ranks) vs simulated (executor semantics) "
+        "with b/f=2 and with every stage's measured F, B, W costs;\nmegalite ms per step: compute and "
+        "p2p wait, min/max over ranks; grad sync + clip + optimizer (mean of ranks)"
+    )
+    head = (
+        f"{'pp':>2} |{'schedule':<19}|{'m':>3} |{'megalite tok/s':>15} |{'torch tok/s':>12} |{'ratio':>6} |"
+        f"{'meas bubble':>12} |{'sim b/f=2':>10} |{'sim measured':>13} |{'b/f':>5} |"
+        f"{'compute min/max':>15}|{'p2p min/max':>12}|{'opt ms':>7}"
+    )
     print(head)
     print("-" * len(head))
     for s in summaries:
-        print(f"{s['pp']:>2} |{s['schedule']:<19}|{s['m']:>3} |{s['ml']:>15.0f} |{s['tt']:>12.0f} |"
-              f"{s['pair']:>6.2f} |{100 * s['bubble']:>11.1f}% |{100 * s['sim2']:>9.1f}% |"
-              f"{100 * s['sim_meas']:>12.1f}% |{s['bf']:>5.2f} |"
-              f"{min(s['compute']):>7.0f}/{max(s['compute']):<7.0f}|"
-              f"{min(s['p2p_rank']):>5.0f}/{max(s['p2p_rank']):<6.0f}|"
-              f"{1e3 * (s['grads_sync'] + s['optimizer']):>7.0f}")
+        print(
+            f"{s['pp']:>2} |{s['schedule']:<19}|{s['m']:>3} |{s['ml']:>15.0f} |{s['tt']:>12.0f} |"
+            f"{s['pair']:>6.2f} |{100 * s['bubble']:>11.1f}% |{100 * s['sim2']:>9.1f}% |"
+            f"{100 * s['sim_meas']:>12.1f}% |{s['bf']:>5.2f} |"
+            f"{min(s['compute']):>7.0f}/{max(s['compute']):<7.0f}|"
+            f"{min(s['p2p_rank']):>5.0f}/{max(s['p2p_rank']):<6.0f}|"
+            f"{1e3 * (s['grads_sync'] + s['optimizer']):>7.0f}"
+        )
     if any("bal" in s for s in summaries):
         print("\nmegalite with --pipeline-balance measured (same model and micro-batches; torch keeps the even split):")
-        head = (f"{'pp':>2} |{'schedule':<19}|{'m':>3} |{'even split':>12} |{'balanced':>12} |{'torch tok/s':>12} |"
-                f"{'megalite even':>14} |{'balanced tok/s':>15} |{'ratio even':>11} |{'ratio balanced':>15} |"
-                f"{'predicted':>10}")
+        head = (
+            f"{'pp':>2} |{'schedule':<19}|{'m':>3} |{'even split':>12} |{'balanced':>12} |{'torch tok/s':>12} |"
+            f"{'megalite even':>14} |{'balanced tok/s':>15} |{'ratio even':>11} |{'ratio balanced':>15} |"
+            f"{'predicted':>10}"
+        )
         print(head)
         print("-" * len(head))
         for s in summaries:
             p = s["plan"]
-            print(f"{s['pp']:>2} |{s['schedule']:<19}|{s['m']:>3} |{','.join(map(str, p.baseline.counts)):>12} |"
-                  f"{','.join(map(str, p.chosen.counts)):>12} |{s['tt']:>12.0f} |{s['ml']:>14.0f} |{s['bal']:>15.0f} |"
-                  f"{s['pair']:>11.2f} |{s['pair_bal']:>15.2f} |{p.speedup:>9.2f}x")
+            print(
+                f"{s['pp']:>2} |{s['schedule']:<19}|{s['m']:>3} |{','.join(map(str, p.baseline.counts)):>12} |"
+                f"{','.join(map(str, p.chosen.counts)):>12} |{s['tt']:>12.0f} |{s['ml']:>14.0f} |{s['bal']:>15.0f} |"
+                f"{s['pair']:>11.2f} |{s['pair_bal']:>15.2f} |{p.speedup:>9.2f}x"
+            )
     worst = max(s["loss_diff"] for s in summaries)
-    print(f"sanity: first-step loss, megalite vs torch (same weights and batch, different dropout "
-          f"masks): max relative difference {100 * worst:.2f}%")
+    print(
+        f"sanity: first-step loss, megalite vs torch (same weights and batch, different dropout "
+        f"masks): max relative difference {100 * worst:.2f}%"
+    )
 
 
 def main(argv: Sequence[str] = None) -> int:
@@ -321,8 +380,9 @@ def main(argv: Sequence[str] = None) -> int:
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--balanced", action="store_true",
-                   help="also run megalite with the split --pipeline-balance measured chooses")
+    p.add_argument(
+        "--balanced", action="store_true", help="also run megalite with the split --pipeline-balance measured chooses"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 4 layers, m in 2 4, 2 timed steps")
     a = p.parse_args(argv)
     if a.quick:
@@ -330,10 +390,14 @@ def main(argv: Sequence[str] = None) -> int:
     vps = dict(SCHEDULES)
     summaries = []
     for pp in a.pp:
-        rows = [(s, vps[_split_name(s)[0]], m) for s in a.schedules for m in a.micro_batches
-                if not (_split_name(s)[0] == "interleaved_1f1b" and m % pp)  # needs m % pp == 0
-                and not (_split_name(s)[0] == "dualpipev" and m < 2 * pp)
-                and a.num_layers % (pp * vps[_split_name(s)[0]]) == 0]
+        rows = [
+            (s, vps[_split_name(s)[0]], m)
+            for s in a.schedules
+            for m in a.micro_batches
+            if not (_split_name(s)[0] == "interleaved_1f1b" and m % pp)  # needs m % pp == 0
+            and not (_split_name(s)[0] == "dualpipev" and m < 2 * pp)
+            and a.num_layers % (pp * vps[_split_name(s)[0]]) == 0
+        ]
         per_rank = run_distributed(run_rows, pp, a, rows, pp=pp, timeout=3600)
         summaries += [summarize(a, row, [per_rank[r][i] for r in range(pp)], pp) for i, row in enumerate(rows)]
     print_table(a, summaries)

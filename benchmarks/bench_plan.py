@@ -22,6 +22,7 @@ the host's cores; the calibration models that (ranks busy / cores), not other lo
   python benchmarks/bench_plan.py --calibrated   # 11 layouts on 4 ranks, predicted vs measured step time and memory
                                                  # (~6 minutes on 2 quiet cores; --save/--load the measurements)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,28 +33,49 @@ import sys
 import time
 from typing import Dict, List, Tuple
 
-from common import mock_config, run_distributed  # first: puts the repository on sys.path
 import torch
-
-from megalite.config import Config, ModelConfig, OptimConfig
-from bench_memory import SavedBytes  # (the same saved-tensor meter)
-from megalite.parallel.state import ParallelState
 import torch.distributed as dist
+from bench_memory import SavedBytes  # (the same saved-tensor meter)
+from common import mock_config, run_distributed  # first: puts the repository on sys.path
 
 from megalite.analysis.calibrate import Calibration, MeasuredRun
-from megalite.analysis.simulate import timeline_bubble
 from megalite.analysis.plan_check import ActivationMeter
 from megalite.analysis.planner import RECOMPUTE, Layout, estimate_memory
+from megalite.analysis.simulate import timeline_bubble
+from megalite.config import Config, ModelConfig, OptimConfig
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.registry import build_compute
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 
-GPT2 = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=2048,
-            hidden_dropout=0.1, attention_dropout=0.1, params_dtype="bfloat16", attention_backend="unfused")
-LLAMA = dict(num_layers=8, hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=128,
-             vocab_size=2048, hidden_dropout=0.0, attention_dropout=0.0, params_dtype="bfloat16",
-             normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-             untie_embeddings_and_output_weights=True, add_bias_linear=False, attention_backend="auto")
+GPT2 = dict(
+    num_layers=8,
+    hidden_size=128,
+    num_attention_heads=4,
+    seq_length=128,
+    vocab_size=2048,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    params_dtype="bfloat16",
+    attention_backend="unfused",
+)
+LLAMA = dict(
+    num_layers=8,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    seq_length=128,
+    vocab_size=2048,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    params_dtype="bfloat16",
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+    attention_backend="auto",
+)
 
 # (model, layout, global batch): 1 to 8 ranks; every option of the planner appears at least once
 LAYOUTS: List[Tuple[str, Layout, int]] = [
@@ -75,11 +97,19 @@ QUICK = [0, 2, 3, 5]
 
 def make_config(model: Dict, layout: Layout, gbs: int) -> Config:
     mdl = ModelConfig(**model, **RECOMPUTE[layout.recompute])
-    return mock_config(mdl, layout.mbs, gbs, seed=1, train_iters=10,
-                       optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True,
-                                         use_distributed_optimizer=layout.dist_opt),
-                       tp=layout.tp, pp=layout.pp, vp=layout.vp, sequence_parallel=layout.sp,
-                       pipeline_schedule=layout.schedule_name)
+    return mock_config(
+        mdl,
+        layout.mbs,
+        gbs,
+        seed=1,
+        train_iters=10,
+        optim=OptimConfig(accumulate_allreduce_grads_in_fp32=True, use_distributed_optimizer=layout.dist_opt),
+        tp=layout.tp,
+        pp=layout.pp,
+        vp=layout.vp,
+        sequence_parallel=layout.sp,
+        pipeline_schedule=layout.schedule_name,
+    )
 
 
 def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[str, float]:
@@ -102,6 +132,7 @@ def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[st
                 out = loss(*args)
             sizes[c][-1] += counter.total
             return out
+
         chunk.forward, chunk.loss = counted_forward, counted_loss
     trainer.train_step(MockFeed(trainer, 1).next())
     live, peak = 0, 0
@@ -109,9 +140,13 @@ def measure(ps: ParallelState, model: Dict, layout: Layout, gbs: int) -> Dict[st
         size = sizes[act.chunk][act.mb]
         live += size if act.kind == "F" else -size
         peak = max(peak, live)
-    return {"weights": sum(p.numel() * p.element_size() for p in trainer.params),
-            "grads": trainer.optimizer.grads.nbytes, "optimizer": trainer.optimizer.state_bytes(),
-            "activations": peak, "params": sum(p.numel() for p in trainer.params)}
+    return {
+        "weights": sum(p.numel() * p.element_size() for p in trainer.params),
+        "grads": trainer.optimizer.grads.nbytes,
+        "optimizer": trainer.optimizer.state_bytes(),
+        "activations": peak,
+        "params": sum(p.numel() for p in trainer.params),
+    }
 
 
 def measure_layout(model: Dict, layout: Layout, gbs: int) -> Dict[str, float]:
@@ -128,13 +163,21 @@ def compare(name: str, layout: Layout, gbs: int) -> Tuple[Dict[str, float], Dict
     model = GPT2 if name == "gpt2" else LLAMA
     got = measure_layout(model, layout, gbs)
     est = estimate_memory(ModelConfig(**model), layout, gbs, device="cpu")
-    return got, {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer,
-                 "activations": est.activations}
+    return got, {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer, "activations": est.activations}
 
 
 # -- calibrated step time -----------------------------------------------------------------------------
-SMALL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=2048,
-             hidden_dropout=0.0, attention_dropout=0.0, params_dtype="float32", attention_backend="auto")
+SMALL = dict(
+    num_layers=8,
+    hidden_size=128,
+    num_attention_heads=4,
+    seq_length=128,
+    vocab_size=2048,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    params_dtype="float32",
+    attention_backend="auto",
+)
 STEP_GBS = 8
 STEP_LAYOUTS: List[Layout] = [  # 4 ranks each
     Layout(1, 4, 1),
@@ -150,7 +193,9 @@ STEP_LAYOUTS: List[Layout] = [  # 4 ranks each
     Layout(4, 1, 1),
 ]
 CALIBRATE = (0, 5, 9)  # one run per kind of parallelism: a 4-stage pipeline, tp 2 x pp 2, dp 4
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # the ranks share them: the calibration models the contention
+CORES = (
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+)  # the ranks share them: the calibration models the contention
 
 
 def run_steps(ps: ParallelState, layout: Layout, steps: int) -> Dict[str, object]:
@@ -178,25 +223,50 @@ def run_steps(ps: ParallelState, layout: Layout, steps: int) -> Dict[str, object
         parts: List[object] = [None] * ps.pp_size
         dist.all_gather_object(parts, events, group=ps.pp_group)
         events = [e for part in parts for e in part]
-    state = (sum(p.numel() * p.element_size() for p in trainer.params) + trainer.optimizer.grads.nbytes
-             + trainer.optimizer.state_bytes())
-    return {"times": times, "timers": (grads_sync, optimizer), "step": step, "events": events, "m": trainer.m,
-            "memory": state + acts}
+    state = (
+        sum(p.numel() * p.element_size() for p in trainer.params)
+        + trainer.optimizer.grads.nbytes
+        + trainer.optimizer.state_bytes()
+    )
+    return {
+        "times": times,
+        "timers": (grads_sync, optimizer),
+        "step": step,
+        "events": events,
+        "m": trainer.m,
+        "memory": state + acts,
+    }
 
 
 def measure_steps(layout: Layout, steps: int) -> Dict[str, object]:
     ranks = run_distributed(run_steps, layout.world, layout, steps, tp=layout.tp, pp=layout.pp)
     step, timers = ranks[0]["step"], ranks[0]["timers"]
-    timeline = {"schedule": layout.schedule(), "pp": layout.pp, "vp": layout.vp, "m": ranks[0]["m"],
-                "events": ranks[0]["events"], "tp": layout.tp, "dp": layout.dp, "mbs": layout.mbs,
-                "sp": layout.sp, "dist_opt": layout.dist_opt, "device": "cpu", "host_cores": CORES,
-                "timers": {"grads_sync": timers[0], "optimizer": timers[1], "step": step}}
-    return {"step": step, "memory": max(r["memory"] for r in ranks), "timeline": timeline,
-            "median_step": statistics.median(ranks[0]["times"])}
+    timeline = {
+        "schedule": layout.schedule(),
+        "pp": layout.pp,
+        "vp": layout.vp,
+        "m": ranks[0]["m"],
+        "events": ranks[0]["events"],
+        "tp": layout.tp,
+        "dp": layout.dp,
+        "mbs": layout.mbs,
+        "sp": layout.sp,
+        "dist_opt": layout.dist_opt,
+        "device": "cpu",
+        "host_cores": CORES,
+        "timers": {"grads_sync": timers[0], "optimizer": timers[1], "step": step},
+    }
+    return {
+        "step": step,
+        "memory": max(r["memory"] for r in ranks),
+        "timeline": timeline,
+        "median_step": statistics.median(ranks[0]["times"]),
+    }
 
 
-def calibrated_table(steps: int, save: str = None, load: str = None, rounds: int = 2,
-                     calibrate: Tuple[int, ...] = CALIBRATE) -> None:
+def calibrated_table(
+    steps: int, save: str = None, load: str = None, rounds: int = 2, calibrate: Tuple[int, ...] = CALIBRATE
+) -> None:
     cfg = ModelConfig(**SMALL)
     got = []
     if load:
@@ -210,17 +280,24 @@ def calibrated_table(steps: int, save: str = None, load: str = None, rounds: int
                     got.append(g)
                 elif g["step"] < got[i]["step"]:
                     got[i] = g
-                print(f"  round {r + 1}: {layout.describe()} ({layout.schedule()}) {1e3 * g['step']:.1f} ms",
-                      flush=True, file=sys.stderr)
+                print(
+                    f"  round {r + 1}: {layout.describe()} ({layout.schedule()}) {1e3 * g['step']:.1f} ms",
+                    flush=True,
+                    file=sys.stderr,
+                )
     if save:
         with open(save, "w") as f:
             json.dump(got, f)
     cal = Calibration.fit(cfg, [MeasuredRun.from_timeline(got[i]["timeline"]) for i in calibrate])
-    print(f"model: fp32, {SMALL['num_layers']} layers, hidden {SMALL['hidden_size']}, seq {SMALL['seq_length']}, "
-          f"vocab {SMALL['vocab_size']}, dropout 0, SDPA; global batch {STEP_GBS}, micro-batch 1; 4 gloo ranks, "
-          f"1 thread each; calibrated on rows {', '.join(str(i + 1) for i in calibrate)}")
-    print("| # | layout | schedule | memory MiB est / measured | error | step ms predicted / measured | error | "
-          "bubble predicted / measured |")
+    print(
+        f"model: fp32, {SMALL['num_layers']} layers, hidden {SMALL['hidden_size']}, seq {SMALL['seq_length']}, "
+        f"vocab {SMALL['vocab_size']}, dropout 0, SDPA; global batch {STEP_GBS}, micro-batch 1; 4 gloo ranks, "
+        f"1 thread each; calibrated on rows {', '.join(str(i + 1) for i in calibrate)}"
+    )
+    print(
+        "| # | layout | schedule | memory MiB est / measured | error | step ms predicted / measured | error | "
+        "bubble predicted / measured |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     worst_m = worst_t = 0.0
     for i, (layout, g) in enumerate(zip(STEP_LAYOUTS, got)):
@@ -228,12 +305,16 @@ def calibrated_table(steps: int, save: str = None, load: str = None, rounds: int
         pred = cal.predict(layout, STEP_GBS)
         em, et = mem / g["memory"] - 1, pred.step_s / g["step"] - 1
         worst_m, worst_t = max(worst_m, abs(em)), max(worst_t, abs(et))
-        print(f"| {i + 1}{'*' if i in calibrate else ''} | {layout.describe()} | {layout.schedule()} | "
-              f"{mem / 2 ** 20:.2f} / {g['memory'] / 2 ** 20:.2f} | {100 * em:+.1f}% | {1e3 * pred.step_s:.1f} / "
-              f"{1e3 * g['step']:.1f} | {100 * et:+.1f}% | {100 * pred.bubble:.0f}% / "
-              f"{100 * statistics.mean(timeline_bubble(g['timeline'])):.0f}% |")
-    print(f"largest memory error {100 * worst_m:.1f}% (goal 10%), largest step-time error {100 * worst_t:.1f}% "
-          f"(goal 15%); * = a calibration run")
+        print(
+            f"| {i + 1}{'*' if i in calibrate else ''} | {layout.describe()} | {layout.schedule()} | "
+            f"{mem / 2**20:.2f} / {g['memory'] / 2**20:.2f} | {100 * em:+.1f}% | {1e3 * pred.step_s:.1f} / "
+            f"{1e3 * g['step']:.1f} | {100 * et:+.1f}% | {100 * pred.bubble:.0f}% / "
+            f"{100 * statistics.mean(timeline_bubble(g['timeline'])):.0f}% |"
+        )
+    print(
+        f"largest memory error {100 * worst_m:.1f}% (goal 10%), largest step-time error {100 * worst_t:.1f}% "
+        f"(goal 15%); * = a calibration run"
+    )
 
 
 def main() -> None:
@@ -241,11 +322,17 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4 layouts")
     p.add_argument("--calibrated", action="store_true", help="the calibrated step-time table (4 ranks) instead")
     p.add_argument("--steps", type=int, default=5, help="timed steps per layout (--calibrated)")
-    p.add_argument("--rounds", type=int, default=2, help="--calibrated: measure every layout this many times, "
-                   "keep the fastest")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="--calibrated: measure every layout this many times, keep the fastest"
+    )
     p.add_argument("--save", help="--calibrated: write the measurements (JSON) here")
-    p.add_argument("--calibrate-rows", type=int, nargs="+", metavar="ROW",
-                   help=f"--calibrated: the rows whose timelines calibrate (default {' '.join(str(i + 1) for i in CALIBRATE)})")
+    p.add_argument(
+        "--calibrate-rows",
+        type=int,
+        nargs="+",
+        metavar="ROW",
+        help=f"--calibrated: the rows whose timelines calibrate (default {' '.join(str(i + 1) for i in CALIBRATE)})",
+    )
     p.add_argument("--load", help="--calibrated: print the table from saved measurements instead of measuring")
     a = p.parse_args()
     if a.calibrated:
@@ -253,22 +340,27 @@ def main() -> None:
         calibrated_table(a.steps, a.save, a.load, a.rounds, rows)
         return
     rows = [LAYOUTS[i] for i in QUICK] if a.quick else LAYOUTS
-    print("models (bf16, seq 128, hidden 128, 8 layers, vocab 2048): gpt2 = LayerNorm, GeLU, learned positions, "
-          "dropout 0.1, unfused attention; llama = RMSNorm, SwiGLU, RoPE, GQA 4/2, untied, dropout 0, SDPA")
-    print("| model | layout | gbs | weights+grads+optimizer MiB (est / measured) | activations MiB "
-          "(est / measured) | total MiB est | total MiB measured | est / measured |")
+    print(
+        "models (bf16, seq 128, hidden 128, 8 layers, vocab 2048): gpt2 = LayerNorm, GeLU, learned positions, "
+        "dropout 0.1, unfused attention; llama = RMSNorm, SwiGLU, RoPE, GQA 4/2, untied, dropout 0, SDPA"
+    )
+    print(
+        "| model | layout | gbs | weights+grads+optimizer MiB (est / measured) | activations MiB "
+        "(est / measured) | total MiB est | total MiB measured | est / measured |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for name, layout, gbs in rows:
         got, est = compare(name, layout, gbs)
-        state = [sum(d[k] for k in ("weights", "grads", "optimizer")) / 2 ** 20 for d in (est, got)]
-        total_est, total_got = (sum(d[k] for k in ("weights", "grads", "optimizer", "activations"))
-                                for d in (est, got))
+        state = [sum(d[k] for k in ("weights", "grads", "optimizer")) / 2**20 for d in (est, got)]
+        total_est, total_got = (sum(d[k] for k in ("weights", "grads", "optimizer", "activations")) for d in (est, got))
         ratio = total_est / total_got
         worst = max(worst, abs(ratio - 1))
-        print(f"| {name} | {layout.describe()} | {gbs} | {state[0]:.2f} / {state[1]:.2f} | "
-              f"{est['activations'] / 2 ** 20:.2f} / {got['activations'] / 2 ** 20:.2f} | "
-              f"{total_est / 2 ** 20:.2f} | {total_got / 2 ** 20:.2f} | {ratio:.3f} |")
+        print(
+            f"| {name} | {layout.describe()} | {gbs} | {state[0]:.2f} / {state[1]:.2f} | "
+            f"{est['activations'] / 2**20:.2f} / {got['activations'] / 2**20:.2f} | "
+            f"{total_est / 2**20:.2f} | {total_got / 2**20:.2f} | {ratio:.3f} |"
+        )
     print(f"largest total error: {100 * worst:.1f}% (goal: within 10%)")
 
 

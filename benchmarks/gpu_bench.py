@@ -9,6 +9,7 @@ by a save/restore round trip, as a checkpoint does) and the GPU memory report. T
 bench_overhead.py's single-file GPT with torch.autocast(bf16), fp32 weights and fused AdamW: the
 usual way to write it by hand. ``--cpu-smoke`` runs every step on CPU with a tiny shape (gloo).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,12 @@ from typing import Callable, Dict, List
 import common  # noqa: F401  (first: puts the repository on sys.path)
 import torch
 import torch.distributed as dist
-
 from bench_overhead import PlainTrainer
+
 from megalite.config.arguments import parse_args
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.parallel.state import ParallelState
 from megalite.observability.throughput import Throughput, device_peak_tflops, gather_memory_report
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 
@@ -35,12 +36,33 @@ SMOKE = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, mbs=2, gbs=4, iter
 
 
 def flags(s: Dict[str, int], recompute: bool, cuda: bool) -> List[str]:
-    argv = ["--mock-data", "--vocab-size", str(s["vocab"]), "--num-layers", str(s["layers"]),
-            "--hidden-size", str(s["hidden"]), "--num-attention-heads", str(s["heads"]),
-            "--seq-length", str(s["seq"]), "--max-position-embeddings", str(s["seq"]),
-            "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["gbs"]),
-            "--train-iters", str(s["iters"] + s["warmup"] + 10), "--eval-iters", "0",
-            "--attention-backend", "auto", "--distributed-backend", "nccl" if cuda else "gloo"]
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        str(s["vocab"]),
+        "--num-layers",
+        str(s["layers"]),
+        "--hidden-size",
+        str(s["hidden"]),
+        "--num-attention-heads",
+        str(s["heads"]),
+        "--seq-length",
+        str(s["seq"]),
+        "--max-position-embeddings",
+        str(s["seq"]),
+        "--micro-batch-size",
+        str(s["mbs"]),
+        "--global-batch-size",
+        str(s["gbs"]),
+        "--train-iters",
+        str(s["iters"] + s["warmup"] + 10),
+        "--eval-iters",
+        "0",
+        "--attention-backend",
+        "auto",
+        "--distributed-backend",
+        "nccl" if cuda else "gloo",
+    ]
     argv += ["--bf16"] if cuda else []  # bf16 on CPU is correct but slow: the smoke run stays fp32
     return argv + (["--recompute-activations"] if recompute else [])
 
@@ -64,6 +86,7 @@ def timed_steps(step: Callable, batches: List, warmup: int, iters: int, cuda: bo
 def check_rng_round_trip(trainer: Trainer) -> None:
     """A checkpoint's RNG capture (CUDA states included) restores the same random stream."""
     from megalite.checkpointing import RandomStates
+
     rng = RandomStates(trainer.tracker)
     state = rng.state_dict()
     device = trainer.ps.device
@@ -90,7 +113,7 @@ def run_megalite(s: Dict[str, int], recompute: bool, ps: ParallelState, peak) ->
     tp = Throughput(cfg.model, s["gbs"], trainer.chunks[0].padded_vocab, 1, peak_tflops=peak)
     result = tp.figures(statistics.median(times))
     result["ms"] = 1e3 * statistics.median(times)
-    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     del trainer, batches
     return result
 
@@ -106,19 +129,21 @@ def run_plain(s: Dict[str, int], device: torch.device, peak) -> Dict[str, float]
     batches = []
     for k in range(4):
         rows = torch.stack([torch.from_numpy(ds[k * s["gbs"] + i]["text"].astype("int64")) for i in range(s["gbs"])])
-        batches.append([{"tokens": mb[:, :-1].to(device), "labels": mb[:, 1:].to(device)}
-                        for mb in rows.split(s["mbs"])])
+        batches.append(
+            [{"tokens": mb[:, :-1].to(device), "labels": mb[:, 1:].to(device)} for mb in rows.split(s["mbs"])]
+        )
 
     def step(b):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             return plain.train_step(b)
+
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = timed_steps(step, batches, s["warmup"], s["iters"], cuda)
     padded = cfg.model.padded_vocab_size(1)
     result = Throughput(cfg.model, s["gbs"], padded, 1, peak_tflops=peak).figures(statistics.median(times))
     result["ms"] = 1e3 * statistics.median(times)
-    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return result
 
 
@@ -142,19 +167,27 @@ def main() -> int:
     ps = ParallelState.from_env(1, 1, "nccl" if cuda else "gloo")
     peak = device_peak_tflops(ps.device, a.peak_tflops)
     name = torch.cuda.get_device_name(ps.device) if cuda else "CPU"
-    print(f"device {name} (peak {peak} TFLOP/s), backend {ps.backend}, torch {torch.__version__}; GPT "
-          f"{s['layers']} x {s['hidden']}, heads {s['heads']}, seq {s['seq']}, micro-batch {s['mbs']}, global "
-          f"batch {s['gbs']}; median of {s['iters']} iterations after {s['warmup']}")
-    rows = {"megalite": run_megalite(s, False, ps, peak),
-            "megalite selective recompute": run_megalite(s, True, ps, peak),
-            "plain PyTorch (autocast bf16)": run_plain(s, ps.device, peak)}
+    print(
+        f"device {name} (peak {peak} TFLOP/s), backend {ps.backend}, torch {torch.__version__}; GPT "
+        f"{s['layers']} x {s['hidden']}, heads {s['heads']}, seq {s['seq']}, micro-batch {s['mbs']}, global "
+        f"batch {s['gbs']}; median of {s['iters']} iterations after {s['warmup']}"
+    )
+    rows = {
+        "megalite": run_megalite(s, False, ps, peak),
+        "megalite selective recompute": run_megalite(s, True, ps, peak),
+        "plain PyTorch (autocast bf16)": run_plain(s, ps.device, peak),
+    }
     base = rows["plain PyTorch (autocast bf16)"]["tokens_per_s"]
-    print(f"{'run':<32} {'ms/iter':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'hw TFLOP/s':>10} {'MFU':>7} "
-          f"{'peak GiB':>9} {'vs plain':>9}")
+    print(
+        f"{'run':<32} {'ms/iter':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'hw TFLOP/s':>10} {'MFU':>7} "
+        f"{'peak GiB':>9} {'vs plain':>9}"
+    )
     for label, r in rows.items():
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(f"{label:<32} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} {r['hw_tflops']:>10.1f} "
-              f"{mfu:>7} {r['peak_gib']:>9.1f} {r['tokens_per_s'] / base:>9.2f}")
+        print(
+            f"{label:<32} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} {r['hw_tflops']:>10.1f} "
+            f"{mfu:>7} {r['peak_gib']:>9.1f} {r['tokens_per_s'] / base:>9.2f}"
+        )
     ps.destroy()
     return 0
 

@@ -15,6 +15,7 @@ top-p (nucleus) filtering, then one multinomial draw from a seeded generator
 (so a seed gives the same text every time); greedy takes the argmax.
 Used by tools/generate.py and tools/evaluate.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,18 +25,33 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megalite.checkpointing import CheckpointError
-from megalite.interop.native_io import MegaliteSource
-from megalite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
-                             ParallelConfig, TrainConfig)
+from megalite.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from megalite.data.loading import resolve_default_corpus
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
+from megalite.interop.native_io import MegaliteSource
 from megalite.model.gpt import GPTModel
 from megalite.model.kv_cache import KVCache
 from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig,
-             "train": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
 
 
 # -- checkpoint -> config and full tensors ---------------------------------------------------------
@@ -59,11 +75,18 @@ def read_checkpoint(root: str, step: Optional[int] = None) -> Tuple[Config, int,
     return cfg, source.info.iteration, source.full_model()
 
 
-def build_model(cfg: Config, full: Dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                dtype: Optional[str] = None) -> GPTModel:
+def build_model(
+    cfg: Config, full: Dict[str, torch.Tensor], device: torch.device | str = "cpu", dtype: Optional[str] = None
+) -> GPTModel:
     """A single-process GPTModel (eval mode, no dropout) holding ``full``'s weights, in ``dtype``."""
-    model_cfg = replace(cfg.model, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
-                        torch_compile=False, params_dtype=dtype or cfg.model.params_dtype)
+    model_cfg = replace(
+        cfg.model,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute_granularity=None,
+        torch_compile=False,
+        params_dtype=dtype or cfg.model.params_dtype,
+    )
     ps = ParallelState.single(torch.device(device))
     model = GPTModel(model_cfg, ps, RNGTracker(cfg.train.seed, 0, 0, ps.device), cfg.train.seed).to(ps.device)
     load_full_weights(model, full)
@@ -79,8 +102,10 @@ def load_full_weights(model: GPTModel, full: Dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if tuple(local[name].shape) != tuple(p.shape):
-                raise CheckpointError(f"{name} is {tuple(local[name].shape)} in the checkpoint, {tuple(p.shape)} "
-                                      f"in the model its config describes; the checkpoint is damaged")
+                raise CheckpointError(
+                    f"{name} is {tuple(local[name].shape)} in the checkpoint, {tuple(p.shape)} "
+                    f"in the model its config describes; the checkpoint is damaged"
+                )
             p.copy_(local[name])
 
 
@@ -146,8 +171,15 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-             seed: int = 1234, eod: Optional[int] = None, use_kv_cache: bool = True) -> List[int]:
+def generate(
+    model: GPTModel,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    seed: int = 1234,
+    eod: Optional[int] = None,
+    use_kv_cache: bool = True,
+) -> List[int]:
     """The ids that follow ``prompt`` (non-empty), ending with ``eod`` if it was generated.
 
     With ``use_kv_cache`` the prompt runs once and every later step runs only the
@@ -170,5 +202,3 @@ def generate(model: GPTModel, prompt: Sequence[int], max_new_tokens: int, sampli
         tokens = torch.cat([tokens, new], dim=1)
         step_input = new if cache is not None else tokens
     return out
-
-

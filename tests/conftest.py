@@ -18,6 +18,7 @@ and ``import tests.helpers`` work in any test; so is benchmarks/, whose scripts 
 module as ``common`` (they run as ``python benchmarks/x.py``) and which test_planner.py imports
 (``benchmarks.bench_plan``).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -37,9 +38,11 @@ LAUNCHERS: Set[str] = set()  # the fixtures that start processes: their tests ar
 
 def launcher(scope: str = "session") -> Callable:
     """Declare a fixture that starts processes: every test that uses it is marked ``multiprocess``."""
+
     def declare(fn: Callable) -> Callable:
         LAUNCHERS.add(fn.__name__)
         return pytest.fixture(scope=scope)(fn)
+
     return declare
 
 
@@ -55,6 +58,7 @@ def run_distributed():
     """``run_distributed(fn, world, *args, tp=, pp=, cp=, ep=, etp=)``: ``fn(ps, *args)`` on ``world`` gloo
     ranks forked from the fork server; the results in rank order."""
     from megalite.testing import run_distributed as run
+
     return run
 
 
@@ -69,11 +73,13 @@ def torchrun_job(tmp_path):
     """``torchrun_job(name, nproc, extra=(), launcher=())``: a background torchrun job of pretrain_gpt.py
     (``tests.helpers.faults.Job``, its output in tmp_path); what is left of it is killed at teardown."""
     from tests.helpers.faults import Job
+
     jobs = []
 
     def start(name, nproc, extra=(), launcher=()):
         jobs.append(Job(tmp_path, name, nproc, extra, launcher))
         return jobs[-1]
+
     yield start
     for job in jobs:
         job.kill()
@@ -87,8 +93,11 @@ def _gloo_ranks_only_through_the_launcher(request, monkeypatch):
         from megalite.testing import multiprocess as harness
 
         def refuse(*args, **kwargs):
-            raise AssertionError(f"{request.node.nodeid} forks gloo ranks but is not marked multiprocess: take the "
-                                 "run_distributed fixture (tests/conftest.py), which marks it")
+            raise AssertionError(
+                f"{request.node.nodeid} forks gloo ranks but is not marked multiprocess: take the "
+                "run_distributed fixture (tests/conftest.py), which marks it"
+            )
+
         monkeypatch.setattr(harness._CTX, "Process", refuse)
 
 
@@ -96,6 +105,7 @@ def _gloo_ranks_only_through_the_launcher(request, monkeypatch):
 def gpt2_reference():
     """The one-process GPT-2-style run (tiny_config, REFERENCE_STEPS iterations) the TP x DP layouts reproduce."""
     from tests.helpers.parity import GPT2_STYLE, REFERENCE_STEPS, reference_run, tiny_config
+
     return reference_run(tiny_config(GPT2_STYLE), REFERENCE_STEPS)
 
 
@@ -104,6 +114,7 @@ def _torch_threads_restored():
     """pretrain_gpt.main(--num-threads N) run in-process sets torch's process-wide thread count; later tests
     (half-precision curves compared within 2% are sensitive to the reduction order) must not inherit it."""
     import torch
+
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:
@@ -115,6 +126,7 @@ def _megalite_logger_reset():
     """pretrain_gpt.main() configures the process-wide "megalite" logger for a run (its own handler,
     no propagation); tests that call it in-process must not change what later tests' caplog sees."""
     import logging
+
     yield
     logger = logging.getLogger("megalite")
     logger.handlers.clear()

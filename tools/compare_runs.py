@@ -32,6 +32,7 @@ NAME on side B (or on the --capture-dir side): a self-test, the report must then
 Exit codes: 0 the runs agree within the band, 1 they diverge, 2 bad input or a side that could not run
 (one line).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,8 @@ from typing import List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.analysis.divergence import CaptureError, compare, load_capture  # noqa: E402
-from megalite.config.cli import OneLineArgumentParser, one_line  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line  # noqa: E402
 
 PROG = "compare_runs.py"
 TOOL = str(Path(__file__).resolve())
@@ -61,8 +62,9 @@ def _error(message: str) -> None:
 
 
 def parse_args(argv: Sequence[str]):
-    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                              usage=f"{PROG} [options] -- <common pretrain_gpt.py flags>")
+    p = OneLineArgumentParser(
+        prog=PROG, description=__doc__.split("\n")[0], usage=f"{PROG} [options] -- <common pretrain_gpt.py flags>"
+    )
     g = p.add_argument_group("run both sides")
     g.add_argument("--a", default="", metavar="FLAGS", help="side A's own flags (added to the common ones)")
     g.add_argument("--b", default="", metavar="FLAGS", help="side B's own flags")
@@ -78,8 +80,9 @@ def parse_args(argv: Sequence[str]):
     g.add_argument("--atol", type=float, help="absolute band added to it (default 0)")
     g.add_argument("--quiet", action="store_true", help="print only the verdict line")
     g.add_argument("--keep-dropout", action="store_true", help="keep the flags' dropout (off by default)")
-    g.add_argument("--perturb", metavar="NAME=EPS",
-                   help="self-test: add EPS x a fixed normal pattern to parameter NAME on side B")
+    g.add_argument(
+        "--perturb", metavar="NAME=EPS", help="self-test: add EPS x a fixed normal pattern to parameter NAME on side B"
+    )
     g.add_argument("--timeout", type=float, default=900.0, help="seconds a side may run (default 900)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ours, common = _split(list(argv))
@@ -90,7 +93,7 @@ def parse_args(argv: Sequence[str]):
 
 def _split(argv: List[str]):
     """(our options, the common flags after --); ``--a --bf16`` reads as ``--a=--bf16``."""
-    ours, common = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, common = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     joined, i = [], 0
     while i < len(ours):
         if ours[i] in ("--a", "--b") and i + 1 < len(ours):
@@ -107,8 +110,17 @@ def _check_mode(args) -> None:
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.read:
-        extra = [f for f, v in (("--a", args.a), ("--b", args.b), ("--capture-dir", args.capture_dir),
-                                ("--perturb", args.perturb), ("--keep", args.keep)) if v] + (["--"] if args.common else [])
+        extra = [
+            f
+            for f, v in (
+                ("--a", args.a),
+                ("--b", args.b),
+                ("--capture-dir", args.capture_dir),
+                ("--perturb", args.perturb),
+                ("--keep", args.keep),
+            )
+            if v
+        ] + (["--"] if args.common else [])
         if extra:
             raise ConfigError(f"--read compares captures written earlier; it takes no {extra[0]}")
     elif args.capture_dir:
@@ -116,6 +128,7 @@ def _check_mode(args) -> None:
             raise ConfigError("--capture-dir captures one run (its flags after --); give --a/--b/--keep without it")
     if args.perturb:
         from megalite.config.checks import parse_perturb
+
         parse_perturb(args.perturb)
 
 
@@ -130,6 +143,7 @@ def _side_flags(common: List[str], own: str, keep_dropout: bool) -> List[str]:
 def _check_side(label: str, flags: List[str], nproc: int) -> None:
     """The flags parse and the layout fits ``nproc`` processes (one line before anything is launched)."""
     from megalite.config.arguments import parse_args as parse_pretrain
+
     try:
         parse_pretrain(flags, world_size=nproc)
     except ValueError as e:
@@ -139,8 +153,11 @@ def _check_side(label: str, flags: List[str], nproc: int) -> None:
 def _launch(label: str, flags: List[str], nproc: int, out: str, perturb: Optional[str], timeout: float) -> None:
     """Run one side's capture in a fresh job; ConfigError (one line) when it fails."""
     worker = [TOOL, "--worker", "--capture-dir", out] + (["--perturb", perturb] if perturb else []) + ["--"] + flags
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-                              if nproc > 1 else []) + worker
+    cmd = (
+        [sys.executable]
+        + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else [])
+        + worker
+    )
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -150,7 +167,7 @@ def _launch(label: str, flags: List[str], nproc: int, out: str, perturb: Optiona
     if proc.returncode == 0:
         return
     prefix = f"{PROG}: error: "
-    ours = [line[len(prefix):] for line in proc.stderr.splitlines() if line.startswith(prefix)]
+    ours = [line[len(prefix) :] for line in proc.stderr.splitlines() if line.startswith(prefix)]
     if ours:
         raise ConfigError(f"{label}: {ours[0]}")
     tail = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or ["no output"]
@@ -160,10 +177,10 @@ def _launch(label: str, flags: List[str], nproc: int, out: str, perturb: Optiona
 def worker(args) -> int:
     """One rank of a side (under torchrun, or alone): capture one iteration into --capture-dir."""
     from megalite.checkpointing import CheckpointError
-    from megalite.data.loading import DatasetError, build_datasets, resolve_data
     from megalite.config.arguments import parse_args as parse_pretrain
-    from megalite.parallel.state import ParallelState
     from megalite.config.checks import parse_perturb
+    from megalite.data.loading import DatasetError, build_datasets, resolve_data
+    from megalite.parallel.state import ParallelState
     from megalite.testing.capture import capture_step
     from megalite.training import Trainer
     from megalite.training.mock import MockFeed
@@ -183,9 +200,11 @@ def worker(args) -> int:
         if cfg.checkpoint.load:
             trainer.checkpointer.load()
             if trainer.state.iteration >= cfg.train.train_iters:
-                raise ConfigError(f"--load {cfg.checkpoint.load} is at iteration {trainer.state.iteration}, the "
-                                  f"end of --train-iters {cfg.train.train_iters}: no batch is left to capture; "
-                                  "raise --train-iters (with --use-checkpoint-opt_param-scheduler)")
+                raise ConfigError(
+                    f"--load {cfg.checkpoint.load} is at iteration {trainer.state.iteration}, the "
+                    f"end of --train-iters {cfg.train.train_iters}: no batch is left to capture; "
+                    "raise --train-iters (with --use-checkpoint-opt_param-scheduler)"
+                )
         feed = MockFeed(trainer, 1, consumed=trainer.state.consumed_samples, dataset=build_datasets(cfg, ps).train)
         capture_step(trainer, feed.next(), args.capture_dir, perturb, argv=args.common)
     except (ConfigError, CheckpointError, DatasetError, ValueError) as e:
@@ -200,8 +219,10 @@ def worker(args) -> int:
 def _report(a_dir: str, b_dir: str, args, labels=("A", "B")) -> int:
     a, b = load_capture(a_dir), load_capture(b_dir)
     if a.meta["global_batch_size"] != b.meta["global_batch_size"]:
-        raise ConfigError(f"the captures ran different global batches ({a.meta['global_batch_size']} and "
-                          f"{b.meta['global_batch_size']} samples); compare runs of one --global-batch-size")
+        raise ConfigError(
+            f"the captures ran different global batches ({a.meta['global_batch_size']} and "
+            f"{b.meta['global_batch_size']} samples); compare runs of one --global-batch-size"
+        )
     report = compare(a, b, args.rtol, args.atol)
     if not args.quiet:
         for label, c in zip(labels, (a, b)):
@@ -231,8 +252,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _launch("the run", flags, args.nproc, args.capture_dir, args.perturb, args.timeout)
             print(f"captured into {args.capture_dir}; compare with {PROG} --read {args.capture_dir} <other capture>")
             return 0
-        sides = [("side A", _side_flags(args.common, args.a, args.keep_dropout), args.nproc_a, None),
-                 ("side B", _side_flags(args.common, args.b, args.keep_dropout), args.nproc_b, args.perturb)]
+        sides = [
+            ("side A", _side_flags(args.common, args.a, args.keep_dropout), args.nproc_a, None),
+            ("side B", _side_flags(args.common, args.b, args.keep_dropout), args.nproc_b, args.perturb),
+        ]
         for label, flags, nproc, _ in sides:
             _check_side(label, flags, nproc)
         root = args.keep or tempfile.mkdtemp(prefix="compare_runs_")

@@ -10,6 +10,7 @@ print it: a rank without a current file is one that stopped or died. Prints the 
 line per rank; exit 1 when there is no file to read. When every rank left a record and none waited
 longer than --min-wait seconds, the job was not hung (e.g. a healthy job ended by a signal).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", help="the run's --debug-dir")
     parser.add_argument("--events", type=int, default=3, help="last events shown per rank")
-    parser.add_argument("--min-wait", type=float, default=1.0, help="when every rank left a record, waits "
-                        "shorter than this many seconds count as progress (files of a healthy job ended by a signal)")
+    parser.add_argument(
+        "--min-wait",
+        type=float,
+        default=1.0,
+        help="when every rank left a record, waits "
+        "shorter than this many seconds count as progress (files of a healthy job ended by a signal)",
+    )
     args = parser.parse_args(argv)
     snaps, world, notes, problems = read_dumps(args.directory)
     for p in problems:

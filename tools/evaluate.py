@@ -14,6 +14,7 @@ iteration. Prints Megatron's line:
 
   validation loss at iteration 200 | lm loss value: 4.73E+00 | lm loss PPL: 1.13E+02 |
 """
+
 from __future__ import annotations
 
 import math
@@ -34,6 +35,7 @@ from megalite.data.loading import resolve_default_corpus, split_dataset, validat
 from megalite.inference import load_full_weights, read_checkpoint  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training import Trainer, TrainingStopped  # noqa: E402
+
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     p = OneLineArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0])
@@ -59,28 +61,48 @@ def eval_config(cfg: Config, args) -> Config:
     """The run's config with the flags given here, one process, no optimizer features."""
     data = resolve_default_corpus(cfg.data)
     given = {k: getattr(args, k) for k in ("split", "data_cache_path")}
-    paths = {k: tuple(getattr(args, k)) for k in ("data_path", "train_data_path", "valid_data_path",
-                                                   "test_data_path") if getattr(args, k)}
+    paths = {
+        k: tuple(getattr(args, k))
+        for k in ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+        if getattr(args, k)
+    }
     if paths or args.mock_data:  # new data replaces all of the run's (not one split's path of it)
-        data = replace(data, mock_data=args.mock_data, data_path=(), train_data_path=(), valid_data_path=(),
-                       test_data_path=())
+        data = replace(
+            data, mock_data=args.mock_data, data_path=(), train_data_path=(), valid_data_path=(), test_data_path=()
+        )
     data = replace(data, **paths, **{k: v for k, v in given.items() if v is not None})
-    train = replace(cfg.train, **{k: getattr(args, k) for k in ("eval_iters", "micro_batch_size",
-                                                                 "global_batch_size", "seed")
-                                  if getattr(args, k) is not None})
-    for flag, value in (("--eval-iters", train.eval_iters), ("--micro-batch-size", train.micro_batch_size),
-                        ("--global-batch-size", train.global_batch_size)):
+    train = replace(
+        cfg.train,
+        **{
+            k: getattr(args, k)
+            for k in ("eval_iters", "micro_batch_size", "global_batch_size", "seed")
+            if getattr(args, k) is not None
+        },
+    )
+    for flag, value in (
+        ("--eval-iters", train.eval_iters),
+        ("--micro-batch-size", train.micro_batch_size),
+        ("--global-batch-size", train.global_batch_size),
+    ):
         if value < 1:  # checked before any data is read, which would blame the data instead
             raise ConfigError(f"{flag} {value} must be >= 1")
     if train.global_batch_size % train.micro_batch_size:
-        raise ConfigError(f"--global-batch-size {train.global_batch_size} is not a multiple of "
-                          f"--micro-batch-size {train.micro_batch_size}")
-    return cfg.with_(data=data, train=train, parallel=ParallelConfig(), optim=OptimConfig(),
-                     model=replace(cfg.model, recompute_granularity=None, torch_compile=False))
+        raise ConfigError(
+            f"--global-batch-size {train.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {train.micro_batch_size}"
+        )
+    return cfg.with_(
+        data=data,
+        train=train,
+        parallel=ParallelConfig(),
+        optim=OptimConfig(),
+        model=replace(cfg.model, recompute_granularity=None, torch_compile=False),
+    )
 
 
-def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Optional[str] = None,
-             iteration: int = 0) -> float:
+def evaluate(
+    cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Optional[str] = None, iteration: int = 0
+) -> float:
     """Mean lm loss over ``eval_iters`` global batches of ``split``, computed by the Trainer's own evaluate().
 
     For the validation split the batches are those the training run's evaluation at ``iteration``
@@ -94,8 +116,9 @@ def evaluate(cfg: Config, full: dict, split: str, device: str = "cpu", dtype: Op
     load_full_weights(trainer.chunks[0], full)
     t = cfg.train
     start = validation_start(iteration, t, len(dataset)) if split == "valid" and t.eval_interval > 0 else 0
-    batches = MicroBatches(dataset, start, t.micro_batch_size, trainer.m, ps, cfg.data.num_workers, name=split,
-                           sequence=trainer.sequence)  # packed documents as the run trained on them
+    batches = MicroBatches(
+        dataset, start, t.micro_batch_size, trainer.m, ps, cfg.data.num_workers, name=split, sequence=trainer.sequence
+    )  # packed documents as the run trained on them
     try:
         return trainer.evaluate(batches)
     except TrainingStopped as e:  # a sample outside the vocabulary: another tokenizer's data

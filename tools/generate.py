@@ -11,6 +11,7 @@ default run's tokenizer is rebuilt if its cache is gone); the tokenizer flags
 override the stored ones. The continuation is printed on stdout (without the
 prompt, up to eod); how long it took goes to stderr.
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.checkpointing import CheckpointError  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
-from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser, add_load_args, one_line  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from megalite.inference import Sampling, build_model, generate, read_checkpoint, run_tokenizer  # noqa: E402
 
 
@@ -44,8 +45,12 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
     g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1 and eod N (default: the model's "
-                                                  "vocabulary less one, or all of it when no tokenizer is recorded)")
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        help="NullTokenizer: ids 0..N-1 and eod N (default: the model's "
+        "vocabulary less one, or all of it when no tokenizer is recorded)",
+    )
     return p.parse_args(argv)
 
 
@@ -60,14 +65,20 @@ def _prompt_ids(text: str, tokenizer, vocab: int, limit: int, max_new: int) -> L
             raise ValueError("an empty --prompt starts after eod, which this run's tokenizer lacks; give --prompt")
         ids = [tokenizer.eod]
     if max(ids) >= vocab:
-        raise ValueError(f"the prompt holds token id {max(ids)}, outside the model's vocabulary of {vocab}: "
-                         f"the tokenizer flags do not match the run's")
+        raise ValueError(
+            f"the prompt holds token id {max(ids)}, outside the model's vocabulary of {vocab}: "
+            f"the tokenizer flags do not match the run's"
+        )
     if len(ids) >= limit:
-        raise ValueError(f"the prompt is {len(ids)} tokens; the model holds at most {limit} positions "
-                         f"(its --max-position-embeddings / --seq-length): shorten --prompt")
+        raise ValueError(
+            f"the prompt is {len(ids)} tokens; the model holds at most {limit} positions "
+            f"(its --max-position-embeddings / --seq-length): shorten --prompt"
+        )
     if len(ids) + max_new > limit:
-        raise ValueError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {max_new} exceeds the model's "
-                         f"{limit} positions: lower --max-new-tokens to {limit - len(ids)}")
+        raise ValueError(
+            f"the prompt ({len(ids)} tokens) plus --max-new-tokens {max_new} exceeds the model's "
+            f"{limit} positions: lower --max-new-tokens to {limit - len(ids)}"
+        )
     return ids
 
 
@@ -79,28 +90,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         cfg, iteration, full = read_checkpoint(args.load, args.ckpt_step)
-        tokenizer = run_tokenizer(cfg, {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file,
-                                        "merge_file": args.merge_file, "tokenizer_model": args.tokenizer_model,
-                                        "vocab_size": args.vocab_size})
+        tokenizer = run_tokenizer(
+            cfg,
+            {
+                "tokenizer_type": args.tokenizer_type,
+                "vocab_file": args.vocab_file,
+                "merge_file": args.merge_file,
+                "tokenizer_model": args.tokenizer_model,
+                "vocab_size": args.vocab_size,
+            },
+        )
         if not cfg.data.tokenizer_type and not args.tokenizer_type:
-            print(f"note: the checkpoint records no tokenizer: the prompt and the output are token ids "
-                  f"(0..{cfg.model.vocab_size - 1}); for text give --tokenizer-type and its files", file=sys.stderr)
-        prompt = _prompt_ids(args.prompt, tokenizer, cfg.model.vocab_size, cfg.model.max_positions,
-                             args.max_new_tokens)
+            print(
+                f"note: the checkpoint records no tokenizer: the prompt and the output are token ids "
+                f"(0..{cfg.model.vocab_size - 1}); for text give --tokenizer-type and its files",
+                file=sys.stderr,
+            )
+        prompt = _prompt_ids(args.prompt, tokenizer, cfg.model.vocab_size, cfg.model.max_positions, args.max_new_tokens)
         model = build_model(cfg, full, args.device, args.dtype)
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"generate.py: error: {one_line(e)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    ids = generate(model, prompt, args.max_new_tokens, sampling, seed=args.seed, eod=tokenizer.eod,
-                   use_kv_cache=not args.no_kv_cache)
+    ids = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        sampling,
+        seed=args.seed,
+        eod=tokenizer.eod,
+        use_kv_cache=not args.no_kv_cache,
+    )
     seconds = time.perf_counter() - t0
     text_ids = ids[:-1] if ids and ids[-1] == tokenizer.eod else ids
     print(tokenizer.detokenize(text_ids))
-    print(f"generated {len(ids)} tokens after a {len(prompt)}-token prompt in {seconds:.3f} s "
-          f"({len(ids) / seconds:.1f} tokens/s, KV cache {'off' if args.no_kv_cache else 'on'}); "
-          f"checkpoint iteration {iteration}{', stopped at eod' if len(ids) > len(text_ids) else ''}",
-          file=sys.stderr)
+    print(
+        f"generated {len(ids)} tokens after a {len(prompt)}-token prompt in {seconds:.3f} s "
+        f"({len(ids) / seconds:.1f} tokens/s, KV cache {'off' if args.no_kv_cache else 'on'}); "
+        f"checkpoint iteration {iteration}{', stopped at eod' if len(ids) > len(text_ids) else ''}",
+        file=sys.stderr,
+    )
     return 0
 
 

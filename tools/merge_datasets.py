@@ -7,6 +7,7 @@ Example:
 --input takes dataset prefixes, or one directory whose *.idx datasets are merged in
 prefix order (Megatron's tools/merge_datasets.py order).
 """
+
 from __future__ import annotations
 
 import argparse

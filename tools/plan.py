@@ -26,6 +26,7 @@ and tensor-parallel communication, scaled by tp, cp and micro-batch, timed by th
         --num-attention-heads 8 --global-batch-size 64 --seq-length 1024 --calibrate run_pp4.json run_tp2.json \
         --schedules zb_h1 interleaved_1f1b
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,18 +38,25 @@ from typing import List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megalite.analysis.calibrate import CalibrationError, load_calibration  # noqa: E402
+from megalite.analysis.planner import GiB, Hardware  # noqa: E402
+from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.config.moe import layer_freq  # noqa: E402
 from megalite.config.validate_moe import check_moe_model  # noqa: E402
-from megalite.analysis.planner import GiB, Hardware  # noqa: E402
-from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa: E402
-from megalite.analysis.calibrate import CalibrationError, load_calibration  # noqa: E402
-from megalite.pipeline.registry import SCHEDULES  # noqa: E402
 from megalite.observability.throughput import peak_tflops_for  # noqa: E402
+from megalite.pipeline.registry import SCHEDULES  # noqa: E402
 
-_LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-              untie_embeddings_and_output_weights=True, add_bias_linear=False, hidden_dropout=0.0,
-              attention_dropout=0.0, vocab_size=32000)
+_LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    vocab_size=32000,
+)
 _GPT3 = dict(vocab_size=50257, hidden_dropout=0.1, attention_dropout=0.1)
 PRESETS = {  # GPT-3 paper table 2.1 shapes; Llama 2 paper shapes
     "gpt3-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, **_GPT3),
@@ -60,14 +68,28 @@ PRESETS = {  # GPT-3 paper table 2.1 shapes; Llama 2 paper shapes
     "gpt3-175b": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, **_GPT3),
     "llama2-7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, **_LLAMA),
     "llama2-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=13824, **_LLAMA),
-    "llama2-70b": dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
-                       ffn_hidden_size=28672, **_LLAMA),
+    "llama2-70b": dict(
+        num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672, **_LLAMA
+    ),
     # Mixtral 8x7B (its config.json): 8 experts of the Mistral-7B MLP, top-2, in every layer
-    "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                         ffn_hidden_size=14336, num_experts=8, moe_router_topk=2, **_LLAMA),
+    "mixtral-8x7b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        num_experts=8,
+        moe_router_topk=2,
+        **_LLAMA,
+    ),
 }
-_MOE_FLAGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
-              "moe_layer_freq")
+_MOE_FLAGS = (
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--model-size", choices=sorted(PRESETS), help="a preset shape (or give the model flags)")
     g = p.add_argument_group("model flags (pretrain_gpt.py's names; override the preset)")
-    for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
-                 "vocab-size"):
+    for flag in (
+        "num-layers",
+        "hidden-size",
+        "num-attention-heads",
+        "num-query-groups",
+        "ffn-hidden-size",
+        "vocab-size",
+    ):
         g.add_argument(f"--{flag}", type=int)
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
@@ -98,25 +126,63 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--gpus-per-node", type=int, default=8, help="tensor parallelism stays inside a node")
     h.add_argument("--intra-node-gbps", type=float, default=300.0, help="per-device NVLink bandwidth, GB/s")
     h.add_argument("--inter-node-gbps", type=float, default=25.0, help="per-device network bandwidth, GB/s")
-    h.add_argument("--headroom", type=float, default=0.15,
-                   help="memory kept free for temporaries, allocator slack and the CUDA context (fraction)")
+    h.add_argument(
+        "--headroom",
+        type=float,
+        default=0.15,
+        help="memory kept free for temporaries, allocator slack and the CUDA context (fraction)",
+    )
     h.add_argument("--top", type=int, default=10, help="rows to print")
-    h.add_argument("--context-parallel-sizes", type=int, nargs="+", metavar="CP",
-                   help="context-parallel sizes to search (default: 1, and 2, 4, 8 from --seq-length 8192)")
-    h.add_argument("--expert-model-parallel-size", type=int, nargs="+", metavar="EP", dest="ep_sizes",
-                   help="expert-parallel sizes to search (default: every one dividing --num-experts)")
-    h.add_argument("--expert-tensor-parallel-size", type=int, nargs="+", metavar="ETP", dest="etp_sizes",
-                   help="expert tensor-parallel sizes to search (default: the layout's tp, and 1)")
-    h.add_argument("--schedules", nargs="+", default=[], choices=sorted(SCHEDULES), metavar="NAME",
-                   help=f"pipeline schedules to try besides Megatron's default for each layout "
-                        f"({', '.join(SCHEDULES)})")
-    h.add_argument("--params-dtype", choices=("bfloat16", "float16", "float32"),
-                   help="weights' precision (default bfloat16, or the calibration timeline's)")
-    h.add_argument("--device", choices=("cuda", "cpu"), help="what the memory estimate counts (CPU kernels save "
-                   "more for RMSNorm, less for SDPA); default cuda, or the calibration timeline's")
+    h.add_argument(
+        "--context-parallel-sizes",
+        type=int,
+        nargs="+",
+        metavar="CP",
+        help="context-parallel sizes to search (default: 1, and 2, 4, 8 from --seq-length 8192)",
+    )
+    h.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        nargs="+",
+        metavar="EP",
+        dest="ep_sizes",
+        help="expert-parallel sizes to search (default: every one dividing --num-experts)",
+    )
+    h.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        nargs="+",
+        metavar="ETP",
+        dest="etp_sizes",
+        help="expert tensor-parallel sizes to search (default: the layout's tp, and 1)",
+    )
+    h.add_argument(
+        "--schedules",
+        nargs="+",
+        default=[],
+        choices=sorted(SCHEDULES),
+        metavar="NAME",
+        help=f"pipeline schedules to try besides Megatron's default for each layout ({', '.join(SCHEDULES)})",
+    )
+    h.add_argument(
+        "--params-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="weights' precision (default bfloat16, or the calibration timeline's)",
+    )
+    h.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="what the memory estimate counts (CPU kernels save "
+        "more for RMSNorm, less for SDPA); default cuda, or the calibration timeline's",
+    )
     c = p.add_argument_group("calibrated mode")
-    c.add_argument("--calibrate", nargs="+", metavar="JSON", help="measured runs' --timeline-out files (fitted "
-                   "together: e.g. one pipelined run and one tensor-parallel run), or one --save-calibration file")
+    c.add_argument(
+        "--calibrate",
+        nargs="+",
+        metavar="JSON",
+        help="measured runs' --timeline-out files (fitted "
+        "together: e.g. one pipelined run and one tensor-parallel run), or one --save-calibration file",
+    )
     c.add_argument("--save-calibration", metavar="JSON", help="write the fitted stage costs here")
     return p
 
@@ -138,8 +204,18 @@ def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelCon
         raise ValueError("give --model-size or --num-layers, --hidden-size and --num-attention-heads")
     kw = dict(PRESETS.get(a.model_size, {}))
     kw.setdefault("vocab_size", 50257)
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "vocab_size", "swiglu", "normalization", "position_embedding_type", *_MOE_FLAGS):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+        "vocab_size",
+        "swiglu",
+        "normalization",
+        "position_embedding_type",
+        *_MOE_FLAGS,
+    ):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     if a.untie_embeddings_and_output_weights:
@@ -152,11 +228,16 @@ def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelCon
     cfg = ModelConfig(seq_length=a.seq_length, params_dtype=dtype, attention_backend="auto", **kw)
     if cfg.is_moe:
         check_moe_model(cfg)  # pretrain_gpt.py's rules for the model (one line each)
-        for flag, sizes in (("--expert-model-parallel-size", a.ep_sizes), ("--expert-tensor-parallel-size", a.etp_sizes)):
+        for flag, sizes in (
+            ("--expert-model-parallel-size", a.ep_sizes),
+            ("--expert-tensor-parallel-size", a.etp_sizes),
+        ):
             bad = [v for v in sizes or () if v < 1 or (flag[9] == "m" and cfg.num_experts % v)]
             if bad:
-                raise ValueError(f"{flag} {bad[0]} must be >= 1" + (f" and divide --num-experts {cfg.num_experts}"
-                                                                    if flag[9] == "m" else ""))
+                raise ValueError(
+                    f"{flag} {bad[0]} must be >= 1"
+                    + (f" and divide --num-experts {cfg.num_experts}" if flag[9] == "m" else "")
+                )
     elif a.ep_sizes or a.etp_sizes:
         raise ValueError("--expert-model/tensor-parallel-size describe a mixture of experts: give --num-experts too")
     return cfg
@@ -164,8 +245,14 @@ def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelCon
 
 def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
     """pretrain_gpt.py flags for the model shape, precision and batch (the layout adds its own)."""
-    out = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
-           "--num-attention-heads", str(cfg.num_attention_heads)]
+    out = [
+        "--num-layers",
+        str(cfg.num_layers),
+        "--hidden-size",
+        str(cfg.hidden_size),
+        "--num-attention-heads",
+        str(cfg.num_attention_heads),
+    ]
     if cfg.num_query_groups is not None:
         out += ["--group-query-attention", "--num-query-groups", str(cfg.num_query_groups)]
     if cfg.ffn_hidden_size is not None:
@@ -188,9 +275,18 @@ def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
         f = cfg.moe_layer_freq
         if f != 1:
             out += ["--moe-layer-freq", str(list(f)).replace(" ", "") if isinstance(f, tuple) else str(f)]
-    out += ["--hidden-dropout", f"{cfg.hidden_dropout:g}", "--attention-dropout", f"{cfg.attention_dropout:g}",
-            "--seq-length", str(cfg.seq_length), "--max-position-embeddings", str(cfg.seq_length),
-            "--global-batch-size", str(global_batch_size)]
+    out += [
+        "--hidden-dropout",
+        f"{cfg.hidden_dropout:g}",
+        "--attention-dropout",
+        f"{cfg.attention_dropout:g}",
+        "--seq-length",
+        str(cfg.seq_length),
+        "--max-position-embeddings",
+        str(cfg.seq_length),
+        "--global-batch-size",
+        str(global_batch_size),
+    ]
     out += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(cfg.params_dtype, [])
     return out
 
@@ -222,38 +318,56 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hw = Hardware(peak, a.efficiency, a.intra_node_gbps, a.inter_node_gbps, a.gpus_per_node)
     device = a.device or meta.get("device", "cuda")
     step_time = None if calibration is None else lambda layout: calibrated(calibration, layout, a.global_batch_size)
-    search = dict(cp_sizes=tuple(a.context_parallel_sizes or default_cp_sizes(a.seq_length)),
-                  schedules=tuple(a.schedules), ep_sizes=a.ep_sizes, etp_sizes=a.etp_sizes)
-    plans = plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, device=device,
-                 step_time=step_time, **search)
+    search = dict(
+        cp_sizes=tuple(a.context_parallel_sizes or default_cp_sizes(a.seq_length)),
+        schedules=tuple(a.schedules),
+        ep_sizes=a.ep_sizes,
+        etp_sizes=a.etp_sizes,
+    )
+    plans = plan(
+        cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, device=device, step_time=step_time, **search
+    )
     tokens = a.global_batch_size * a.seq_length
-    experts = (f"; {cfg.num_experts} experts of ffn {cfg.moe_ffn_size} (top-{cfg.moe_router_topk}) in "
-               f"{cfg.num_moe_layers} layers" if cfg.is_moe else "")
-    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
-          f"{f' (groups {cfg.num_query_groups})' if cfg.num_query_groups else ''}, ffn {cfg.ffn_size}"
-          f"{experts}, seq "
-          f"{cfg.seq_length}, vocab {cfg.vocab_size}; {a.num_gpus} x {a.gpu_memory:g} GiB at {peak:g} TFLOP/s "
-          f"(x {a.efficiency:g}), global batch {a.global_batch_size}"
-          + (f"; step times calibrated on {', '.join(n for n, _ in docs)}" if calibration is not None else ""))
+    experts = (
+        f"; {cfg.num_experts} experts of ffn {cfg.moe_ffn_size} (top-{cfg.moe_router_topk}) in "
+        f"{cfg.num_moe_layers} layers"
+        if cfg.is_moe
+        else ""
+    )
+    print(
+        f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
+        f"{f' (groups {cfg.num_query_groups})' if cfg.num_query_groups else ''}, ffn {cfg.ffn_size}"
+        f"{experts}, seq "
+        f"{cfg.seq_length}, vocab {cfg.vocab_size}; {a.num_gpus} x {a.gpu_memory:g} GiB at {peak:g} TFLOP/s "
+        f"(x {a.efficiency:g}), global batch {a.global_batch_size}"
+        + (f"; step times calibrated on {', '.join(n for n, _ in docs)}" if calibration is not None else "")
+    )
     if not plans:  # the batch (a flag to fix: exit 2) or memory (no answer: exit 1), whichever rules them out
         why, bad_batch = why_no_plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, **search)
         print(f"tools/plan.py: error: {why}" if bad_batch else why, file=sys.stderr)
         return 2 if bad_batch else 1
     print(f"{len(plans)} layouts fit; the best {min(a.top, len(plans))} (GiB per device, most loaded rank):")
-    wide = max([42] + [len(p.layout.describe()) for p in plans[:a.top]])
-    print(f"{'#':>3} {'layout':<{wide}} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
-          f"{'step s':>8} {'bubble':>7} {'tok/s/GPU':>10}")
-    for i, p in enumerate(plans[:a.top], 1):
+    wide = max([42] + [len(p.layout.describe()) for p in plans[: a.top]])
+    print(
+        f"{'#':>3} {'layout':<{wide}} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
+        f"{'step s':>8} {'bubble':>7} {'tok/s/GPU':>10}"
+    )
+    for i, p in enumerate(plans[: a.top], 1):
         m = p.memory
-        print(f"{i:>3} {p.layout.describe():<{wide}} {m.weights / GiB:>8.2f} {m.grads / GiB:>7.2f} "
-              f"{m.optimizer / GiB:>7.2f} {m.activations / GiB:>7.2f} {m.total / GiB:>7.2f} {p.step_s:>8.3f} "
-              f"{100 * p.bubble:>6.1f}% {tokens / p.step_s / a.num_gpus:>10.0f}")
+        print(
+            f"{i:>3} {p.layout.describe():<{wide}} {m.weights / GiB:>8.2f} {m.grads / GiB:>7.2f} "
+            f"{m.optimizer / GiB:>7.2f} {m.activations / GiB:>7.2f} {m.total / GiB:>7.2f} {p.step_s:>8.3f} "
+            f"{100 * p.bubble:>6.1f}% {tokens / p.step_s / a.num_gpus:>10.0f}"
+        )
     best = plans[0].layout
     flags = model_flags(cfg, a.global_batch_size) + best.flags(cfg.num_layers)
     print(f"\nbest layout: {best.describe()}; its flags (add your data and schedule flags):")
     per_node = min(a.num_gpus, a.gpus_per_node)
-    nodes = (f"--nnodes {a.num_gpus // per_node} --rdzv-backend c10d --rdzv-endpoint \"$MASTER_ADDR:$MASTER_PORT\" "
-             if a.num_gpus > per_node else "")
+    nodes = (
+        f'--nnodes {a.num_gpus // per_node} --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
+        if a.num_gpus > per_node
+        else ""
+    )
     print(f"torchrun {nodes}--nproc-per-node {per_node} pretrain_gpt.py " + shlex.join(flags))
     return 0
 

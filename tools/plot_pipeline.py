@@ -15,6 +15,7 @@ zero-bubble weight-gradient steps (W) mid-tone with dots. The simulator times
 a schedule with the executor's own semantics (``--mode executor``, default)
 or the conservative rendezvous model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,12 +59,25 @@ def plot_timeline(timeline: dict, out: str) -> None:
     for e in events:
         y = pp - 1 - e["rank"]  # rank 0 on top
         width = e["end"] - e["start"]
-        ax.broken_barh([(e["start"] - t0, width)], (y + 0.08, 0.84),
-                       facecolors=_colour(e["mb"], e["kind"]), edgecolors="black", linewidth=0.5,
-                       hatch=_HATCH.get(e["kind"]))
+        ax.broken_barh(
+            [(e["start"] - t0, width)],
+            (y + 0.08, 0.84),
+            facecolors=_colour(e["mb"], e["kind"]),
+            edgecolors="black",
+            linewidth=0.5,
+            hatch=_HATCH.get(e["kind"]),
+        )
         label = f"{e['mb']}" + (f".{e['chunk']}" if vp > 1 else "")
-        ax.text(e["start"] - t0 + width / 2, y + 0.5, label, ha="center", va="center", fontsize=7,
-                color="white" if e["kind"] == "B" else "black", fontweight="bold")
+        ax.text(
+            e["start"] - t0 + width / 2,
+            y + 0.5,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white" if e["kind"] == "B" else "black",
+            fontweight="bold",
+        )
     ax.set_yticks([pp - 1 - r + 0.5 for r in range(pp)], [f"rank {r}" for r in range(pp)])
     ax.set_ylim(0, pp)
     ax.set_xlim(0, t1 - t0)
@@ -71,15 +85,21 @@ def plot_timeline(timeline: dict, out: str) -> None:
     ax.set_xlabel(f"time ({unit})")
     bubble = timeline_bubble(timeline)
     mean_bubble = sum(bubble) / len(bubble) if bubble else 0.0
-    ax.set_title(f"{timeline['schedule']}  p={pp} v={vp} m={timeline['m']}  "
-                 f"bubble={mean_bubble:.3f}  ({timeline.get('source', '?')})", loc="left")
-    handles = [Patch(facecolor="0.85", edgecolor="black", label="forward"),
-               Patch(facecolor="0.45", edgecolor="black", hatch="//", label="backward")]
+    ax.set_title(
+        f"{timeline['schedule']}  p={pp} v={vp} m={timeline['m']}  "
+        f"bubble={mean_bubble:.3f}  ({timeline.get('source', '?')})",
+        loc="left",
+    )
+    handles = [
+        Patch(facecolor="0.85", edgecolor="black", label="forward"),
+        Patch(facecolor="0.45", edgecolor="black", hatch="//", label="backward"),
+    ]
     if any(e["kind"] == "W" for e in events):
         handles[1] = Patch(facecolor="0.45", edgecolor="black", hatch="//", label="backward: input grads (B)")
         handles.append(Patch(facecolor="0.65", edgecolor="black", hatch="..", label="weight grads (W)"))
-    ax.legend(handles=handles, loc="lower right", ncol=len(handles), fontsize=7, bbox_to_anchor=(1.0, 1.0),
-              frameon=False)
+    ax.legend(
+        handles=handles, loc="lower right", ncol=len(handles), fontsize=7, bbox_to_anchor=(1.0, 1.0), frameon=False
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -92,18 +112,29 @@ def _schedules_help() -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_schedules_help(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=_schedules_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--schedule", choices=list(SCHEDULES), help="simulate this schedule (listed below)")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vp", type=int, default=1)
     p.add_argument("--num-microbatches", "-m", type=int, default=8)
     p.add_argument("--f-cost", type=float, default=1.0, help="forward cost of a whole rank")
     p.add_argument("--b-cost", type=float, default=2.0, help="backward cost of a whole rank")
-    p.add_argument("--w-cost", type=float, default=None,
-                   help="weight-gradient part of --b-cost in zero-bubble schedules (default: half)")
-    p.add_argument("--mode", choices=MODES, default="executor",
-                   help="p2p semantics: the executor's (default) or conservative rendezvous")
+    p.add_argument(
+        "--w-cost",
+        type=float,
+        default=None,
+        help="weight-gradient part of --b-cost in zero-bubble schedules (default: half)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="executor",
+        help="p2p semantics: the executor's (default) or conservative rendezvous",
+    )
     p.add_argument("--timeline", help="TIMELINE JSON of a real (or saved) run")
     p.add_argument("--out", help="image to write (png/svg/pdf)")
     p.add_argument("--save-json", help="also write the simulated TIMELINE JSON here")
@@ -140,11 +171,14 @@ def _load_timeline(path: str) -> dict:
         raise ValueError(f"cannot read --timeline {path}: {e.strerror}") from None
     except ValueError as e:
         raise ValueError(f"--timeline {path} is not JSON ({e})") from None
-    missing = [k for k in ("schedule", "pp", "vp", "m", "events")
-               if not isinstance(timeline, dict) or k not in timeline]
+    missing = [
+        k for k in ("schedule", "pp", "vp", "m", "events") if not isinstance(timeline, dict) or k not in timeline
+    ]
     if missing:
-        raise ValueError(f"--timeline {path} is not a TIMELINE (no {', '.join(missing)}); "
-                         "write one with pretrain_gpt.py --timeline-out or --save-json")
+        raise ValueError(
+            f"--timeline {path} is not a TIMELINE (no {', '.join(missing)}); "
+            "write one with pretrain_gpt.py --timeline-out or --save-json"
+        )
     return timeline
 
 
@@ -152,10 +186,18 @@ def _simulate(args: argparse.Namespace) -> dict:
     actions = build_schedule(args.schedule, args.pp, args.vp, args.num_microbatches)
     if args.print:
         print(format_schedule(actions))
-    result = simulate(actions, args.pp, args.vp, args.f_cost, args.b_cost, schedule=args.schedule,
-                      w_cost=args.w_cost, layout=layout_for(args.schedule, args.pp, args.vp), mode=args.mode)
-    print(f"makespan {result.makespan:.3f}  bubble {result.bubble_fraction}  "
-          f"peak in flight {result.peak_in_flight}")
+    result = simulate(
+        actions,
+        args.pp,
+        args.vp,
+        args.f_cost,
+        args.b_cost,
+        schedule=args.schedule,
+        w_cost=args.w_cost,
+        layout=layout_for(args.schedule, args.pp, args.vp),
+        mode=args.mode,
+    )
+    print(f"makespan {result.makespan:.3f}  bubble {result.bubble_fraction}  peak in flight {result.peak_in_flight}")
     return result.to_timeline()
 
 
@@ -163,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit code (2 with one line for bad input)."""
     args = _parse(argv)
     if args.out and _matplotlib_missing():  # before any work, not after the simulation
-        return _error("drawing --out needs matplotlib, which is not installed: "
-                      "pip install matplotlib (--print and --save-json work without it)")
+        return _error(
+            "drawing --out needs matplotlib, which is not installed: "
+            "pip install matplotlib (--print and --save-json work without it)"
+        )
     try:
         timeline = _load_timeline(args.timeline) if args.timeline else _simulate(args)
     except ValueError as e:

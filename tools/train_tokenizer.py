@@ -7,6 +7,7 @@ Examples:
   python tools/train_tokenizer.py --input corpus.jsonl --type sentencepiece \
       --vocab-size 8000 --output-dir tok/   # -> tok/tokenizer.model (Llama2Tokenizer)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,15 @@ MIN_VOCAB = {"bpe": 256 + 1, "sentencepiece": 3 + 256 + 1}
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help=".jsonl, .jsonl.gz or .txt files")
-    p.add_argument("--json-key", default="text",
-                   help="the key holding each document's text (a string or a list of strings).\n"
-                        "A .jsonl line without one is skipped and counted; when more than half of\n"
-                        "the non-blank lines are invalid, nothing is trained (exit code 2)")
+    p.add_argument(
+        "--json-key",
+        default="text",
+        help="the key holding each document's text (a string or a list of strings).\n"
+        "A .jsonl line without one is skipped and counted; when more than half of\n"
+        "the non-blank lines are invalid, nothing is trained (exit code 2)",
+    )
     p.add_argument("--type", choices=("bpe", "sentencepiece"), default="bpe")
-    p.add_argument("--vocab-size", type=int, default=4096,
-                   help="total vocabulary including special tokens")
+    p.add_argument("--vocab-size", type=int, default=4096, help="total vocabulary including special tokens")
     p.add_argument("--min-frequency", type=int, default=2, help="bpe: rarest pair merged")
     p.add_argument("--sp-model-type", default="bpe", choices=("bpe", "unigram"))
     p.add_argument("--max-documents", type=int, default=None, help="train on the first N only")
@@ -59,12 +62,16 @@ def _check_args(args: argparse.Namespace) -> Optional[str]:
         try:
             import sentencepiece  # noqa: F401  (optional dependency)
         except ImportError:
-            return ("--type sentencepiece needs the sentencepiece package, which is not "
-                    "installed: pip install sentencepiece (or use --type bpe)")
+            return (
+                "--type sentencepiece needs the sentencepiece package, which is not "
+                "installed: pip install sentencepiece (or use --type bpe)"
+            )
     low = MIN_VOCAB[args.type]
     if args.vocab_size < low:
-        return (f"--vocab-size {args.vocab_size} is too small for --type {args.type}: "
-                f"it needs at least {low} (byte tokens and special tokens included)")
+        return (
+            f"--vocab-size {args.vocab_size} is too small for --type {args.type}: "
+            f"it needs at least {low} (byte tokens and special tokens included)"
+        )
     if args.min_frequency < 1:
         return f"--min-frequency must be >= 1 (got {args.min_frequency})"
     if args.max_documents is not None and args.max_documents < 1:
@@ -135,8 +142,7 @@ class Corpus:
         yield from itertools.chain.from_iterable(self._read(p) for p in self.paths)
 
     def _what(self) -> str:
-        return (f"not a JSON object with a string under --json-key {self.key!r} "
-                f"(first: {self.first_invalid})")
+        return f"not a JSON object with a string under --json-key {self.key!r} (first: {self.first_invalid})"
 
     def skipped(self) -> str:
         """What was skipped, for the log (empty when nothing was)."""
@@ -146,8 +152,10 @@ class Corpus:
         """Why a corpus of mostly invalid lines (more than half of those read) is refused; empty if it is not."""
         if self.invalid * 2 <= self.lines:
             return ""
-        return (f"{self.invalid} of {self.lines} .jsonl lines are {self._what()}; more than half are invalid, "
-                f"so nothing is trained: check --input and --json-key")
+        return (
+            f"{self.invalid} of {self.lines} .jsonl lines are {self._what()}; more than half are invalid, "
+            f"so nothing is trained: check --input and --json-key"
+        )
 
     def check(self) -> None:
         if self.refusal():
@@ -159,9 +167,11 @@ def _texts(args: argparse.Namespace, corpus: Corpus) -> Optional[Iterator[str]]:
 
     The corpus is checked when the trainer has read it all (or --max-documents), before training.
     """
+
     def checked(texts: Iterator[str]) -> Iterator[str]:
         yield from texts
         corpus.check()
+
     texts = checked(itertools.islice(corpus.texts(), args.max_documents))
     texts = (t for t in texts if t and not t.isspace())
     first = next(texts, None)
@@ -172,16 +182,23 @@ def _train(args: argparse.Namespace, texts: Iterator[str]) -> None:
     t0 = time.time()
     if args.type == "bpe":
         from megalite.data.tokenizers.bpe_trainer import save_bpe, train_bpe
+
         vocab, merges = train_bpe(texts, args.vocab_size, args.min_frequency)
         vocab_file, merge_file = save_bpe(vocab, merges, args.output_dir)
-        print(f"wrote {vocab_file} ({len(vocab)} tokens) and {merge_file} ({len(merges)} merges)"
-              f" in {time.time() - t0:.1f}s; use --tokenizer-type GPT2BPETokenizer")
+        print(
+            f"wrote {vocab_file} ({len(vocab)} tokens) and {merge_file} ({len(merges)} merges)"
+            f" in {time.time() - t0:.1f}s; use --tokenizer-type GPT2BPETokenizer"
+        )
     else:
         from megalite.data.tokenizers.sentencepiece import train_sentencepiece
-        used = train_sentencepiece(texts, os.path.join(args.output_dir, "tokenizer"),
-                                   args.vocab_size, args.sp_model_type)
-        print(f"wrote {used.model} in {time.time() - t0:.1f}s; use --tokenizer-type "
-              "Llama2Tokenizer or SentencePieceTokenizer --tokenizer-model " + used.model)
+
+        used = train_sentencepiece(
+            texts, os.path.join(args.output_dir, "tokenizer"), args.vocab_size, args.sp_model_type
+        )
+        print(
+            f"wrote {used.model} in {time.time() - t0:.1f}s; use --tokenizer-type "
+            "Llama2Tokenizer or SentencePieceTokenizer --tokenizer-model " + used.model
+        )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -193,9 +210,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         texts = None if problem else _texts(args, corpus)
         if not problem and texts is None:
-            problem = (f"no text in {' '.join(args.input)}: every document is empty (a .jsonl "
-                       f"line must be a JSON object with a string under --json-key "
-                       f"{args.json_key!r}; a .txt file is one document a line)")
+            problem = (
+                f"no text in {' '.join(args.input)}: every document is empty (a .jsonl "
+                f"line must be a JSON object with a string under --json-key "
+                f"{args.json_key!r}; a .txt file is one document a line)"
+            )
         if not problem:
             _train(args, texts)
     except (ValueError, RuntimeError, OSError, EOFError) as e:

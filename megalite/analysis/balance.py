@@ -21,6 +21,7 @@ fixed iteration orders and strict-improvement acceptance, so every rank that
 holds the same costs chooses the same split, and the even split (when legal)
 is a candidate, so the result is never slower than it in the simulator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,11 +69,12 @@ class LayerCosts:
 
     def describe(self, scale: float = 1e3) -> str:
         """``embedding 0.10/0.20, layer ..., output layer + loss ...`` (forward/backward[ of which W], x scale)."""
-        parts = (("embedding", self.embedding), ("transformer layer", self.layer),
-                 ("output layer + loss", self.head))
+        parts = (("embedding", self.embedding), ("transformer layer", self.layer), ("output layer + loss", self.head))
         ws = self.weight or (None, None, None)
-        return ", ".join(f"{name} {f * scale:.3g}/{b * scale:.3g}" + ("" if w is None else f" (W {w * scale:.3g})")
-                         for (name, (f, b)), w in zip(parts, ws))
+        return ", ".join(
+            f"{name} {f * scale:.3g}/{b * scale:.3g}" + ("" if w is None else f" (W {w * scale:.3g})")
+            for (name, (f, b)), w in zip(parts, ws)
+        )
 
 
 def stage_costs(counts: Sequence[int], costs: LayerCosts) -> List[Tuple[float, ...]]:
@@ -142,8 +144,9 @@ def _megatron_candidate(num_layers: int, pp: int, vp: int, costs: LayerCosts) ->
     return best
 
 
-def candidate_splits(num_layers: int, pp: int, vp: int, costs: LayerCosts,
-                     rank_stages: Optional[Sequence[Sequence[int]]] = None) -> List[Split]:
+def candidate_splits(
+    num_layers: int, pp: int, vp: int, costs: LayerCosts, rank_stages: Optional[Sequence[Sequence[int]]] = None
+) -> List[Split]:
     """Starting points, best guesses first, without duplicates (the even split always first).
 
     ``rank_stages[r]`` lists the global stages rank r runs (default: Megatron's
@@ -153,10 +156,12 @@ def candidate_splits(num_layers: int, pp: int, vp: int, costs: LayerCosts,
     unit = costs.layer[0] + costs.layer[1]
     fixed = [c[0] + c[1] for c in stage_costs([0] * S, costs)]
     groups = rank_stages or [list(range(r, S, pp)) for r in range(pp)]
-    found = [even_split(num_layers, S),
-             _water_fill(num_layers, fixed, unit, [[s] for s in range(S)]),
-             _water_fill(num_layers, fixed, unit, groups),
-             _megatron_candidate(num_layers, pp, vp, costs)]
+    found = [
+        even_split(num_layers, S),
+        _water_fill(num_layers, fixed, unit, [[s] for s in range(S)]),
+        _water_fill(num_layers, fixed, unit, groups),
+        _megatron_candidate(num_layers, pp, vp, costs),
+    ]
     out: List[Split] = []
     for c in found:
         if c is not None and c not in out:
@@ -190,8 +195,14 @@ class _Simulator:
 
     def __call__(self, counts: Split) -> Prediction:
         if counts not in self.cache:
-            r = simulate(self.actions, self.pp, self.vp, stage_costs=stage_costs(counts, self.costs),
-                         schedule=self.schedule, **self.placement)
+            r = simulate(
+                self.actions,
+                self.pp,
+                self.vp,
+                stage_costs=stage_costs(counts, self.costs),
+                schedule=self.schedule,
+                **self.placement,
+            )
             bubble = sum(r.bubble_fraction) / len(r.bubble_fraction)
             self.cache[counts] = Prediction(counts, r.makespan, bubble, tuple(r.busy))
         return self.cache[counts]
@@ -242,19 +253,32 @@ class BalancePlan:
         even = "even" if len(set(self.baseline.counts)) == 1 else "near-even"
 
         def line(name: str, p: Prediction) -> str:
-            return (f"  {name:<9} {','.join(map(str, p.counts))} layers per stage: predicted step "
-                    f"{p.step_time * scale:.4g} {unit}, bubble {100 * p.bubble:.1f}%")
+            return (
+                f"  {name:<9} {','.join(map(str, p.counts))} layers per stage: predicted step "
+                f"{p.step_time * scale:.4g} {unit}, bubble {100 * p.bubble:.1f}%"
+            )
 
-        return "\n".join([
-            f"pipeline balance: {self.schedule}, pp {self.pp} x vp {self.vp}, {self.m} micro-batches; "
-            f"{unit} per micro-batch (forward/backward): {self.costs.describe(scale)}",
-            line(even, self.baseline),
-            line("balanced", self.chosen) + f" ({self.speedup:.2f}x, {self.simulations} simulations)",
-            f"  training with --pipeline-stage-layers {','.join(map(str, self.chosen.counts))}"])
+        return "\n".join(
+            [
+                f"pipeline balance: {self.schedule}, pp {self.pp} x vp {self.vp}, {self.m} micro-batches; "
+                f"{unit} per micro-batch (forward/backward): {self.costs.describe(scale)}",
+                line(even, self.baseline),
+                line("balanced", self.chosen) + f" ({self.speedup:.2f}x, {self.simulations} simulations)",
+                f"  training with --pipeline-stage-layers {','.join(map(str, self.chosen.counts))}",
+            ]
+        )
 
 
-def choose_split(num_layers: int, pp: int, vp: int, m: int, schedule: str, costs: LayerCosts,
-                 max_simulations: int = 300, overlap_p2p: bool = False) -> BalancePlan:
+def choose_split(
+    num_layers: int,
+    pp: int,
+    vp: int,
+    m: int,
+    schedule: str,
+    costs: LayerCosts,
+    max_simulations: int = 300,
+    overlap_p2p: bool = False,
+) -> BalancePlan:
     """The split of ``num_layers`` over pp*vp virtual stages with the lowest simulated step time.
 
     Deterministic given its arguments, and never slower in the simulator than

@@ -18,6 +18,7 @@ over dp x cp, and the pipeline's transfers as a cost per Comm action of the busi
 measured schedule took beyond the simulated one). ``Calibration.predict`` then builds any layout's
 stage costs from those pieces and runs the pipeline simulator (executor semantics) over its schedule.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -27,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalite.analysis.planner import Layout, params_per_rank, _with_recompute
+from megalite.analysis.planner import Layout, _with_recompute, params_per_rank
 from megalite.analysis.simulate import simulate_schedule
 from megalite.config import ModelConfig
 from megalite.model.spec import ModelSpec
@@ -46,14 +47,28 @@ def layout_from_meta(meta: dict) -> Layout:
     """The Layout a timeline's metadata describes (``timeline_meta`` writes it)."""
     missing = [k for k in ("tp", "dp", "mbs") if k not in meta]
     if missing:
-        raise CalibrationError(f"the timeline has no {', '.join(missing)}: write it with this megalite's "
-                               f"--timeline-out (older timelines lack the layout)")
+        raise CalibrationError(
+            f"the timeline has no {', '.join(missing)}: write it with this megalite's "
+            f"--timeline-out (older timelines lack the layout)"
+        )
     layers = meta.get("stage_layers")
-    return Layout(int(meta["tp"]), int(meta["pp"]), int(meta["dp"]), int(meta.get("vp", 1)), int(meta["mbs"]),
-                  meta.get("recompute", "none"), bool(meta.get("sp", False)), bool(meta.get("dist_opt", False)),
-                  int(meta.get("cp", 1)), meta.get("schedule"), tuple(layers) if layers else None,
-                  meta.get("cp_comm", "p2p"), int(meta.get("ep", 1)), meta.get("etp"),
-                  meta.get("moe_dispatcher", "allgather"))
+    return Layout(
+        int(meta["tp"]),
+        int(meta["pp"]),
+        int(meta["dp"]),
+        int(meta.get("vp", 1)),
+        int(meta["mbs"]),
+        meta.get("recompute", "none"),
+        bool(meta.get("sp", False)),
+        bool(meta.get("dist_opt", False)),
+        int(meta.get("cp", 1)),
+        meta.get("schedule"),
+        tuple(layers) if layers else None,
+        meta.get("cp_comm", "p2p"),
+        int(meta.get("ep", 1)),
+        meta.get("etp"),
+        meta.get("moe_dispatcher", "allgather"),
+    )
 
 
 def comm_count(layout: Layout, m: int) -> int:
@@ -67,6 +82,7 @@ def comm_count(layout: Layout, m: int) -> int:
 @dataclass(frozen=True)
 class MeasuredRun:
     """What one measured run says: its layout, seconds per micro-batch by (global stage, kind), and the step."""
+
     layout: Layout
     m: int
     stage_seconds: Dict[Tuple[int, str], float]
@@ -97,8 +113,17 @@ class MeasuredRun:
         timers = timeline.get("timers") or {}
         busy = sum(e["end"] - e["start"] for e in events)
         cores = timeline.get("host_cores") if timeline.get("device") == "cpu" else None
-        return cls(layout, int(timeline["m"]), seconds, wall, float(timers.get("grads_sync", 0.0)),
-                   float(timers.get("optimizer", 0.0)), timers.get("step"), busy, cores)
+        return cls(
+            layout,
+            int(timeline["m"]),
+            seconds,
+            wall,
+            float(timers.get("grads_sync", 0.0)),
+            float(timers.get("optimizer", 0.0)),
+            timers.get("step"),
+            busy,
+            cores,
+        )
 
     def contention(self) -> float:
         """How much slower than alone each rank computed: ranks busy on average / cores (at least 1)."""
@@ -125,6 +150,7 @@ def _head_ratio(cfg: ModelConfig, tp: int) -> float:
 @dataclass
 class Calibration:
     """Fitted per-token costs of each model piece by kind, and the step's other parts."""
+
     cfg: ModelConfig
     pieces: Dict[str, Dict[str, float]]  # kind -> piece -> seconds per token (per layer for layer/tp_comm)
     optimizer_per_param: float
@@ -136,8 +162,9 @@ class Calibration:
     runs: List[MeasuredRun] = field(default_factory=list)
 
     @classmethod
-    def fit(cls, cfg: ModelConfig, runs: Sequence[MeasuredRun], prior_bytes_per_s: float = 1e9,
-            ridge: float = 1e-3) -> "Calibration":
+    def fit(
+        cls, cfg: ModelConfig, runs: Sequence[MeasuredRun], prior_bytes_per_s: float = 1e9, ridge: float = 1e-3
+    ) -> "Calibration":
         """Least squares over every stage of ``runs`` (relative errors), weak ridge towards the priors."""
         if not runs:
             raise CalibrationError("calibration needs at least one measured run")
@@ -184,8 +211,13 @@ class Calibration:
         active = scale > 0  # pieces no measured stage has (tensor parallelism in a tp 1 run) stay 0
         a, scale = a[:, active], scale[active]  # columns in comparable units
         r = _head_ratio(cfg, tp)
-        prior = torch.tensor([[-r, 1.0, 0.0, 0.0], [-0.05, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]],
-                             dtype=torch.float64)[:, active] * ridge * scale.max()
+        prior = (
+            torch.tensor([[-r, 1.0, 0.0, 0.0], [-0.05, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)[
+                :, active
+            ]
+            * ridge
+            * scale.max()
+        )
         a_all = torch.cat([a / scale, prior / scale])
         y_all = torch.cat([y, torch.zeros(3, dtype=torch.float64)])
         x = torch.zeros(len(PIECES), dtype=torch.float64)
@@ -214,8 +246,14 @@ class Calibration:
         """
         base, slow = self.stage_costs(layout), 1.0
         for _ in range(30 if self.cores else 1):
-            res = simulate_schedule(layout.schedule(), layout.pp, layout.vp, m, mode="executor",
-                                    stage_costs=[tuple(c * slow for c in cost) for cost in base])
+            res = simulate_schedule(
+                layout.schedule(),
+                layout.pp,
+                layout.vp,
+                m,
+                mode="executor",
+                stage_costs=[tuple(c * slow for c in cost) for cost in base],
+            )
             if not self.cores:
                 break
             busy = sum(res.busy) / res.makespan * layout.world / layout.pp
@@ -224,21 +262,38 @@ class Calibration:
 
     def to_json(self) -> dict:
         """The fitted costs (``tools/plan.py --save-calibration``; read back with ``from_json``)."""
-        return {"calibration": 1, "num_layers": self.cfg.num_layers, "seq_length": self.cfg.seq_length,
-                "pieces": self.pieces, "optimizer_per_param": self.optimizer_per_param,
-                "grads_sync_const": self.grads_sync_const, "grads_sync_per_byte": self.grads_sync_per_byte,
-                "comm_s": self.comm_s, "cores": self.cores, "overhead_s": self.overhead_s}
+        return {
+            "calibration": 1,
+            "num_layers": self.cfg.num_layers,
+            "seq_length": self.cfg.seq_length,
+            "pieces": self.pieces,
+            "optimizer_per_param": self.optimizer_per_param,
+            "grads_sync_const": self.grads_sync_const,
+            "grads_sync_per_byte": self.grads_sync_per_byte,
+            "comm_s": self.comm_s,
+            "cores": self.cores,
+            "overhead_s": self.overhead_s,
+        }
 
     @classmethod
     def from_json(cls, cfg: ModelConfig, d: dict) -> "Calibration":
         try:
             pieces = {k: {p: float(d["pieces"][k][p]) for p in PIECES} for k in KINDS}
-            return cls(cfg, pieces, float(d["optimizer_per_param"]), float(d["grads_sync_const"]),
-                       float(d["grads_sync_per_byte"]), float(d["comm_s"]), d.get("cores"),
-                       float(d.get("overhead_s", 0.0)))
+            return cls(
+                cfg,
+                pieces,
+                float(d["optimizer_per_param"]),
+                float(d["grads_sync_const"]),
+                float(d["grads_sync_per_byte"]),
+                float(d["comm_s"]),
+                d.get("cores"),
+                float(d.get("overhead_s", 0.0)),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise CalibrationError(f"a stage-cost file needs pieces ({', '.join(PIECES)}) by kind "
-                                   f"({', '.join(KINDS)}) and the step's costs; missing or bad: {e}") from None
+            raise CalibrationError(
+                f"a stage-cost file needs pieces ({', '.join(PIECES)}) by kind "
+                f"({', '.join(KINDS)}) and the step's costs; missing or bad: {e}"
+            ) from None
 
     def predict(self, layout: Layout, global_batch_size: int) -> "Predicted":
         m = layout.num_microbatches(global_batch_size)
@@ -287,11 +342,16 @@ def load_calibration(cfg: ModelConfig, documents: Sequence[Tuple[str, dict]]) ->
     for name, d in documents:
         if "events" not in d:
             raise CalibrationError(f"{name} is neither a --timeline-out timeline nor a stage-cost file")
-        for key, want in (("num_layers", cfg.num_layers), ("seq_length", cfg.seq_length),
-                          ("hidden_size", cfg.hidden_size)):
+        for key, want in (
+            ("num_layers", cfg.num_layers),
+            ("seq_length", cfg.seq_length),
+            ("hidden_size", cfg.hidden_size),
+        ):
             if key in d and int(d[key]) != want:
-                raise CalibrationError(f"{name} was measured with {key} {d[key]}, the model here has {want}: "
-                                       f"give the measured model's flags")
+                raise CalibrationError(
+                    f"{name} was measured with {key} {d[key]}, the model here has {want}: "
+                    f"give the measured model's flags"
+                )
         try:
             runs.append(MeasuredRun.from_timeline(d))
         except CalibrationError as e:

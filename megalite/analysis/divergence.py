@@ -17,6 +17,7 @@ magnitude of that kind of tensor in the same layer on either side (so the gradie
 is zero but for round-off, e.g. the attention key bias, is judged against its layer's gradients,
 not against its own noise). The relative difference shown is max|a - b| / scale.
 """
+
 from __future__ import annotations
 
 import glob
@@ -34,7 +35,7 @@ from megalite.model.spec import FINAL_NORM, OUTPUT_LAYER
 # Default bands: (rtol, atol) by the less precise dtype of the two sides.
 BANDS = {"float32": (1e-4, 0.0), "float16": (1e-2, 0.0), "bfloat16": (5e-2, 0.0)}
 _RANK_FILE = re.compile(r"rank_(\d+)\.pt$")
-_HEAD = 10 ** 6  # layer position of the final norm (the output layer and logits follow it)
+_HEAD = 10**6  # layer position of the final norm (the output layer and logits follow it)
 KIND_WORDS = {"weight": "weight", "activation": "output", "act_grad": "d(output)", "grad": "grad"}
 
 
@@ -66,10 +67,11 @@ class Capture:
 def load_capture(path: str) -> Capture:
     """Read every rank's file under ``path`` and assemble the full tensors (CaptureError if incomplete)."""
     if not os.path.isdir(path):
-        raise CaptureError(f"{path}: no such capture directory (write one with tools/compare_runs.py "
-                           f"--capture-dir {path} -- <pretrain_gpt.py flags>)")
-    files = {int(m.group(1)): f for f in glob.glob(os.path.join(path, "rank_*.pt"))
-             if (m := _RANK_FILE.search(f))}
+        raise CaptureError(
+            f"{path}: no such capture directory (write one with tools/compare_runs.py "
+            f"--capture-dir {path} -- <pretrain_gpt.py flags>)"
+        )
+    files = {int(m.group(1)): f for f in glob.glob(os.path.join(path, "rank_*.pt")) if (m := _RANK_FILE.search(f))}
     if not files:
         raise CaptureError(f"{path}: holds no rank_<N>.pt files; it is not a compare_runs capture")
     boxes: Dict[Tuple[str, str], list] = {}
@@ -80,8 +82,9 @@ def load_capture(path: str) -> Capture:
             blob = safe_torch_load(files[rank])
             m, pieces = blob["meta"], blob["pieces"]
         except Exception as e:  # noqa: BLE001 - any unreadable file is one line
-            raise CaptureError(f"{files[rank]}: unreadable capture file ({' '.join(str(e).split())[:160]}); "
-                               f"capture this side again") from None
+            raise CaptureError(
+                f"{files[rank]}: unreadable capture file ({' '.join(str(e).split())[:160]}); capture this side again"
+            ) from None
         meta = meta or m
         for p in pieces:
             key = (p["kind"], p["name"])
@@ -89,8 +92,10 @@ def load_capture(path: str) -> Capture:
             index[key] = max(index.get(key, 0), int(p["index"]))
     missing = sorted(set(range(meta["world"])) - set(files))
     if missing:
-        raise CaptureError(f"{path}: the capture of {meta['world']} ranks lacks the files of rank(s) "
-                           f"{', '.join(map(str, missing))}; capture this side again")
+        raise CaptureError(
+            f"{path}: the capture of {meta['world']} ranks lacks the files of rank(s) "
+            f"{', '.join(map(str, missing))}; capture this side again"
+        )
     tensors = {key: _assemble(path, key, parts) for key, parts in boxes.items()}
     return Capture(tensors, index, meta, path)
 
@@ -173,8 +178,10 @@ class Report:
         section = "forward" if first.kind in ("weight", "activation") else "backward"
         what = first.note or f"max abs diff {first.max_abs:.2e}, relative {first.rel:.2e}"
         layer = f"layer {first.layer}" if first.layer.isdigit() else first.layer
-        return (f"first divergence: {first.tensor} ({layer}, {section}): {what}, over the band ({band}); "
-                f"the {before} tensor(s) before it agree")
+        return (
+            f"first divergence: {first.tensor} ({layer}, {section}): {what}, over the band ({band}); "
+            f"the {before} tensor(s) before it agree"
+        )
 
     def table(self) -> str:
         width = max([len(r.tensor) for r in self.rows] + [6])
@@ -205,8 +212,9 @@ def compare(a: Capture, b: Capture, rtol: Optional[float] = None, atol: Optional
     band_dtype, d_rtol, d_atol = default_band(a, b)
     rtol = d_rtol if rtol is None else rtol
     atol = d_atol if atol is None else atol
-    keys = sorted(set(a.tensors) | set(b.tensors),
-                  key=lambda k: order_key(k[0], k[1], a.index.get(k, b.index.get(k, 0))))
+    keys = sorted(
+        set(a.tensors) | set(b.tensors), key=lambda k: order_key(k[0], k[1], a.index.get(k, b.index.get(k, 0)))
+    )
     scale: Dict[Tuple[str, int], float] = {}
     for side in (a, b):
         for (kind, name), t in side.tensors.items():
@@ -217,18 +225,19 @@ def compare(a: Capture, b: Capture, rtol: Optional[float] = None, atol: Optional
         ta, tb = a.tensors.get((kind, name)), b.tensors.get((kind, name))
         label = layer_label(layer_of(name))
         if ta is None or tb is None:
-            rows.append(Row(kind, name, label, math.inf, math.inf, True,
-                            f"only in {'A' if tb is None else 'B'}"))
+            rows.append(Row(kind, name, label, math.inf, math.inf, True, f"only in {'A' if tb is None else 'B'}"))
             continue
         if ta.shape != tb.shape:
-            rows.append(Row(kind, name, label, math.inf, math.inf, True,
-                            f"shape {list(ta.shape)} in A, {list(tb.shape)} in B"))
+            rows.append(
+                Row(kind, name, label, math.inf, math.inf, True, f"shape {list(ta.shape)} in A, {list(tb.shape)} in B")
+            )
             continue
         finite = torch.isfinite(ta)
         if not _same_nonfinite(ta, tb, finite):
             bad_a, bad_b = int((~finite).sum()), int((~torch.isfinite(tb)).sum())
-            rows.append(Row(kind, name, label, math.inf, math.inf, True,
-                            f"inf/NaN in {bad_a} element(s) of A, {bad_b} of B"))
+            rows.append(
+                Row(kind, name, label, math.inf, math.inf, True, f"inf/NaN in {bad_a} element(s) of A, {bad_b} of B")
+            )
             continue
         diff = (ta - tb).abs()[finite]
         max_abs = float(diff.max()) if diff.numel() else 0.0
@@ -250,5 +259,7 @@ def _same_nonfinite(ta: torch.Tensor, tb: torch.Tensor, finite_a: torch.Tensor) 
     if not torch.equal(finite_a, torch.isfinite(tb)):
         return False
     inf = float("inf")
-    return torch.equal(ta[~finite_a].nan_to_num(nan=0.0, posinf=inf, neginf=-inf),
-                       tb[~finite_a].nan_to_num(nan=0.0, posinf=inf, neginf=-inf))
+    return torch.equal(
+        ta[~finite_a].nan_to_num(nan=0.0, posinf=inf, neginf=-inf),
+        tb[~finite_a].nan_to_num(nan=0.0, posinf=inf, neginf=-inf),
+    )

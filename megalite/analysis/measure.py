@@ -17,6 +17,7 @@ slowest device sets the pace), so every rank holds the same costs and
 saved and restored around the probes: a measured run trains exactly like the
 same run given the chosen ``--pipeline-stage-layers``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +32,9 @@ import torch.distributed as dist
 
 from megalite.analysis.balance import BalancePlan, LayerCosts, choose_split
 from megalite.config import Config
+from megalite.config.settings import RunSettings
 from megalite.model.gpt import GPTModel
 from megalite.parallel.state import ParallelState
-from megalite.config.settings import RunSettings
 from megalite.tensor_parallel.layers import WeightGradSplit, WeightGradStore, enable_weight_grad_split
 from megalite.tensor_parallel.random import RNGTracker
 
@@ -47,8 +48,13 @@ def _timer(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
-def _time_fb(run: Callable[[], Tuple[torch.Tensor, torch.Tensor]], now: Callable[[], float],
-             warmup: int, reps: int, split: Optional[WeightGradSplit]) -> Tuple[float, float, float]:
+def _time_fb(
+    run: Callable[[], Tuple[torch.Tensor, torch.Tensor]],
+    now: Callable[[], float],
+    warmup: int,
+    reps: int,
+    split: Optional[WeightGradSplit],
+) -> Tuple[float, float, float]:
     """Median (forward, backward, W part of the backward) seconds of ``run`` (returns output and its
     gradient) after ``warmup`` calls. ``split`` (the probes' WeightGradSplit): the backward runs as the
     executor splits it, B with the weight GEMMs deferred to a WeightGradStore, then W; None: whole (W
@@ -81,8 +87,9 @@ def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int, split: 
     wgrad = WeightGradSplit() if split else None
 
     def probe(pre: bool, post: bool, layers: List[int]) -> GPTModel:
-        chunk = GPTModel(m, ps, tracker, t.seed, layers, pre_process=pre, post_process=post,
-                         sequence_parallel=par.sequence_parallel).to(ps.device)
+        chunk = GPTModel(
+            m, ps, tracker, t.seed, layers, pre_process=pre, post_process=post, sequence_parallel=par.sequence_parallel
+        ).to(ps.device)
         if wgrad is not None:
             enable_weight_grad_split(chunk, wgrad)
         return chunk.train()
@@ -123,8 +130,9 @@ def _probe_times(cfg: Config, ps: ParallelState, warmup: int, reps: int, split: 
     return out
 
 
-def measure_layer_costs(cfg: Config, ps: ParallelState, settings: RunSettings, warmup: int = 2,
-                        reps: int = 5) -> LayerCosts:
+def measure_layer_costs(
+    cfg: Config, ps: ParallelState, settings: RunSettings, warmup: int = 2, reps: int = 5
+) -> LayerCosts:
     """Forward/backward seconds per micro-batch of each layer kind, max over every rank (collective);
     for a schedule with a split backward (ZB-H1, ZB-V, DualPipeV) also the W part of each."""
     split = settings.spec.split_backward
@@ -145,8 +153,15 @@ def measure_layer_costs(cfg: Config, ps: ParallelState, settings: RunSettings, w
 def plan_for(cfg: Config, settings: RunSettings, costs: LayerCosts) -> BalancePlan:
     """The balanced split of this run's layers for its schedule and micro-batch count."""
     par = cfg.parallel
-    return choose_split(cfg.model.num_layers, par.pp, par.vp, settings.num_microbatches, settings.schedule, costs,
-                        overlap_p2p=par.overlap_p2p_comm)
+    return choose_split(
+        cfg.model.num_layers,
+        par.pp,
+        par.vp,
+        settings.num_microbatches,
+        settings.schedule,
+        costs,
+        overlap_p2p=par.overlap_p2p_comm,
+    )
 
 
 def balance_stages(cfg: Config, ps: ParallelState, settings: RunSettings) -> Config:

@@ -17,6 +17,7 @@ gets the same rows). The dispatch buffers of one layer are live while it runs (n
 micro-batch): alltoall, R rows of h out and back; allgather, the expert-MP group's T x EP x ETP
 tokens gathered (and their probabilities) and an output of that size before the reduce-scatter.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -85,8 +86,7 @@ def dispatch_buffer_bytes(cfg: ModelConfig, tokens: float, ep: int, etp: int, di
     return gathered * (2 * e * h + 4 * cfg.num_experts)  # gathered tokens, output before reduce-scatter, probs
 
 
-def dispatch_bytes_per_layer(cfg: ModelConfig, tokens: float, ep: int, etp: int, dispatcher: str,
-                             e: int) -> float:
+def dispatch_bytes_per_layer(cfg: ModelConfig, tokens: float, ep: int, etp: int, dispatcher: str, e: int) -> float:
     """Bytes one rank sends and receives in one MoE layer's forward (dispatch and combine);
     the backward moves the same again, twice over (a third forward, two thirds backward as compute)."""
     g = ep * etp

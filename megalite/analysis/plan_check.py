@@ -15,6 +15,7 @@ and optimizer-state bytes. The step time is the planner's hardware model at the 
 (on CPU: the rate of a probe matmul of the run's shape). ``timeline_meta`` adds the layout and the
 step's timers to ``--timeline-out``, so that ``tools/plan.py --calibrate`` can predict other layouts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,16 +27,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.agreement import lowest_rank_with
 from megalite.analysis.calibrate import Calibration, MeasuredRun
 from megalite.analysis.planner import GiB, Hardware, Layout, estimate_step_time, memory_per_rank
 from megalite.analysis.search import nearest_fitting
 from megalite.config import Config, ConfigError
+from megalite.config.settings import RunSettings, resolve_settings
+from megalite.observability.throughput import device_peak_tflops
+from megalite.parallel.agreement import lowest_rank_with
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Compute
 from megalite.pipeline.registry import default_schedule_name
-from megalite.config.settings import RunSettings, resolve_settings
-from megalite.observability.throughput import device_peak_tflops
 
 logger = logging.getLogger("megalite")
 FREE_ENV = "MEGALITE_PLAN_CHECK_FREE_GIB"
@@ -54,10 +55,21 @@ def layout_of(cfg: Config, settings: RunSettings) -> Layout:
     recompute = {"selective": "selective", "full": "full"}.get(m.recompute_granularity, "none")
     schedule = settings.schedule if settings.schedule != default_schedule_name(par.pp, par.vp) else None
     even = settings.stage_layers is None or len(set(settings.stage_layers)) == 1
-    return Layout(par.tp, par.pp, settings.dp, par.vp, cfg.train.micro_batch_size, recompute,
-                  par.sequence_parallel and par.tp > 1, cfg.optim.use_distributed_optimizer,
-                  getattr(par, "cp", 1), schedule, None if even else tuple(settings.stage_layers),
-                  getattr(par, "cp_comm_type", "p2p"), *_expert_fields(cfg))
+    return Layout(
+        par.tp,
+        par.pp,
+        settings.dp,
+        par.vp,
+        cfg.train.micro_batch_size,
+        recompute,
+        par.sequence_parallel and par.tp > 1,
+        cfg.optim.use_distributed_optimizer,
+        getattr(par, "cp", 1),
+        schedule,
+        None if even else tuple(settings.stage_layers),
+        getattr(par, "cp_comm_type", "p2p"),
+        *_expert_fields(cfg),
+    )
 
 
 def _expert_fields(cfg: Config) -> Tuple[int, Optional[int], str]:
@@ -93,14 +105,20 @@ def refusal(cfg: Config, layout: Layout, pp_rank: int, free: float, where: str, 
         return None
     gib = lambda x: f"{x / GiB:.1f}"  # noqa: E731
     fits = nearest_fitting(cfg.model, layout, cfg.train.global_batch_size, free * (1 - HEADROOM), device)
-    near = "; ".join(f"{c.describe()} ({gib(m.total)} GiB): {' '.join(_changed_flags(layout, c, cfg))}"
-                     for c, m in fits)
-    return (f"--plan-check: {layout.describe()} needs an estimated {gib(mem.total)} GiB on pipeline rank {pp_rank} "
-            f"(weights {gib(mem.weights)}, grads {gib(mem.grads)}, optimizer {gib(mem.optimizer)}, activations "
-            f"{gib(mem.activations)}) but {where} {gib(free)} GiB free; "
-            + (f"nearest layouts that fit in {gib(free * (1 - HEADROOM))} GiB: {near}" if fits else
-               "no layout of this model and batch fits on this many devices: add devices or shorten --seq-length")
-            + "; --no-plan-check to try anyway")
+    near = "; ".join(
+        f"{c.describe()} ({gib(m.total)} GiB): {' '.join(_changed_flags(layout, c, cfg))}" for c, m in fits
+    )
+    return (
+        f"--plan-check: {layout.describe()} needs an estimated {gib(mem.total)} GiB on pipeline rank {pp_rank} "
+        f"(weights {gib(mem.weights)}, grads {gib(mem.grads)}, optimizer {gib(mem.optimizer)}, activations "
+        f"{gib(mem.activations)}) but {where} {gib(free)} GiB free; "
+        + (
+            f"nearest layouts that fit in {gib(free * (1 - HEADROOM))} GiB: {near}"
+            if fits
+            else "no layout of this model and batch fits on this many devices: add devices or shorten --seq-length"
+        )
+        + "; --no-plan-check to try anyway"
+    )
 
 
 def _changed_flags(old: Layout, new: Layout, cfg: Config) -> List[str]:
@@ -110,7 +128,7 @@ def _changed_flags(old: Layout, new: Layout, cfg: Config) -> List[str]:
     out, flags = [], new.flags(n)
     i = 0
     while i < len(flags):
-        item = flags[i:i + 2] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else flags[i:i + 1]
+        item = flags[i : i + 2] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else flags[i : i + 1]
         if " ".join(item) not in before:
             out += item
         i += len(item)
@@ -183,6 +201,7 @@ class ActivationMeter:
             else:
                 self.sizes[c][-1] += counter.total
             return out
+
         return counted
 
     def remove(self) -> None:
@@ -199,8 +218,9 @@ class ActivationMeter:
         live = peak = 0
         for a in computes:
             if a.kind == "F":
-                sizes[(a.mb, a.chunk)] = self.sizes[a.chunk][order[a.chunk]] if order[a.chunk] < len(
-                    self.sizes[a.chunk]) else 0
+                sizes[(a.mb, a.chunk)] = (
+                    self.sizes[a.chunk][order[a.chunk]] if order[a.chunk] < len(self.sizes[a.chunk]) else 0
+                )
                 order[a.chunk] += 1
                 live += sizes[(a.mb, a.chunk)]
             elif a.kind == freed:
@@ -257,8 +277,11 @@ class PlanCheck:
 
     def after_step(self, trainer, iteration: int, out: Dict[str, float]) -> None:
         wall = time.perf_counter() - self.t0
-        self.last_times = {"grads_sync": out.get("grads_sync", 0.0), "optimizer": out.get("optimizer", 0.0),
-                           "step": wall}
+        self.last_times = {
+            "grads_sync": out.get("grads_sync", 0.0),
+            "optimizer": out.get("optimizer", 0.0),
+            "step": wall,
+        }
         if not self.enabled or self.at is None or iteration > self.at:
             return
         self.walls.append(wall)
@@ -285,8 +308,17 @@ class PlanCheck:
         """Gather (pp rank, memory, activations, step wall, bubble) from every rank; the logging rank prints."""
         total, acts = self._measured_memory(trainer)
         skip = 1 if len(self.walls) > 1 else 0  # the run's first step warms up
-        mine = torch.tensor([float(self.ps.pp_rank), total, acts, statistics.mean(self.walls[skip:]),
-                             statistics.mean(self.bubbles[skip:])], dtype=torch.float64, device=self.ps.device)
+        mine = torch.tensor(
+            [
+                float(self.ps.pp_rank),
+                total,
+                acts,
+                statistics.mean(self.walls[skip:]),
+                statistics.mean(self.bubbles[skip:]),
+            ],
+            dtype=torch.float64,
+            device=self.ps.device,
+        )
         rows, events = [mine], trainer.last_stats.events
         if self.ps.world_size > 1 and dist.is_initialized():
             rows = [torch.zeros_like(mine) for _ in range(self.ps.world_size)]
@@ -298,8 +330,9 @@ class PlanCheck:
         if not self.ps.is_logging_rank:
             return
         self.events = events
-        cpu_without_peak = (self.ps.device.type != "cuda"
-                            and device_peak_tflops(self.ps.device, self.cfg.logging.peak_tflops) is None)
+        cpu_without_peak = (
+            self.ps.device.type != "cuda" and device_peak_tflops(self.ps.device, self.cfg.logging.peak_tflops) is None
+        )
         probed = probe_tflops(self.cfg, self.ps.device, self.ps.tp_size) if cpu_without_peak else None
         logger.info("\n".join(self.block([r.tolist() for r in rows], iteration, probed)))
 
@@ -316,35 +349,58 @@ class PlanCheck:
             peak = device_peak_tflops(self.ps.device, cfg.logging.peak_tflops) or 989.0
             hw, rate = Hardware(peak_tflops=peak), f"{peak:g} TFLOP/s x 0.5"
         step, bubble = estimate_step_time(cfg.model, layout, cfg.train.global_batch_size, hw)
-        how = ("saved tensors of one step's micro-batches in schedule order + weights, grads, optimizer state"
-               if cpu else "the allocator's peak (torch.cuda.max_memory_allocated)")
-        lines = [f"plan check after iteration {iteration}: {layout.describe()}, schedule {settings.schedule}, "
-                 f"{settings.num_microbatches} micro-batches (measured memory: {how})",
-                 f"    {'':<26}{'predicted':>12}{'measured':>12}{'error':>9}"]
-        mib = 2 ** 20
+        how = (
+            "saved tensors of one step's micro-batches in schedule order + weights, grads, optimizer state"
+            if cpu
+            else "the allocator's peak (torch.cuda.max_memory_allocated)"
+        )
+        lines = [
+            f"plan check after iteration {iteration}: {layout.describe()}, schedule {settings.schedule}, "
+            f"{settings.num_microbatches} micro-batches (measured memory: {how})",
+            f"    {'':<26}{'predicted':>12}{'measured':>12}{'error':>9}",
+        ]
+        mib = 2**20
         for r, mem in enumerate(pred):
             mine = [g for g in got if int(g[0]) == r]
             m_total = max(g[1] for g in mine) if mine else 0.0
-            lines.append(f"    {f'memory MiB, pp rank {r}':<26}{mem.total / mib:>12.2f}{m_total / mib:>12.2f}"
-                         f"{_fmt_error(mem.total, m_total):>9}")
+            lines.append(
+                f"    {f'memory MiB, pp rank {r}':<26}{mem.total / mib:>12.2f}{m_total / mib:>12.2f}"
+                f"{_fmt_error(mem.total, m_total):>9}"
+            )
             if cpu and mine:
                 m_act = max(g[2] for g in mine)
-                lines.append(f"    {'  of which activations':<26}{mem.activations / mib:>12.2f}{m_act / mib:>12.2f}"
-                             f"{_fmt_error(mem.activations, m_act):>9}")
+                lines.append(
+                    f"    {'  of which activations':<26}{mem.activations / mib:>12.2f}{m_act / mib:>12.2f}"
+                    f"{_fmt_error(mem.activations, m_act):>9}"
+                )
         m_step = max(g[3] for g in got)
         m_bubble = statistics.mean(g[4] for g in got)
-        lines.append(f"    {'step time ms':<26}{1e3 * step:>12.1f}{1e3 * m_step:>12.1f}{_fmt_error(step, m_step):>9}"
-                     f"  (hardware model at {rate})")
-        lines.append(f"    {'pipeline bubble':<26}{100 * bubble:>11.1f}%{100 * m_bubble:>11.1f}%"
-                     f"{'':>9}  (equal stages, B = 2 F)")
+        lines.append(
+            f"    {'step time ms':<26}{1e3 * step:>12.1f}{1e3 * m_step:>12.1f}{_fmt_error(step, m_step):>9}"
+            f"  (hardware model at {rate})"
+        )
+        lines.append(
+            f"    {'pipeline bubble':<26}{100 * bubble:>11.1f}%{100 * m_bubble:>11.1f}%{'':>9}  (equal stages, B = 2 F)"
+        )
         if getattr(self, "events", None):
-            timeline = {"schedule": settings.schedule, "pp": layout.pp, "vp": layout.vp,
-                        "m": settings.num_microbatches, "events": self.events, **_layout_meta(layout)}
-            sim = Calibration.fit(cfg.model, [MeasuredRun.from_timeline(timeline)]).simulate(layout,
-                                                                                            settings.num_microbatches)
-            lines.append(f"    {'  from measured F/B/W':<26}{100 * sim[1]:>11.1f}%{100 * m_bubble:>11.1f}%{'':>9}"
-                         f"  (this step's compute per stage, transfers free: the schedule {1e3 * sim[0]:.1f} ms)")
-        lines.append("    calibrate the planner with this run: --timeline-out FILE, then tools/plan.py --calibrate FILE")
+            timeline = {
+                "schedule": settings.schedule,
+                "pp": layout.pp,
+                "vp": layout.vp,
+                "m": settings.num_microbatches,
+                "events": self.events,
+                **_layout_meta(layout),
+            }
+            sim = Calibration.fit(cfg.model, [MeasuredRun.from_timeline(timeline)]).simulate(
+                layout, settings.num_microbatches
+            )
+            lines.append(
+                f"    {'  from measured F/B/W':<26}{100 * sim[1]:>11.1f}%{100 * m_bubble:>11.1f}%{'':>9}"
+                f"  (this step's compute per stage, transfers free: the schedule {1e3 * sim[0]:.1f} ms)"
+            )
+        lines.append(
+            "    calibrate the planner with this run: --timeline-out FILE, then tools/plan.py --calibrate FILE"
+        )
         return lines
 
 
@@ -352,13 +408,18 @@ def timeline_meta(trainer) -> Dict[str, object]:
     """What ``tools/plan.py --calibrate`` needs beside a timeline's events: the layout and the step's timers."""
     cfg, settings = trainer.cfg, trainer.settings
     layout = layout_of(cfg, settings)
-    return {**_layout_meta(layout),
-            "stage_layers": list(settings.stage_layers) if settings.stage_layers else None,
-            "num_layers": cfg.model.num_layers, "seq_length": cfg.model.seq_length,
-            "hidden_size": cfg.model.hidden_size, "params_dtype": cfg.model.params_dtype,
-            "device": trainer.ps.device.type, "host_cores": host_cores(),
-            "global_batch_size": cfg.train.global_batch_size,
-            "timers": dict(getattr(getattr(trainer, "plan_check", None), "last_times", {}) or {})}
+    return {
+        **_layout_meta(layout),
+        "stage_layers": list(settings.stage_layers) if settings.stage_layers else None,
+        "num_layers": cfg.model.num_layers,
+        "seq_length": cfg.model.seq_length,
+        "hidden_size": cfg.model.hidden_size,
+        "params_dtype": cfg.model.params_dtype,
+        "device": trainer.ps.device.type,
+        "host_cores": host_cores(),
+        "global_batch_size": cfg.train.global_batch_size,
+        "timers": dict(getattr(getattr(trainer, "plan_check", None), "last_times", {}) or {}),
+    }
 
 
 def host_cores() -> int:
@@ -367,9 +428,17 @@ def host_cores() -> int:
 
 
 def _layout_meta(layout: Layout) -> Dict[str, object]:
-    meta = {"tp": layout.tp, "dp": layout.dp, "cp": layout.cp, "mbs": layout.mbs, "recompute": layout.recompute,
-            "sp": layout.sp, "dist_opt": layout.dist_opt, "cp_comm": layout.cp_comm,
-            "stage_layers": list(layout.stage_layers) if layout.stage_layers else None}
+    meta = {
+        "tp": layout.tp,
+        "dp": layout.dp,
+        "cp": layout.cp,
+        "mbs": layout.mbs,
+        "recompute": layout.recompute,
+        "sp": layout.sp,
+        "dist_opt": layout.dist_opt,
+        "cp_comm": layout.cp_comm,
+        "stage_layers": list(layout.stage_layers) if layout.stage_layers else None,
+    }
     if layout.ep > 1 or layout.etp is not None:  # MoE only: a dense run's timeline keeps its keys
         meta.update(ep=layout.ep, etp=layout.etp, moe_dispatcher=layout.moe_dispatcher)
     return meta

@@ -32,24 +32,33 @@ attention load-balanced) and passes keys and values around the CP ring: 2 (cp - 
 layer forward, twice that backward, hidden behind the core attention where it is shorter. Rough by
 design: its job is to rank layouts; analysis/calibrate.py predicts from a measured run's costs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
-from megalite.analysis.moe_plan import (dispatch_buffer_bytes, dispatch_bytes_per_layer, expert_tp,
-                                        moe_block_activation_bytes, moe_block_params)
+from megalite.analysis.moe_plan import (
+    dispatch_buffer_bytes,
+    dispatch_bytes_per_layer,
+    expert_tp,
+    moe_block_activation_bytes,
+    moe_block_params,
+)
 from megalite.analysis.simulate import simulate_schedule
 from megalite.config import ModelConfig
 from megalite.model.spec import OUTPUT_LAYER, ModelSpec, split_counts
+from megalite.observability.throughput import flops_per_iteration, recompute_flops_per_iteration
 from megalite.pipeline.registry import build_compute, default_schedule_name, layout_for
 from megalite.pipeline.stage_layout import StageLayout
-from megalite.observability.throughput import flops_per_iteration, recompute_flops_per_iteration
 
-RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
-GiB = 2 ** 30
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -98,8 +107,14 @@ class Layout:
 
     def flags(self, num_layers: int) -> List[str]:
         """pretrain_gpt.py flags that select this layout."""
-        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
-               "--micro-batch-size", str(self.mbs)]
+        out = [
+            "--tensor-model-parallel-size",
+            str(self.tp),
+            "--pipeline-model-parallel-size",
+            str(self.pp),
+            "--micro-batch-size",
+            str(self.mbs),
+        ]
         if self.vp > 1:
             out += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (self.pp * self.vp))]
         if self.schedule_name:
@@ -125,16 +140,21 @@ class Layout:
         return out
 
     def describe(self) -> str:
-        moe = (f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' etp{self.etp}' if self.etp not in (None, self.tp) else ''}"
-               f"{' a2a' if self.moe_dispatcher == 'alltoall' else ''}")
-        return (f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''}{moe} "
-                f"mbs{self.mbs} {self.recompute}{' sp' if self.sp else ''}{' zero1' if self.dist_opt else ''}"
-                f"{f' {self.schedule_name}' if self.schedule_name else ''}")
+        moe = (
+            f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' etp{self.etp}' if self.etp not in (None, self.tp) else ''}"
+            f"{' a2a' if self.moe_dispatcher == 'alltoall' else ''}"
+        )
+        return (
+            f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''}{moe} "
+            f"mbs{self.mbs} {self.recompute}{' sp' if self.sp else ''}{' zero1' if self.dist_opt else ''}"
+            f"{f' {self.schedule_name}' if self.schedule_name else ''}"
+        )
 
 
 @dataclass(frozen=True)
 class Memory:
     """Bytes on one rank."""
+
     weights: float
     grads: float
     optimizer: float
@@ -228,8 +248,17 @@ def norm_bytes(cfg: ModelConfig, tokens: float, device: str) -> float:
     return tokens * (e * h + 8)  # LayerNorm: input, mean and rstd
 
 
-def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, mbs: int, device: str = "cuda", cp: int = 1,
-                           cp_comm: str = "p2p", moe: bool = False, etp: int = 1) -> float:
+def layer_activation_bytes(
+    cfg: ModelConfig,
+    tp: int,
+    sp: bool,
+    mbs: int,
+    device: str = "cuda",
+    cp: int = 1,
+    cp_comm: str = "p2p",
+    moe: bool = False,
+    etp: int = 1,
+) -> float:
     """Bytes one transformer layer saves for backward, per micro-batch, on one rank (no recompute);
     ``moe``: an MoE layer, its MLP replaced by the MoE block (experts split over ``etp``)."""
     e = 2 if cfg.params_dtype != "float32" else 4
@@ -273,8 +302,16 @@ def core_attention_bytes(cfg: ModelConfig, mbs: int, e: int, device: str = "cuda
     return (e * s * b * cfg.head_dim * nq if device == "cuda" else 0) + 4 * nq * s * b
 
 
-def chunk_activation_bytes(cfg: ModelConfig, layout: Layout, layers: int, first: bool, last: bool,
-                           device: str = "cuda", cp_comm: str = "p2p", moe_layers: int = 0) -> float:
+def chunk_activation_bytes(
+    cfg: ModelConfig,
+    layout: Layout,
+    layers: int,
+    first: bool,
+    last: bool,
+    device: str = "cuda",
+    cp_comm: str = "p2p",
+    moe_layers: int = 0,
+) -> float:
     """One micro-batch's saved bytes for a chunk of ``layers`` layers, ``moe_layers`` of them MoE layers
     (embedding / loss when first / last)."""
     e = 2 if cfg.params_dtype != "float32" else 4
@@ -286,8 +323,9 @@ def chunk_activation_bytes(cfg: ModelConfig, layout: Layout, layers: int, first:
     else:
         total = (layers - moe_layers) * layer_activation_bytes(cfg, t, sp, b, device, layout.cp, cp_comm)
         if moe_layers:
-            total += moe_layers * layer_activation_bytes(cfg, t, sp, b, device, layout.cp, cp_comm, moe=True,
-                                                         etp=layout.expert_tp)
+            total += moe_layers * layer_activation_bytes(
+                cfg, t, sp, b, device, layout.cp, cp_comm, moe=True, etp=layout.expert_tp
+            )
     if cfg.position_embedding_type == "rope" and layers:
         total += 2 * 4 * cfg.seq_length * cfg.head_dim  # fp32 cos and sin tables, shared by the chunk's layers
     if first:
@@ -321,8 +359,9 @@ def _in_flight_pattern(name: str, pp: int, vp: int, m: int, rank: int) -> Tuple[
     return tuple(out)
 
 
-def activation_bytes_per_rank(cfg: ModelConfig, layout: Layout, global_batch_size: int,
-                              device: str = "cuda") -> List[float]:
+def activation_bytes_per_rank(
+    cfg: ModelConfig, layout: Layout, global_batch_size: int, device: str = "cuda"
+) -> List[float]:
     """Peak saved bytes on each pipeline rank over one step of its schedule."""
     pp, vp, place = layout.pp, layout.vp, layout.placement()
     m, ids = layout.num_microbatches(global_batch_size), stage_layer_ids(cfg, layout)
@@ -332,8 +371,19 @@ def activation_bytes_per_rank(cfg: ModelConfig, layout: Layout, global_batch_siz
     out = []
     for rank in range(pp):
         stages = [place.stage(rank, c) for c in range(vp)]
-        sizes = [chunk_activation_bytes(cfg, layout, len(ids[s]), first=s == 0, last=s == place.num_stages - 1,
-                                        device=device, cp_comm=layout.cp_comm, moe_layers=moe[s]) for s in stages]
+        sizes = [
+            chunk_activation_bytes(
+                cfg,
+                layout,
+                len(ids[s]),
+                first=s == 0,
+                last=s == place.num_stages - 1,
+                device=device,
+                cp_comm=layout.cp_comm,
+                moe_layers=moe[s],
+            )
+            for s in stages
+        ]
         pattern = _in_flight_pattern(layout.schedule(), pp, vp, m, rank)
         peak = max(sum(n * size for n, size in zip(held, sizes)) for held in pattern)
         if any(moe[s] for s in stages):  # one layer's token exchange at a time, at the peak
@@ -404,8 +454,16 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, global_batch_size: int,
         kv = 2 * e * cfg.seq_length // cp * mbs * cfg.head_dim * cfg.query_groups / t
         bw = (hw.intra_node_gbps if t * cp <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9
         ring = 3 * (cp - 1) * kv / bw
-        attention = 6.0 * mbs * cfg.seq_length / cp * cfg.seq_length * cfg.head_dim * cfg.num_attention_heads / (
-            hw.peak_tflops * 1e12 * hw.efficiency * t)
+        attention = (
+            6.0
+            * mbs
+            * cfg.seq_length
+            / cp
+            * cfg.seq_length
+            * cfg.head_dim
+            * cfg.num_attention_heads
+            / (hw.peak_tflops * 1e12 * hw.efficiency * t)
+        )
         exposed = max(0.0, ring - attention) if layout.cp_comm == "p2p" else ring
         forward += layers * exposed / 3
     if layout.pp > 1:  # each virtual stage sends its output forward and receives its gradient back

@@ -2,6 +2,7 @@
 that fit, fastest first (tools/plan.py), why none fits, and the fitting layouts nearest a given one
 (``--plan-check``'s suggestions). Memory and time come from planner.py.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -9,8 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-from megalite.analysis.planner import (RECOMPUTE, GiB, Hardware, Layout, Memory, estimate_memory,
-                                       estimate_step_time)
+from megalite.analysis.planner import RECOMPUTE, GiB, Hardware, Layout, Memory, estimate_memory, estimate_step_time
 from megalite.config import ModelConfig
 from megalite.pipeline.registry import validate_schedule
 
@@ -26,8 +26,9 @@ def default_cp_sizes(seq_length: int) -> Tuple[int, ...]:
     return (1, 2, 4, 8) if seq_length >= LONG_SEQUENCE else (1,)
 
 
-def model_splits(cfg: ModelConfig, num_gpus: int, gpus_per_node: int = 8,
-                 cp_sizes: Sequence[int] = (1,)) -> Iterator[Tuple[int, int, int, int]]:
+def model_splits(
+    cfg: ModelConfig, num_gpus: int, gpus_per_node: int = 8, cp_sizes: Sequence[int] = (1,)
+) -> Iterator[Tuple[int, int, int, int]]:
     """(tp, pp, dp, cp) for every split of ``num_gpus`` this model allows (tp x cp within a node for cp > 1
     is not required; tp within a node is), batch aside."""
     for tp, pp, cp in itertools.product(_divisors(num_gpus), _divisors(num_gpus), cp_sizes):
@@ -40,28 +41,44 @@ def model_splits(cfg: ModelConfig, num_gpus: int, gpus_per_node: int = 8,
         yield tp, pp, num_gpus // (tp * pp * cp), cp
 
 
-def expert_splits(cfg: ModelConfig, tp: int, stage_ranks: int, ep_sizes: Optional[Sequence[int]] = None,
-                  etp_sizes: Optional[Sequence[int]] = None) -> List[Tuple[int, Optional[int], str]]:
+def expert_splits(
+    cfg: ModelConfig,
+    tp: int,
+    stage_ranks: int,
+    ep_sizes: Optional[Sequence[int]] = None,
+    etp_sizes: Optional[Sequence[int]] = None,
+) -> List[Tuple[int, Optional[int], str]]:
     """(ep, etp, dispatcher) for an MoE on a stage of ``stage_ranks`` ranks (tp x cp x dp): every ep dividing
     the experts (or ``ep_sizes``), etp = tp or 1 (or ``etp_sizes``); alltoall once experts are split, as
     Megatron advises. A dense model: only (1, None, allgather)."""
     if not cfg.is_moe:
         return [(1, None, "allgather")]
     out = []
-    for ep in (ep_sizes or _divisors(cfg.num_experts)):
-        for etp in (etp_sizes or sorted({tp, 1})):
-            if (cfg.num_experts % ep or stage_ranks % (ep * etp) or cfg.moe_ffn_size % etp
-                    or (cfg.add_bias_linear and etp > 1)):
+    for ep in ep_sizes or _divisors(cfg.num_experts):
+        for etp in etp_sizes or sorted({tp, 1}):
+            if (
+                cfg.num_experts % ep
+                or stage_ranks % (ep * etp)
+                or cfg.moe_ffn_size % etp
+                or (cfg.add_bias_linear and etp > 1)
+            ):
                 continue
             out.append((ep, None if etp == tp else etp, "alltoall" if ep > 1 else "allgather"))
     return out
 
 
-def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch_size: int, gpus_per_node: int = 8,
-                      micro_batches: Sequence[int] = (1, 2, 4, 8), max_vp: int = 4,
-                      cp_sizes: Sequence[int] = (1,), schedules: Sequence[str] = (),
-                      ep_sizes: Optional[Sequence[int]] = None,
-                      etp_sizes: Optional[Sequence[int]] = None) -> Iterator[Layout]:
+def candidate_layouts(
+    cfg: ModelConfig,
+    num_gpus: int,
+    global_batch_size: int,
+    gpus_per_node: int = 8,
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    max_vp: int = 4,
+    cp_sizes: Sequence[int] = (1,),
+    schedules: Sequence[str] = (),
+    ep_sizes: Optional[Sequence[int]] = None,
+    etp_sizes: Optional[Sequence[int]] = None,
+) -> Iterator[Layout]:
     """Every layout pretrain_gpt.py accepts for this model on ``num_gpus`` devices (tp within a node), with
     Megatron's default schedule and each of ``schedules`` that runs on it (an MoE: each expert split,
     expert_splits)."""
@@ -71,10 +88,12 @@ def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch_size: int, g
         if cfg.is_moe and tp > 1 and not sp:  # an MoE with tp needs sequence parallelism
             continue
         experts = expert_splits(cfg, tp, tp * cp * dp, ep_sizes, etp_sizes)
-        for vp, mbs, rec, dist_opt, (ep, etp, disp) in itertools.product(vps, micro_batches, RECOMPUTE,
-                                                                         (False, True), experts):
-            layout = Layout(tp, pp, dp, vp, mbs, rec, sp=sp, dist_opt=dist_opt, cp=cp, ep=ep, etp=etp,
-                            moe_dispatcher=disp)
+        for vp, mbs, rec, dist_opt, (ep, etp, disp) in itertools.product(
+            vps, micro_batches, RECOMPUTE, (False, True), experts
+        ):
+            layout = Layout(
+                tp, pp, dp, vp, mbs, rec, sp=sp, dist_opt=dist_opt, cp=cp, ep=ep, etp=etp, moe_dispatcher=disp
+            )
             if (dist_opt and dp * cp == 1) or global_batch_size % (mbs * dp):
                 continue
             for name in (None, *(s for s in schedules if s != layout.schedule())):
@@ -93,9 +112,17 @@ class Plan:
     bubble: float
 
 
-def plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_batch_size: int,
-         hw: Optional[Hardware] = None, headroom: float = 0.15, device: str = "cuda",
-         step_time: Optional[Callable[[Layout], Tuple[float, float]]] = None, **search) -> List[Plan]:
+def plan(
+    cfg: ModelConfig,
+    num_gpus: int,
+    gpu_memory_gib: float,
+    global_batch_size: int,
+    hw: Optional[Hardware] = None,
+    headroom: float = 0.15,
+    device: str = "cuda",
+    step_time: Optional[Callable[[Layout], Tuple[float, float]]] = None,
+    **search,
+) -> List[Plan]:
     """Layouts whose estimated memory fits in (1 - headroom) x the device memory, fastest first.
 
     ``step_time(layout) -> (seconds, bubble)`` replaces the hardware model (a calibrated prediction).
@@ -110,32 +137,60 @@ def plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_batch_si
     for layout in candidate_layouts(cfg, num_gpus, global_batch_size, hw.gpus_per_node, **search):
         mem = estimate_memory(cfg, layout, global_batch_size, device)
         if mem.total <= budget:
-            out.append(Plan(layout, mem, *(step_time(layout) if step_time else
-                                           estimate_step_time(cfg, layout, global_batch_size, hw))))
+            out.append(
+                Plan(
+                    layout,
+                    mem,
+                    *(step_time(layout) if step_time else estimate_step_time(cfg, layout, global_batch_size, hw)),
+                )
+            )
     rec = {name: i for i, name in enumerate(RECOMPUTE)}
     fastest = min((p.step_s for p in out), default=1.0)
-    return sorted(out, key=lambda p: (int(math.log(p.step_s / fastest) / math.log(1.02)), p.layout.pp * p.layout.vp,
-                                      p.layout.tp * p.layout.cp, rec[p.layout.recompute], p.layout.ep,
-                                      p.memory.total))
+    return sorted(
+        out,
+        key=lambda p: (
+            int(math.log(p.step_s / fastest) / math.log(1.02)),
+            p.layout.pp * p.layout.vp,
+            p.layout.tp * p.layout.cp,
+            rec[p.layout.recompute],
+            p.layout.ep,
+            p.memory.total,
+        ),
+    )
 
 
 def layout_distance(a: Layout, b: Layout) -> float:
     """How far apart two layouts are, in flags to change (each doubling or halving of a size counts one)."""
-    sizes = sum(abs(math.log2(x) - math.log2(y)) for x, y in ((a.tp, b.tp), (a.pp, b.pp), (a.vp, b.vp),
-                                                              (a.cp, b.cp), (a.mbs, b.mbs), (a.ep, b.ep),
-                                                              (a.expert_tp, b.expert_tp)))
+    sizes = sum(
+        abs(math.log2(x) - math.log2(y))
+        for x, y in (
+            (a.tp, b.tp),
+            (a.pp, b.pp),
+            (a.vp, b.vp),
+            (a.cp, b.cp),
+            (a.mbs, b.mbs),
+            (a.ep, b.ep),
+            (a.expert_tp, b.expert_tp),
+        )
+    )
     rec = {name: i for i, name in enumerate(RECOMPUTE)}
     return sizes + abs(rec[a.recompute] - rec[b.recompute]) + (a.sp != b.sp) * 0.5 + (a.dist_opt != b.dist_opt) * 0.5
 
 
-def nearest_fitting(cfg: ModelConfig, layout: Layout, global_batch_size: int, budget_bytes: float,
-                    device: str = "cuda", count: int = 3, gpus_per_node: int = 8) -> List[Tuple[Layout, Memory]]:
+def nearest_fitting(
+    cfg: ModelConfig,
+    layout: Layout,
+    global_batch_size: int,
+    budget_bytes: float,
+    device: str = "cuda",
+    count: int = 3,
+    gpus_per_node: int = 8,
+) -> List[Tuple[Layout, Memory]]:
     """The ``count`` layouts on the same number of devices nearest ``layout`` whose estimate fits ``budget_bytes``
     (same model and global batch; context parallelism searched when the run uses it or the sequence is long)."""
     cps = sorted(set(default_cp_sizes(cfg.seq_length)) | {1, layout.cp})
     found = []
-    for cand in candidate_layouts(cfg, layout.world, global_batch_size, max(gpus_per_node, layout.tp),
-                                  cp_sizes=cps):
+    for cand in candidate_layouts(cfg, layout.world, global_batch_size, max(gpus_per_node, layout.tp), cp_sizes=cps):
         mem = estimate_memory(cfg, cand, global_batch_size, device)
         if mem.total <= budget_bytes:
             found.append((layout_distance(cand, layout), mem.total, cand, mem))
@@ -143,8 +198,15 @@ def nearest_fitting(cfg: ModelConfig, layout: Layout, global_batch_size: int, bu
     return [(c, m) for _, _, c, m in found[:count]]
 
 
-def why_no_plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_batch_size: int,
-                hw: Optional[Hardware] = None, headroom: float = 0.15, **search) -> Tuple[str, bool]:
+def why_no_plan(
+    cfg: ModelConfig,
+    num_gpus: int,
+    gpu_memory_gib: float,
+    global_batch_size: int,
+    hw: Optional[Hardware] = None,
+    headroom: float = 0.15,
+    **search,
+) -> Tuple[str, bool]:
     """Why ``plan`` found nothing, as one line naming what to change; True when no layout at all takes the batch.
 
     The global batch must be a multiple of micro-batch x dp and give each pipeline enough micro-batches;
@@ -156,8 +218,10 @@ def why_no_plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_b
     dps = sorted({dp for _, _, dp, _ in model_splits(cfg, num_gpus, hw.gpus_per_node, search.get("cp_sizes", (1,)))})
 
     def works(gbs: int, memory: bool) -> bool:
-        return any(not memory or estimate_memory(cfg, layout, gbs).total <= budget
-                   for layout in candidate_layouts(cfg, num_gpus, gbs, hw.gpus_per_node, **search))
+        return any(
+            not memory or estimate_memory(cfg, layout, gbs).total <= budget
+            for layout in candidate_layouts(cfg, num_gpus, gbs, hw.gpus_per_node, **search)
+        )
 
     def nearest(memory: bool) -> Optional[int]:  # the smallest larger batch some data-parallel size divides
         tries = sorted({-(-global_batch_size // dp) * dp for dp in dps} | {global_batch_size * 2})
@@ -167,12 +231,19 @@ def why_no_plan(cfg: ModelConfig, num_gpus: int, gpu_memory_gib: float, global_b
     sizes = f"the data-parallel sizes this model allows on {num_gpus} GPUs are {', '.join(map(str, dps))}"
     if not works(global_batch_size, memory=False):
         better = nearest(memory=False)
-        why = ("is not divisible by any data-parallel size" if all(global_batch_size % dp for dp in dps)
-               else "gives too few micro-batches for every pipeline split")
-        return (f"--global-batch-size {global_batch_size} {why} ({sizes}); "
-                + (f"use e.g. {better}" if better else "change it or --num-gpus")), True
+        why = (
+            "is not divisible by any data-parallel size"
+            if all(global_batch_size % dp for dp in dps)
+            else "gives too few micro-batches for every pipeline split"
+        )
+        return (
+            f"--global-batch-size {global_batch_size} {why} ({sizes}); "
+            + (f"use e.g. {better}" if better else "change it or --num-gpus")
+        ), True
     better = nearest(memory=True)
     if better:
-        return (f"{fits} with --global-batch-size {global_batch_size}, one does with {better} ({sizes}); or "
-                f"add devices, lower --seq-length, or raise --gpu-memory"), False
+        return (
+            f"{fits} with --global-batch-size {global_batch_size}, one does with {better} ({sizes}); or "
+            f"add devices, lower --seq-length, or raise --gpu-memory"
+        ), False
     return f"{fits}: add devices, lower --seq-length, or raise --gpu-memory", False

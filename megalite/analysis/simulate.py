@@ -23,6 +23,7 @@ backward's matmuls). A chunk's activations count as alive from its F to its
 W (to its B when the schedule has no W): the inputs the weight GEMMs read are
 held until then.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -90,8 +91,7 @@ def _check_op(rank: int, pos: int, op: P2POp, layout: StageLayout) -> None:
         raise ScheduleError(f"rank {rank} action {pos}: malformed op {op}")
     local, remote = (op.src_stage, op.dst_stage) if op.op == "send" else (op.dst_stage, op.src_stage)
     if layout.rank_of(local) != rank or op.peer != layout.rank_of(remote) or op.peer == rank:
-        raise ScheduleError(f"rank {rank} action {pos}: op {op} does not connect rank {rank} "
-                            f"to the rank of its stage")
+        raise ScheduleError(f"rank {rank} action {pos}: op {op} does not connect rank {rank} to the rank of its stage")
 
 
 def _fail(rank: int, pos: int, action: Action, problem: str) -> NoReturn:
@@ -175,7 +175,7 @@ def _match_channels(actions: list[list[Action]]) -> tuple[dict[Pos, list[Pos]], 
             needs[s_pos].append(r_pos)
             needs[r_pos].append(s_pos)
             pairs[(s_pos, s_op)], pairs[(r_pos, r_op)] = r_pos, s_pos
-        extra = s_list[len(r_list):] or r_list[len(s_list):]
+        extra = s_list[len(r_list) :] or r_list[len(s_list) :]
         if extra:
             (rank, pos), op = extra[0]
             raise ScheduleError(
@@ -194,8 +194,7 @@ def _deadlock_message(actions: list[list[Action]], pc: list[int], needs: dict, p
             continue
         waiting = sorted({p[0] for p in needs[(rank, pc[rank])] if p not in posted})
         parts.append(
-            f"rank {rank} at action {pc[rank]} {format_action(rank_actions[pc[rank]])} "
-            f"waits for rank(s) {waiting}"
+            f"rank {rank} at action {pc[rank]} {format_action(rank_actions[pc[rank]])} waits for rank(s) {waiting}"
         )
     return "deadlock: " + "; ".join(parts)
 
@@ -216,8 +215,16 @@ class _Tally:
 
     def compute(self, rank: int, action: Compute) -> None:
         end = self.now[rank] + self.cost(rank, action)
-        self.events.append({"rank": rank, "kind": action.kind, "mb": action.mb,
-                            "chunk": action.chunk, "start": self.now[rank], "end": end})
+        self.events.append(
+            {
+                "rank": rank,
+                "kind": action.kind,
+                "mb": action.mb,
+                "chunk": action.chunk,
+                "start": self.now[rank],
+                "end": end,
+            }
+        )
         self.busy[rank] += end - self.now[rank]
         self.now[rank] = end
         freed = "W" if self.split else "B"  # the kind after which a chunk's activations are gone
@@ -252,8 +259,9 @@ def _run_rendezvous(actions: list[list[Action]], needs: dict[Pos, list[Pos]], ta
         raise DeadlockError(_deadlock_message(actions, pc, needs, posted))
 
 
-def _run_executor(actions: list[list[Action]], needs: dict[Pos, list[Pos]], pairs: dict, tally: _Tally,
-                  layout: StageLayout) -> None:
+def _run_executor(
+    actions: list[list[Action]], needs: dict[Pos, list[Pos]], pairs: dict, tally: _Tally, layout: StageLayout
+) -> None:
     """The executor's semantics: a Comm is posted without blocking; a compute waits only for the
     receive it reads (complete once the matching send is posted); sends complete at step end.
 
@@ -294,9 +302,15 @@ def _run_executor(actions: list[list[Action]], needs: dict[Pos, list[Pos]], pair
                 now[rank] = max([now[rank]] + [posted[p] for p in waits])
     if not all(finished):
         stuck = [r for r in range(pp) if not finished[r]]
-        where = "; ".join(f"rank {r} at action {pc[r]}" + (f" {format_action(actions[r][pc[r]])}"
-                          if pc[r] < len(actions[r]) else " (step end: a send nobody receives)")
-                          for r in stuck)
+        where = "; ".join(
+            f"rank {r} at action {pc[r]}"
+            + (
+                f" {format_action(actions[r][pc[r]])}"
+                if pc[r] < len(actions[r])
+                else " (step end: a send nobody receives)"
+            )
+            for r in stuck
+        )
         raise DeadlockError(f"deadlock (executor semantics): {where}")
 
 
@@ -395,10 +409,27 @@ def timeline_bubble(timeline: dict) -> list[float]:
     return [(makespan - b) / b if b > 0 else 0.0 for b in busy]
 
 
-def simulate_schedule(name: str, pp: int, vp: int, m: int, f_cost: float = 1.0,
-                      b_cost: float = 2.0, stage_costs: Optional[Sequence[tuple]] = None,
-                      w_cost: Optional[float] = None, mode: str = "rendezvous") -> SimResult:
+def simulate_schedule(
+    name: str,
+    pp: int,
+    vp: int,
+    m: int,
+    f_cost: float = 1.0,
+    b_cost: float = 2.0,
+    stage_costs: Optional[Sequence[tuple]] = None,
+    w_cost: Optional[float] = None,
+    mode: str = "rendezvous",
+) -> SimResult:
     """Build schedule ``name`` with communication and simulate it."""
-    return simulate(build_schedule(name, pp, vp, m), pp, vp, f_cost, b_cost, schedule=name,
-                    stage_costs=stage_costs, w_cost=w_cost, layout=layout_for(name, pp, vp), mode=mode)
-
+    return simulate(
+        build_schedule(name, pp, vp, m),
+        pp,
+        vp,
+        f_cost,
+        b_cost,
+        schedule=name,
+        stage_costs=stage_costs,
+        w_cost=w_cost,
+        layout=layout_for(name, pp, vp),
+        mode=mode,
+    )

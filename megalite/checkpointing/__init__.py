@@ -30,18 +30,30 @@ load source; nothing here imports it.
 The public names below are imported on first use (PEP 562), so that the config package can
 read ``formats.py``'s plain data without importing the whole checkpointing room.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
 _PUBLIC = {
-    "Checkpointer": "manager", "save_checkpoint": "manager", "load_checkpoint": "manager",
-    "RunParts": "run", "RUN_FORMATS": "run_formats", "FormatRegistry": "formats",
-    "LATEST": "protocol", "iteration_dir": "protocol", "read_latest": "protocol",
-    "FORMAT_VERSION": "run_state", "SHAPE_FIELDS": "run_state", "RandomStates": "run_state",
-    "check_model_shape": "run_state", "saved_stage_layers": "run_state", "stage_counts": "run_state",
-    "CheckpointError": "safe_load", "legacy_dir": "torch_format",
+    "Checkpointer": "manager",
+    "save_checkpoint": "manager",
+    "load_checkpoint": "manager",
+    "RunParts": "run",
+    "RUN_FORMATS": "run_formats",
+    "FormatRegistry": "formats",
+    "LATEST": "protocol",
+    "iteration_dir": "protocol",
+    "read_latest": "protocol",
+    "FORMAT_VERSION": "run_state",
+    "SHAPE_FIELDS": "run_state",
+    "RandomStates": "run_state",
+    "check_model_shape": "run_state",
+    "saved_stage_layers": "run_state",
+    "stage_counts": "run_state",
+    "CheckpointError": "safe_load",
+    "legacy_dir": "torch_format",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -19,6 +19,7 @@
 ``Checkpointer.poll`` (one tiny all-reduce per iteration while a save is in flight) decides on
 every rank at the same iteration that all writes finished; ``Checkpointer.wait`` joins first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,10 +29,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from megalite.parallel.agreement import flag_on_any_rank
 from megalite.checkpointing.protocol import LATEST, begin_save, publish_save, write_json
 from megalite.checkpointing.run_state import RandomStates, run_meta
 from megalite.checkpointing.safe_load import CheckpointError
+from megalite.parallel.agreement import flag_on_any_rank
 from megalite.parallel.state import ParallelState
 
 if TYPE_CHECKING:
@@ -82,8 +83,10 @@ def _root_cause(e: BaseException) -> BaseException:
 def save_failed(root: str, iteration: int, error: Optional[BaseException]) -> CheckpointError:
     """The one line every rank raises when a save failed (``error``: this rank's, None: another rank's)."""
     where = f"saving the checkpoint of iteration {iteration} to {root} failed"
-    tail = (f"; {LATEST} still names the previous checkpoint, if any (free space or fix --save, then resume "
-            f"with --load {root})")
+    tail = (
+        f"; {LATEST} still names the previous checkpoint, if any (free space or fix --save, then resume "
+        f"with --load {root})"
+    )
     if error is None:
         return CheckpointError(f"{where} on another rank (its error is printed there){tail}")
     e = _root_cause(error)
@@ -128,8 +131,15 @@ class SaveJob:
             self.thread.join()
 
 
-def start_save(run: "RunParts", root: str, fmt: "Format", keep_last: Optional[int], copy: bool = False, group=None,
-               buffers: Optional[dict] = None) -> SaveJob:
+def start_save(
+    run: "RunParts",
+    root: str,
+    fmt: "Format",
+    keep_last: Optional[int],
+    copy: bool = False,
+    group=None,
+    buffers: Optional[dict] = None,
+) -> SaveJob:
     """The snapshot phase (collective): iter_N.tmp, every piece of state taken; the job that writes it.
 
     ``fmt`` (a run format of the registry) takes the state and returns its writer. ``copy``
@@ -161,6 +171,7 @@ def start_save(run: "RunParts", root: str, fmt: "Format", keep_last: Optional[in
         write()
         if ps.rank == 0:
             write_json(os.path.join(tmp, "meta.json"), meta)
+
     return SaveJob(root, it, name, keep_last, write_all)
 
 

@@ -5,6 +5,7 @@ layout, whether it writes one file set per TP rank. The config package reads the
 before the checkpointing room is), the run formats in run_formats.py carry them, and the
 FormatRegistry (formats.py) is keyed on their names.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +13,16 @@ from typing import Sequence, Tuple
 
 from megalite.checkpointing.safe_load import CheckpointError
 
-__all__ = ["FormatInfo", "SHARDED_INFO", "TORCH_INFO", "RUN_FORMAT_INFOS", "format_info", "format_names",
-           "ckpt_format_help", "layout_free_format"]
+__all__ = [
+    "FormatInfo",
+    "SHARDED_INFO",
+    "TORCH_INFO",
+    "RUN_FORMAT_INFOS",
+    "format_info",
+    "format_names",
+    "ckpt_format_help",
+    "layout_free_format",
+]
 
 
 @dataclass(frozen=True)
@@ -26,10 +35,15 @@ class FormatInfo:
     files_per_tp_rank: bool  # one file set per tensor-parallel rank (cannot hold experts split finer than TP)
 
 
-SHARDED_INFO = FormatInfo("sharded", "layout-free, loads into any tp/pp/vp/dp", layout_free=True,
-                          files_per_tp_rank=False)
-TORCH_INFO = FormatInfo("torch", "Megatron-LM's legacy mp_rank_XX/model_optim_rng.pt files (same tp/pp/vp to load)",
-                        layout_free=False, files_per_tp_rank=True)
+SHARDED_INFO = FormatInfo(
+    "sharded", "layout-free, loads into any tp/pp/vp/dp", layout_free=True, files_per_tp_rank=False
+)
+TORCH_INFO = FormatInfo(
+    "torch",
+    "Megatron-LM's legacy mp_rank_XX/model_optim_rng.pt files (same tp/pp/vp to load)",
+    layout_free=False,
+    files_per_tp_rank=True,
+)
 RUN_FORMAT_INFOS: Tuple[FormatInfo, ...] = (SHARDED_INFO, TORCH_INFO)  # the first is the default
 
 

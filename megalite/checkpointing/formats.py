@@ -14,6 +14,7 @@
 
 The run's own load path asks the registry; it never imports interop.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
@@ -33,8 +34,9 @@ class Format(Protocol):
     def background_group(self, run: RunParts):
         """The process group an --async-save write uses for its collectives (None: it needs none)."""
 
-    def snapshot(self, run: RunParts, tmp: str, meta: dict, rng: dict, keep: Callable,
-                 background: bool) -> Callable[[], None]:
+    def snapshot(
+        self, run: RunParts, tmp: str, meta: dict, rng: dict, keep: Callable, background: bool
+    ) -> Callable[[], None]:
         """Take this rank's state (``keep(tensor_tree, name)``: a view, or a host copy with --async-save)
         and return the function that writes it into ``tmp`` (may run in a background thread)."""
 

@@ -17,6 +17,7 @@ The last stage's copy of a tied embedding is not saved; it is read from the
 word embeddings. The same blocks describe what a rank writes and what it needs
 to read, in any (tp, pp, vp) layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ class Block:
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This block's part of the local tensor ``t`` (a view)."""
-        return t[self.local_rows[0]:self.local_rows[1]]
+        return t[self.local_rows[0] : self.local_rows[1]]
 
     @property
     def key(self) -> str:
@@ -50,8 +51,13 @@ class Block:
 
 
 def _rows(name, global_shape, row_offset, a, b) -> Block:
-    return Block(name, tuple(global_shape), (row_offset,) + (0,) * (len(global_shape) - 1), (a, b),
-                 (b - a,) + tuple(global_shape[1:]))
+    return Block(
+        name,
+        tuple(global_shape),
+        (row_offset,) + (0,) * (len(global_shape) - 1),
+        (a, b),
+        (b - a,) + tuple(global_shape[1:]),
+    )
 
 
 def param_blocks(chunk: GPTModel, name: str, p: nn.Parameter, for_write: bool) -> List[Block]:
@@ -112,11 +118,16 @@ def flat_boxes(offsets: Sequence[int], sizes: Sequence[int], lo: int, hi: int) -
     out: List[Tuple[tuple, tuple, int]] = []
 
     def walk(dim: int, head: tuple, a: int, b: int) -> None:  # [a, b) of the sub-box at index ``head``
-        stride = math.prod(sizes[dim + 1:])
+        stride = math.prod(sizes[dim + 1 :])
         first, last = a // stride, (b - 1) // stride
         if dim == len(sizes) - 1 or (a % stride == 0 and b % stride == 0):
-            out.append((tuple(o + h for o, h in zip(offsets, head + (first,))) + tuple(offsets[dim + 1:]),
-                        (1,) * dim + (last + 1 - first,) + tuple(sizes[dim + 1:]), 0))
+            out.append(
+                (
+                    tuple(o + h for o, h in zip(offsets, head + (first,))) + tuple(offsets[dim + 1 :]),
+                    (1,) * dim + (last + 1 - first,) + tuple(sizes[dim + 1 :]),
+                    0,
+                )
+            )
         elif first == last:
             walk(dim + 1, head + (first,), a - first * stride, b - first * stride)
         else:

@@ -12,31 +12,43 @@ random states ``run_state.py``'s. A save is a snapshot then the writes (``async_
 ``--async-save`` the Checkpointer writes in a background thread, ``poll`` (each
 iteration) publishes once every rank has written, ``wait`` finishes the one in flight.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 from typing import Optional
 
-from megalite.parallel.agreement import flags_on_any_rank
 from megalite.checkpointing.async_save import SaveJob, conclude, save_failed, start_save
 from megalite.checkpointing.format_info import SHARDED_INFO
 from megalite.checkpointing.formats import FormatRegistry
-from megalite.checkpointing.protocol import LATEST, iteration_dir, read_json, read_latest, read_latest_text, \
-    saved_iterations
+from megalite.checkpointing.protocol import (
+    LATEST,
+    iteration_dir,
+    read_json,
+    read_latest,
+    read_latest_text,
+    saved_iterations,
+)
 from megalite.checkpointing.run import RunParts
 from megalite.checkpointing.run_formats import RUN_FORMATS
 from megalite.checkpointing.run_state import RandomStates, check_meta, check_model_shape
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.checkpointing.save_lock import ensure_save_lock
+from megalite.parallel.agreement import flags_on_any_rank
 
 logger = logging.getLogger("megalite")
 
 __all__ = ["Checkpointer", "save_checkpoint", "load_checkpoint"]
 
 
-def save_checkpoint(run: RunParts, root: str, fmt: str = SHARDED_INFO.name, keep_last: Optional[int] = None,
-                    formats: FormatRegistry = RUN_FORMATS) -> str:
+def save_checkpoint(
+    run: RunParts,
+    root: str,
+    fmt: str = SHARDED_INFO.name,
+    keep_last: Optional[int] = None,
+    formats: FormatRegistry = RUN_FORMATS,
+) -> str:
     """Save the run at ``run.train_state.iteration`` under ``root``; returns its directory (collective).
 
     Every rank writes the state it owns into ``iter_XXXXXXX.tmp`` in format ``fmt`` (a name in
@@ -55,15 +67,24 @@ def _read_meta(root: str, it: int) -> tuple:
     meta_path = os.path.join(d, "meta.json")
     if not os.path.exists(meta_path):
         have = [x for x in saved_iterations(root) if int(x) != it]  # never the one just refused
-        raise CheckpointError(f"{d} is not a complete megalite checkpoint (no meta.json; a Megatron-LM torch-format "
-                              f"one converts with tools/checkpoint/convert.py --loader megatron); other iterations "
-                              f"in {root}: {', '.join(have) or 'none'}; pick one with --ckpt-step or check --load")
+        raise CheckpointError(
+            f"{d} is not a complete megalite checkpoint (no meta.json; a Megatron-LM torch-format "
+            f"one converts with tools/checkpoint/convert.py --loader megatron); other iterations "
+            f"in {root}: {', '.join(have) or 'none'}; pick one with --ckpt-step or check --load"
+        )
     return d, check_meta(read_json(meta_path), meta_path)
 
 
-def load_checkpoint(run: RunParts, root: str, *, step: Optional[int] = None, finetune: bool = False,
-                    load_optim: bool = True, load_rng: bool = True,
-                    formats: FormatRegistry = RUN_FORMATS) -> Optional[int]:
+def load_checkpoint(
+    run: RunParts,
+    root: str,
+    *,
+    step: Optional[int] = None,
+    finetune: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    formats: FormatRegistry = RUN_FORMATS,
+) -> Optional[int]:
     """Load ``root`` (latest, or iteration ``step``) into the run's objects; returns the iteration loaded.
 
     A directory one of ``formats``' load sources recognises (Megatron-Core's torch_dist, when the
@@ -151,8 +172,15 @@ class Checkpointer:
         group = fmt.background_group(self.run) if background else None
         if background and self._buffers is None:
             self._buffers = {}  # host copies of this rank's state, reused by every later snapshot
-        job = start_save(self.run, ck.save, fmt, ck.ckpt_keep_last, copy=background, group=group,
-                         buffers=self._buffers if background else None)
+        job = start_save(
+            self.run,
+            ck.save,
+            fmt,
+            ck.ckpt_keep_last,
+            copy=background,
+            group=group,
+            buffers=self._buffers if background else None,
+        )
         self.saved_at = self.train_state.iteration
         job.run(background=background)
         if background:
@@ -191,8 +219,15 @@ class Checkpointer:
             raise self.lock_error
         if not ck.load:
             return None
-        it = load_checkpoint(self.run, ck.load, step=ck.ckpt_step, finetune=ck.finetune,
-                             load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, formats=self.formats)
+        it = load_checkpoint(
+            self.run,
+            ck.load,
+            step=ck.ckpt_step,
+            finetune=ck.finetune,
+            load_optim=not ck.no_load_optim,
+            load_rng=not ck.no_load_rng,
+            formats=self.formats,
+        )
         if it is not None and not ck.finetune and os.path.abspath(ck.load) == os.path.abspath(ck.save or ""):
             self.saved_at = self.train_state.iteration  # already on disk: do not save it again at the end
         return it

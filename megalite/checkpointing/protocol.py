@@ -19,6 +19,7 @@ Retention (``--ckpt-keep-last``) runs after ``latest`` names the new one and nev
 deletes the checkpoint ``latest`` names. What goes inside a directory is the
 formats' business (``sharded.py``, ``torch_format.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,16 +31,29 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.agreement import flag_on_any_rank, lowest_rank_with
-
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.checkpointing.save_lock import ensure_save_lock
+from megalite.parallel.agreement import flag_on_any_rank, lowest_rank_with
 from megalite.parallel.state import ParallelState
 
 LATEST = "latest_checkpointed_iteration.txt"
 
-__all__ = ["LATEST", "MARKER", "agree_on_error", "iteration_dir", "read_latest", "read_latest_text", "saved_iterations", "begin_save",
-           "publish_save", "write_json", "save_synced", "read_json", "fsync_dir", "prune"]
+__all__ = [
+    "LATEST",
+    "MARKER",
+    "agree_on_error",
+    "iteration_dir",
+    "read_latest",
+    "read_latest_text",
+    "saved_iterations",
+    "begin_save",
+    "publish_save",
+    "write_json",
+    "save_synced",
+    "read_json",
+    "fsync_dir",
+    "prune",
+]
 
 
 def agree_on_error(ps: ParallelState, error: Optional[CheckpointError]) -> None:
@@ -49,8 +63,11 @@ def agree_on_error(ps: ParallelState, error: Optional[CheckpointError]) -> None:
     if error is not None:
         raise error
     if failed:
-        raise CheckpointError("another rank could not read this checkpoint (its error is printed above); "
-                              "check --load and the model flags", report=False)
+        raise CheckpointError(
+            "another rank could not read this checkpoint (its error is printed above); "
+            "check --load and the model flags",
+            report=False,
+        )
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -94,8 +111,10 @@ def read_latest(root: str) -> Optional[int]:
     """The iteration ``latest_checkpointed_iteration.txt`` names, or None when there is none."""
     text = read_latest_text(root)
     if text == "release":
-        raise CheckpointError(f"{os.path.join(root, LATEST)} names a Megatron-LM release checkpoint; convert it "
-                              f"with tools/checkpoint/convert.py --loader megatron")
+        raise CheckpointError(
+            f"{os.path.join(root, LATEST)} names a Megatron-LM release checkpoint; convert it "
+            f"with tools/checkpoint/convert.py --loader megatron"
+        )
     return None if text is None else int(text)
 
 
@@ -136,8 +155,10 @@ MARKER = ".megalite_save_marker"  # rank 0's token in iter_N.tmp: every rank mus
 
 
 def _os_error(what: str, e: OSError) -> CheckpointError:
-    return CheckpointError(f"{what}: {e.strerror or e}{' (' + e.filename + ')' if e.filename else ''}; free space "
-                           f"or fix the directory, then resume (the previous checkpoint and latest are intact)")
+    return CheckpointError(
+        f"{what}: {e.strerror or e}{' (' + e.filename + ')' if e.filename else ''}; free space "
+        f"or fix the directory, then resume (the previous checkpoint and latest are intact)"
+    )
 
 
 def _agree(error: Optional[CheckpointError], ps: ParallelState, follower: str) -> None:
@@ -162,8 +183,10 @@ def _check_shared(root: str, tmp: str, token: int, ps: ParallelState) -> None:
     blind = lowest_rank_with(seen != int(t.item()), ps)
     if blind is None:
         return
-    what = (f"the files rank 0 wrote into {tmp}: --save {root} must be one directory shared by every node "
-            f"(a shared file system); nothing was saved")
+    what = (
+        f"the files rank 0 wrote into {tmp}: --save {root} must be one directory shared by every node "
+        f"(a shared file system); nothing was saved"
+    )
     if blind == ps.rank or seen != int(t.item()):
         raise CheckpointError(f"rank {ps.rank} ({socket.gethostname()}) does not see {what}")
     raise CheckpointError(f"rank {blind} does not see {what}", report=ps.rank == 0)
@@ -232,8 +255,9 @@ def read_json(path: str) -> Any:
         with open(path) as f:
             return json.load(f)
     except (ValueError, OSError) as e:
-        raise CheckpointError(f"cannot read {path} ({e}); the checkpoint is damaged: load another iteration "
-                              f"with --ckpt-step") from None
+        raise CheckpointError(
+            f"cannot read {path} ({e}); the checkpoint is damaged: load another iteration with --ckpt-step"
+        ) from None
 
 
 def _write_latest(root: str, it: int) -> None:

@@ -1,4 +1,5 @@
 """The run objects a checkpoint saves and loads, in one explicit bundle."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

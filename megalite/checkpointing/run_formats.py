@@ -5,6 +5,7 @@
 ``model_optim_rng.pt`` files (torch_format.py). ``RUN_FORMATS`` holds both; the composition root
 adds other projects' load sources with ``RUN_FORMATS.with_sources(...)``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -29,13 +30,15 @@ class ShardedFormat:
         """torch.distributed.checkpoint's collective runs on a gloo group of its own with --async-save."""
         return run.ps.background_group()
 
-    def snapshot(self, run: RunParts, tmp: str, meta: dict, rng: dict, keep: Callable, copy: bool,
-                 group=None) -> Callable[[], None]:
+    def snapshot(
+        self, run: RunParts, tmp: str, meta: dict, rng: dict, keep: Callable, copy: bool, group=None
+    ) -> Callable[[], None]:
         """This rank's blocks (views, or host copies through ``keep``); the writer of ``tmp``."""
         shards = [(e, keep(t, e["key"])) for e, t in plan_shards(run.ps, run.model_parts, run.optimizer)]
 
         def write() -> None:
             write_sharded(tmp, run.ps, shards, rng, process_group=group)
+
         return write
 
     def read(self, run: RunParts, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
@@ -53,8 +56,9 @@ class TorchFormat:
         """No collective of its own: the optimizer's DP gather picks its background group in snapshot."""
         return None
 
-    def snapshot(self, run: RunParts, tmp: str, meta: dict, rng: dict, keep: Callable, copy: bool,
-                 group=None) -> Callable[[], None]:
+    def snapshot(
+        self, run: RunParts, tmp: str, meta: dict, rng: dict, keep: Callable, copy: bool, group=None
+    ) -> Callable[[], None]:
         """This rank's file content (the DP gather of the optimizer state: collective, or with --async-save
         and the distributed optimizer, in the background on gloo copies of the DP groups)."""
         ps, chunks, optimizer = run.ps, run.model_parts, run.optimizer
@@ -65,23 +69,27 @@ class TorchFormat:
             edp_group = ps.background_edp_group() if optimizer.has_experts else None
 
             def write() -> None:
-                full = optimizer.full_state_dict(to_cpu=True, snapshot=own, group=dp_group,
-                                                 expert_group=edp_group)  # collective, gloo
+                full = optimizer.full_state_dict(
+                    to_cpu=True, snapshot=own, group=dp_group, expert_group=edp_group
+                )  # collective, gloo
                 if state is not None:
                     state["optimizer"]["state"] = full
                 write_torch_state(tmp, ps, state)
+
             return write
         state = keep(torch_state(ps, chunks, optimizer, meta, rng), "state")  # the DP gather: collective
 
         def write_now() -> None:
             write_torch_state(tmp, ps, state)
+
         return write_now
 
     def read(self, run: RunParts, d: str, meta: dict, load_optim: bool) -> Optional[dict]:
         """This rank's file into its chunks (the saved layout must be this run's)."""
         here = layout_of(run.cfg, run.ps)
-        return read_torch(d, meta["layout"], here, run.ps, run.model_parts, run.optimizer, load_optim,
-                          run.cfg.model.num_layers)
+        return read_torch(
+            d, meta["layout"], here, run.ps, run.model_parts, run.optimizer, load_optim, run.cfg.model.num_layers
+        )
 
 
 RUN_FORMATS = FormatRegistry((ShardedFormat(), TorchFormat()))

@@ -17,6 +17,7 @@ tracker's), so a resumed run draws the same dropout masks as an uninterrupted on
 :func:`check_meta` validates every field a load uses before anything uses it (one line naming
 the file and the field).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,17 @@ if TYPE_CHECKING:  # the training package imports this one: no runtime import ba
 
 FORMAT_VERSION = 1
 
-__all__ = ["FORMAT_VERSION", "SHAPE_FIELDS", "RandomStates", "layout_of", "run_meta", "check_meta", "check_model_shape",
-           "stage_counts", "saved_stage_layers"]
+__all__ = [
+    "FORMAT_VERSION",
+    "SHAPE_FIELDS",
+    "RandomStates",
+    "layout_of",
+    "run_meta",
+    "check_meta",
+    "check_model_shape",
+    "stage_counts",
+    "saved_stage_layers",
+]
 
 
 class RandomStates:
@@ -59,11 +69,13 @@ class RandomStates:
 
     def state_dict(self) -> dict:
         np_state = np.random.get_state()
-        return {"python": random.getstate(),
-                "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
-                "torch": torch.get_rng_state(),
-                "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],  # this rank's device
-                "tracker": self.tracker.get_states()}
+        return {
+            "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+            "torch": torch.get_rng_state(),
+            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],  # this rank's device
+            "tracker": self.tracker.get_states(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
@@ -78,10 +90,17 @@ class RandomStates:
 def layout_of(cfg: Config, ps: ParallelState) -> Dict[str, object]:
     """The parallel layout of this run as ``meta.json`` records it (``first``/``last`` 0 when unset)."""
     par = cfg.parallel
-    out = {"world": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": par.vp,
-           "dp": ps.dp_size, "cp": ps.cp_size, "first": par.decoder_first_pipeline_num_layers or 0,
-           "last": par.decoder_last_pipeline_num_layers or 0,
-           "stage_layers": list(par.pipeline_stage_layers or ())}
+    out = {
+        "world": ps.world_size,
+        "tp": ps.tp_size,
+        "pp": ps.pp_size,
+        "vp": par.vp,
+        "dp": ps.dp_size,
+        "cp": ps.cp_size,
+        "first": par.decoder_first_pipeline_num_layers or 0,
+        "last": par.decoder_last_pipeline_num_layers or 0,
+        "stage_layers": list(par.pipeline_stage_layers or ()),
+    }
     if getattr(cfg.model, "num_experts", None) is not None:  # dense layouts keep their old keys
         out.update(ep=ps.ep_size, etp=ps.etp_size)
     return out
@@ -105,44 +124,69 @@ def run_meta(cfg: Config, ps: ParallelState, optimizer, scheduler, train_state: 
     """
     steps = optimizer.step_state()
     counters = train_state.state_dict()
-    return {"format_version": FORMAT_VERSION, "iteration": counters["iteration"],
-            "consumed_samples": counters["consumed_samples"], "skipped_iters": counters["skipped_iters"],
-            "nan_iters": counters["nan_iters"], "scheduler": scheduler.state_dict(),
-            "scaler": steps["scaler"], "adam_step": steps["adam_step"], "group_steps": steps["group_steps"],
-            "layout": layout_of(cfg, ps), "config": json.loads(json.dumps(asdict(cfg), default=str)),
-            "model_shape": _shape_of(cfg.model)}
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": counters["iteration"],
+        "consumed_samples": counters["consumed_samples"],
+        "skipped_iters": counters["skipped_iters"],
+        "nan_iters": counters["nan_iters"],
+        "scheduler": scheduler.state_dict(),
+        "scaler": steps["scaler"],
+        "adam_step": steps["adam_step"],
+        "group_steps": steps["group_steps"],
+        "layout": layout_of(cfg, ps),
+        "config": json.loads(json.dumps(asdict(cfg), default=str)),
+        "model_shape": _shape_of(cfg.model),
+    }
 
 
 def check_model_shape(saved: dict, model: ModelConfig, where: str) -> None:
     """One line naming every model-shape field that differs between a checkpoint and the run."""
     fields = [f for f in SHAPE_FIELDS if f != "max_positions" or model.position_embedding_type == "learned_absolute"]
-    diffs = [f"{f} {saved[f]} (checkpoint) vs {getattr(model, f)} (run)"
-             for f in fields if f in saved and saved[f] != getattr(model, f)]
+    diffs = [
+        f"{f} {saved[f]} (checkpoint) vs {getattr(model, f)} (run)"
+        for f in fields
+        if f in saved and saved[f] != getattr(model, f)
+    ]
     if saved.get("num_experts") is not None or getattr(model, "num_experts", None) is not None:
         here = _shape_of(model)  # a dense side reads as num_experts None: then only that differs
         moe = MOE_SHAPE_FIELDS if saved.get("num_experts") and here.get("num_experts") else ("num_experts",)
-        diffs += [f"{f} {saved.get(f)} (checkpoint) vs {here.get(f)} (run)" for f in moe
-                  if (f in saved or f == "num_experts") and saved.get(f) != here.get(f)]
+        diffs += [
+            f"{f} {saved.get(f)} (checkpoint) vs {here.get(f)} (run)"
+            for f in moe
+            if (f in saved or f == "num_experts") and saved.get(f) != here.get(f)
+        ]
     if diffs:
-        raise CheckpointError(f"{where} does not fit this model: {'; '.join(diffs)}; pass the model flags it was "
-                              f"saved with")
+        raise CheckpointError(
+            f"{where} does not fit this model: {'; '.join(diffs)}; pass the model flags it was saved with"
+        )
 
 
 _NUM = (int, float)
 _META_FIELDS = (  # (field, types, required): what load_checkpoint reads from meta.json
-    ("iteration", int, True), ("consumed_samples", int, True), ("skipped_iters", int, False),
-    ("nan_iters", int, False), ("scheduler", dict, True), ("scaler", (dict, type(None)), False),
-    ("adam_step", _NUM, False), ("group_steps", (list, type(None)), False), ("layout", dict, True),
-    ("model_shape", dict, True), ("format", str, False))
+    ("iteration", int, True),
+    ("consumed_samples", int, True),
+    ("skipped_iters", int, False),
+    ("nan_iters", int, False),
+    ("scheduler", dict, True),
+    ("scaler", (dict, type(None)), False),
+    ("adam_step", _NUM, False),
+    ("group_steps", (list, type(None)), False),
+    ("layout", dict, True),
+    ("model_shape", dict, True),
+    ("format", str, False),
+)
 _LAYOUT_FIELDS = ("world", "tp", "pp", "vp", "dp", "first", "last")
 
 
 def check_meta(meta: object, path: str) -> dict:
     """``meta`` as read from ``path``, with every field load_checkpoint uses present and of the right type;
     otherwise one CheckpointError naming the file and the field."""
+
     def bad(field: str, what: str) -> CheckpointError:
-        return CheckpointError(f"{path}: {field} {what}; the checkpoint is damaged: load another iteration with "
-                               f"--ckpt-step")
+        return CheckpointError(
+            f"{path}: {field} {what}; the checkpoint is damaged: load another iteration with --ckpt-step"
+        )
 
     def typed(value: object, types) -> bool:
         return isinstance(value, types) and not isinstance(value, bool)
@@ -161,8 +205,13 @@ def check_meta(meta: object, path: str) -> dict:
     sched = meta["scheduler"]
     if not typed(sched.get("num_steps"), int):
         raise bad("field 'scheduler.num_steps'", "is missing or not an integer")
-    for name, types in (("lr", _NUM), ("min_lr", _NUM), ("lr_warmup_iters", int), ("lr_decay_iters", int),
-                        ("lr_decay_style", str)):  # the schedule's settings (absent in older checkpoints)
+    for name, types in (
+        ("lr", _NUM),
+        ("min_lr", _NUM),
+        ("lr_warmup_iters", int),
+        ("lr_decay_iters", int),
+        ("lr_decay_style", str),
+    ):  # the schedule's settings (absent in older checkpoints)
         if name in sched and not typed(sched[name], types):
             raise bad(f"field 'scheduler.{name}'", f"has the wrong type ({type(sched[name]).__name__})")
     if sched.get("lr_decay_style", "constant") not in ("constant", "linear", "cosine"):
@@ -190,8 +239,14 @@ def stage_counts(layout: dict, num_layers: int) -> str:
     """Layers of every virtual stage, resolved (``2,2``), so an even split given as a list and the
     same split given by default compare equal; older files lack the list."""
     try:
-        counts = stage_layer_counts(num_layers, layout["pp"], layout["vp"], layout["first"] or None,
-                                    layout["last"] or None, layout.get("stage_layers") or None)
+        counts = stage_layer_counts(
+            num_layers,
+            layout["pp"],
+            layout["vp"],
+            layout["first"] or None,
+            layout["last"] or None,
+            layout.get("stage_layers") or None,
+        )
     except ValueError:  # a layout this model cannot have: show it as saved
         return f"first {layout['first']} last {layout['last']} list {layout.get('stage_layers')}"
     return ",".join(map(str, counts))

@@ -12,6 +12,7 @@ reads it with an unpickler that admits only the checkpoint-metadata classes,
 torch dtypes/sizes and paths. Anything else is refused with one line before any
 object is built, so a file carrying a pickled callable never runs it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,19 +51,22 @@ def safe_torch_load(path: str, mmap: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"refusing to load {path}: it holds {_refused_name(e, path)}, outside the "
-                              f"plain-data allow-list; only load checkpoints you trust to be data") from None
+        raise CheckpointError(
+            f"refusing to load {path}: it holds {_refused_name(e, path)}, outside the "
+            f"plain-data allow-list; only load checkpoints you trust to be data"
+        ) from None
     except (RuntimeError, EOFError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot read {path} ({first[:160]}): the file is truncated or not a torch file; "
-                              f"load another iteration with --ckpt-step") from None
+        raise CheckpointError(
+            f"cannot read {path} ({first[:160]}): the file is truncated or not a torch file; "
+            f"load another iteration with --ckpt-step"
+        ) from None
 
 
 def _refused_name(e: Exception, path: str) -> str:
     """The full name of what torch's weights-only unpickler refused, from its (multi-line) message."""
     text = str(e)
-    for pattern in (r"GLOBAL ([\w.]+)", r"got <class '([^']+)'>", r"function <class '([^']+)'>",
-                    r"function ([\w.]+)"):
+    for pattern in (r"GLOBAL ([\w.]+)", r"got <class '([^']+)'>", r"function <class '([^']+)'>", r"function ([\w.]+)"):
         m = re.search(pattern, text)
         if m:
             name = m.group(1)
@@ -82,6 +86,7 @@ class MegatronValue:
 
     Holds the class's full name and what the file passed to it; runs nothing and imports nothing.
     """
+
     megatron_class = "megatron"
 
     def __init__(self, *args: Any) -> None:
@@ -98,8 +103,7 @@ class MegatronValue:
 def _stand_in(full_name: str) -> type:
     """A MegatronValue subclass that torch's unpickler files under ``full_name`` (module + qualified name)."""
     module, _, name = full_name.rpartition(".")
-    return type(name, (MegatronValue,), {"__module__": module, "__qualname__": name,
-                                         "megatron_class": full_name})
+    return type(name, (MegatronValue,), {"__module__": module, "__qualname__": name, "megatron_class": full_name})
 
 
 def _np_function(name: str):
@@ -120,6 +124,7 @@ def _numpy_globals() -> Dict[str, Any]:
             # a same-named wrapper: torch files an allowed global under its __module__.__qualname__
             def wrapper(*args, _real=real):
                 return _real(*args)
+
             wrapper.__module__, wrapper.__qualname__, wrapper.__name__ = module, fn, fn
             out[f"{module}.{fn}"] = wrapper
     dtype_classes = {type(np.dtype(c)) for c in np.typecodes["All"]}  # BUILD on a dtype checks its class
@@ -152,8 +157,10 @@ def _megatron_allowed(names: List[str], path: str) -> List[Any]:
         elif n.startswith("megatron.") and re.fullmatch(r"[A-Za-z_][\w.]*", n):
             allowed.append(_stand_in(n))
         else:
-            raise CheckpointError(f"refusing to load {path}: it holds the pickled object {n}, outside the "
-                                  f"plain-data allow-list for Megatron checkpoints; only load checkpoints you trust")
+            raise CheckpointError(
+                f"refusing to load {path}: it holds the pickled object {n}, outside the "
+                f"plain-data allow-list for Megatron checkpoints; only load checkpoints you trust"
+            )
     # numpy dtypes are rebuilt then given their state: their classes must be known even when not named
     return allowed + [v for k, v in table.items() if k.startswith("numpy.") and v not in allowed]
 
@@ -200,8 +207,10 @@ def load_megatron_file(path: str) -> dict:
     try:
         names = _globals_in(path)
     except pickle.UnpicklingError as e:  # opcodes the inspector does not know
-        raise CheckpointError(f"refusing to load {path}: its pickle cannot be checked against the allow-list "
-                              f"({str(e).strip().splitlines()[0] if str(e).strip() else 'unknown opcode'})") from None
+        raise CheckpointError(
+            f"refusing to load {path}: its pickle cannot be checked against the allow-list "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else 'unknown opcode'})"
+        ) from None
     except Exception as e:  # noqa: BLE001 - any failure means the file is not a torch zip file
         raise CheckpointError(f"cannot read {path} ({type(e).__name__}): not a torch checkpoint file") from None
     with _allowing(_megatron_allowed(names, path)):
@@ -209,22 +218,40 @@ def load_megatron_file(path: str) -> dict:
 
 
 _ALLOWED = {  # exactly what torch.distributed.checkpoint's index is made of
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
     # megatron-core's torch_dist index also keeps every rank's save plan (plain dataclasses and an enum)
-    *(("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
-                                                            "TensorWriteData")),
-    ("torch", "Size"), ("collections", "OrderedDict"),
-    *(("pathlib", n) for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
+    *(
+        ("torch.distributed.checkpoint.planner", n)
+        for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    ),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", n) for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if "." not in name and ((module, name) in _ALLOWED or (
-                module == "torch" and isinstance(getattr(torch, name, None),
-                                                 (torch.dtype, torch.layout, torch.memory_format)))):
+        if "." not in name and (
+            (module, name) in _ALLOWED
+            or (
+                module == "torch"
+                and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+            )
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
@@ -241,8 +268,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-            raise CheckpointError(f"refusing to load {path}: {e}; only load checkpoints you trust to be "
-                                  f"data") from None
+            raise CheckpointError(f"refusing to load {path}: {e}; only load checkpoints you trust to be data") from None
         if getattr(metadata, "storage_meta", None) is None and hasattr(dcp_metadata, "StorageMeta"):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         if getattr(metadata, "storage_meta", None) is not None and hasattr(self, "load_id"):

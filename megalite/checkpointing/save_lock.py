@@ -15,6 +15,7 @@ process, and is refused in one line naming that host and pid. The lock is free w
 A lock left by a run that is gone is taken over with a warning. The file is removed at a normal
 exit; an exit by signal leaves it behind, free for the next run to take over.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,8 @@ import socket
 import time
 from typing import Dict, Optional, Tuple
 
-from megalite.parallel.agreement import flag_on_any_rank
 from megalite.checkpointing.safe_load import CheckpointError
+from megalite.parallel.agreement import flag_on_any_rank
 from megalite.parallel.state import ParallelState
 
 LOCK_FILE = ".megalite_lock"
@@ -55,7 +56,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _describe(owner: dict) -> str:
-    return (f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, started {owner.get('started', '?')}")
+    return f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, started {owner.get('started', '?')}"
 
 
 def _pid_of(owner: dict) -> Optional[int]:
@@ -107,10 +108,16 @@ def _try_lock(root: str) -> Tuple[int, dict, Optional[str]]:
         mine = owner.get("host") == here and owner.get("pid") == os.getpid()
         if flocked is False and not mine:
             held = "its holder is running"
-        elif flocked is None and owner and not (same_job or mine) and (
-                owner.get("host") != here or _pid_of(owner) is None or _pid_alive(_pid_of(owner))):
-            held = "its holder may be running (this file system cannot lock files, so a lock of another host or " \
-                   "of a live process counts)"
+        elif (
+            flocked is None
+            and owner
+            and not (same_job or mine)
+            and (owner.get("host") != here or _pid_of(owner) is None or _pid_alive(_pid_of(owner)))
+        ):
+            held = (
+                "its holder may be running (this file system cannot lock files, so a lock of another host or "
+                "of a live process counts)"
+            )
         else:
             held = None
         return fd, owner, held
@@ -129,15 +136,22 @@ def acquire_save_lock(root: str) -> None:
     try:
         fd, owner, held = _try_lock(root)
     except OSError as e:
-        raise CheckpointError(f"cannot create the lock file {path} ({e.strerror or e}); give a writable --save") \
-            from None
+        raise CheckpointError(
+            f"cannot create the lock file {path} ({e.strerror or e}); give a writable --save"
+        ) from None
     if held is not None:
         os.close(fd)
-        raise CheckpointError(f"--save {root} is in use by another run ({_describe(owner)}; {held}): two runs "
-                              f"saving into one directory would destroy each other's checkpoints; give another "
-                              f"--save, or stop that run (remove {path} only if it is certainly gone)")
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-          "run_id": _run_id()}
+        raise CheckpointError(
+            f"--save {root} is in use by another run ({_describe(owner)}; {held}): two runs "
+            f"saving into one directory would destroy each other's checkpoints; give another "
+            f"--save, or stop that run (remove {path} only if it is certainly gone)"
+        )
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "run_id": _run_id(),
+    }
     if owner and not (owner.get("host") == me["host"] and owner.get("pid") == me["pid"]):
         same_job = _run_id() and owner.get("run_id") == _run_id()
         how = "the same torchrun job restarted" if same_job else "that run is gone"
@@ -147,8 +161,9 @@ def acquire_save_lock(root: str) -> None:
         os.pwrite(fd, json.dumps(me).encode(), 0)
     except OSError as e:
         os.close(fd)
-        raise CheckpointError(f"cannot write the lock file {path} ({e.strerror or e}); free space or give a "
-                              f"writable --save") from None
+        raise CheckpointError(
+            f"cannot write the lock file {path} ({e.strerror or e}); free space or give a writable --save"
+        ) from None
     _held[key] = (fd, me)
 
 
@@ -162,8 +177,9 @@ def ensure_save_lock(root: str, ps: ParallelState) -> None:
         except CheckpointError as e:
             error = e
     if flag_on_any_rank(error is not None, ps):
-        raise error or CheckpointError(f"rank 0 could not lock --save {root} (its error is printed above)",
-                                       report=False)
+        raise error or CheckpointError(
+            f"rank 0 could not lock --save {root} (its error is printed above)", report=False
+        )
 
 
 def release_save_locks() -> None:

@@ -33,6 +33,7 @@ direct path does not know, ``torch.load(weights_only=True)`` of that item.
 
 This module holds what the writer (``sharded_write.py``) and reader share.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,20 +74,29 @@ def entry_key(e: dict) -> str:
 
 def _check_entry(e, path: str) -> None:
     ints = lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
-    ok = (isinstance(e, dict) and all(isinstance(e.get(k), str) for k in ("key", "prefix", "name", "dtype"))
-          and ints(e.get("shape")) and ints(e.get("offsets")) and ints(e.get("sizes"))
-          and len(e["shape"]) == len(e["offsets"]) == len(e["sizes"])
-          and all(o + s <= n for o, s, n in zip(e["offsets"], e["sizes"], e["shape"]))
-          and isinstance(getattr(torch, e["dtype"], None), torch.dtype)
-          and ("flat" not in e or (ints(e["flat"]) and len(e["flat"]) == 2 and e["flat"][0] < e["flat"][1]
-                                   <= _numel(e["sizes"])))
-          and ("crc32" not in e or type(e["crc32"]) is int))
+    ok = (
+        isinstance(e, dict)
+        and all(isinstance(e.get(k), str) for k in ("key", "prefix", "name", "dtype"))
+        and ints(e.get("shape"))
+        and ints(e.get("offsets"))
+        and ints(e.get("sizes"))
+        and len(e["shape"]) == len(e["offsets"]) == len(e["sizes"])
+        and all(o + s <= n for o, s, n in zip(e["offsets"], e["sizes"], e["shape"]))
+        and isinstance(getattr(torch, e["dtype"], None), torch.dtype)
+        and (
+            "flat" not in e
+            or (ints(e["flat"]) and len(e["flat"]) == 2 and e["flat"][0] < e["flat"][1] <= _numel(e["sizes"]))
+        )
+        and ("crc32" not in e or type(e["crc32"]) is int)
+    )
     if not ok:
         raise CheckpointError(f"{path} is damaged (entry {str(e)[:120]}); {AGAIN}")
     if e["key"] != entry_key(e):
-        raise CheckpointError(f"{path}: entry {e['key']!r} does not match its offsets {e['offsets']}"
-                              f"{' and flat range ' + str(e['flat']) if 'flat' in e else ''}: the index is "
-                              f"damaged; {AGAIN}")
+        raise CheckpointError(
+            f"{path}: entry {e['key']!r} does not match its offsets {e['offsets']}"
+            f"{' and flat range ' + str(e['flat']) if 'flat' in e else ''}: the index is "
+            f"damaged; {AGAIN}"
+        )
 
 
 def _numel(sizes) -> int:
@@ -105,8 +115,9 @@ def read_index(d: str, world: Optional[int] = None) -> Dict[Tuple[str, str], Lis
     names = sorted(fn for fn in os.listdir(d) if fn.startswith("index_") and fn.endswith(".json"))
     for r in range(world or 0):
         if f"index_{r:05d}.json" not in names:
-            raise CheckpointError(f"{os.path.join(d, f'index_{r:05d}.json')} is missing: the checkpoint is "
-                                  f"incomplete; {AGAIN}")
+            raise CheckpointError(
+                f"{os.path.join(d, f'index_{r:05d}.json')} is missing: the checkpoint is incomplete; {AGAIN}"
+            )
     for fn in names:
         path = os.path.join(d, fn)
         entries = read_json(path)
@@ -143,7 +154,7 @@ class _Slice(io.RawIOBase):
         return self.pos
 
     def readinto(self, b) -> int:
-        n = _pread_into(self.f, memoryview(b).cast("B")[:max(0, self.length - self.pos)], self.start + self.pos)
+        n = _pread_into(self.f, memoryview(b).cast("B")[: max(0, self.length - self.pos)], self.start + self.pos)
         self.pos += n
         return n
 
@@ -192,8 +203,9 @@ class ItemFiles:
                 try:
                     self.files[path] = io.FileIO(path, "rb")
                 except OSError as e:
-                    raise CheckpointError(f"{path} is missing or unreadable ({e.strerror}): the checkpoint is "
-                                          f"incomplete; {AGAIN}") from None
+                    raise CheckpointError(
+                        f"{path} is missing or unreadable ({e.strerror}): the checkpoint is incomplete; {AGAIN}"
+                    ) from None
             return path, self.files[path]
 
     def read(self, f: io.FileIO, path: str, offset: int, buf) -> None:
@@ -217,13 +229,17 @@ class ItemFiles:
         """``.metadata`` stores the entry's key with the shape and dtype the index gives it."""
         md = self.meta.get(e["key"])
         if md is None or e["key"] not in self.where:
-            raise CheckpointError(f"{os.path.join(self.d, '.metadata')} has no item {e['key']!r} that the index "
-                                  f"names: the checkpoint is damaged; {AGAIN}")
+            raise CheckpointError(
+                f"{os.path.join(self.d, '.metadata')} has no item {e['key']!r} that the index "
+                f"names: the checkpoint is damaged; {AGAIN}"
+            )
         props = getattr(md, "properties", None)
         if list(getattr(md, "size", ())) != shape or getattr(props, "dtype", None) != getattr(torch, e["dtype"]):
-            raise CheckpointError(f"{self.d}: the index gives {e['key']!r} shape {shape} {e['dtype']}, .metadata "
-                                  f"{list(getattr(md, 'size', ()))} {getattr(props, 'dtype', None)}: the index is "
-                                  f"damaged; {AGAIN}")
+            raise CheckpointError(
+                f"{self.d}: the index gives {e['key']!r} shape {shape} {e['dtype']}, .metadata "
+                f"{list(getattr(md, 'size', ()))} {getattr(props, 'dtype', None)}: the index is "
+                f"damaged; {AGAIN}"
+            )
 
     def locate(self, key: str, nbytes: int) -> Optional[Tuple[io.FileIO, str, int, int]]:
         """(file, path, byte offset, zip CRC-32) of ``key``'s ``nbytes`` data bytes; None: use :meth:`load`."""
@@ -259,11 +275,12 @@ class ItemFiles:
             return None
         found, pos = [], cd - base
         for _ in range(count):
-            if tail[pos:pos + 4] != b"PK\x01\x02":
+            if tail[pos : pos + 4] != b"PK\x01\x02":
                 return None
-            (_, _, _, _, method, _, _, crc, csize, usize, nlen, xlen, clen, _, _, _,
-             at) = _CENTRAL.unpack_from(tail, pos)
-            name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + nlen]
+            (_, _, _, _, method, _, _, crc, csize, usize, nlen, xlen, clen, _, _, _, at) = _CENTRAL.unpack_from(
+                tail, pos
+            )
+            name = tail[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen]
             if b"/data/" in name:
                 found.append((name, (method, crc, csize, usize, at)))
             pos += _CENTRAL.size + nlen + xlen + clen
@@ -276,8 +293,9 @@ class ItemFiles:
             with zipfile.ZipFile(_Slice(f, info.offset, info.length)) as z:
                 data = [r for r in z.infolist() if "/data/" in r.filename]
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-            raise self.damaged(path, f"no stored tensor at bytes {info.offset}..{info.offset + info.length} "
-                                     f"(item {key!r}: {e})") from None
+            raise self.damaged(
+                path, f"no stored tensor at bytes {info.offset}..{info.offset + info.length} (item {key!r}: {e})"
+            ) from None
         if len(data) != 1 or not data[0].filename.endswith("/data/0"):
             return None
         r = data[0]
@@ -289,8 +307,11 @@ class ItemFiles:
         path, f = self._file(info.relative_path)
         blob = self._pread(f, path, info.offset, info.length)
         if getattr(info, "transform_descriptors", None):
-            raise self.damaged(path, f"item {key!r} is stored with transforms {info.transform_descriptors}, "
-                                     f"which this reader does not apply")
+            raise self.damaged(
+                path,
+                f"item {key!r} is stored with transforms {info.transform_descriptors}, "
+                f"which this reader does not apply",
+            )
         try:
             t = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any failure means the item is damaged

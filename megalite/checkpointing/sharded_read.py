@@ -10,6 +10,7 @@ or, where the destination is a flat shard that splits the block's rows, into the
 needs (every element overwritten, nothing zero-filled), then into the shard. Then each stored
 tensor is read once, in file order, and its checksum verified (``sharded.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from megalite.checkpointing.protocol import agree_on_error
 from megalite.checkpointing.layout import Block, chunk_blocks, flat_boxes, overlap
+from megalite.checkpointing.protocol import agree_on_error
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
 from megalite.checkpointing.sharded import AGAIN, OPTIM_KEYS, ItemFiles, crc_of, read_index
 from megalite.parallel.state import ParallelState
@@ -38,7 +39,7 @@ def _run_in(b: Block, offsets, sizes) -> Optional[int]:
     if any(o < bo or o + s > bo + bs for o, s, bo, bs in zip(offsets, sizes, b.offsets, b.sizes)):
         return None
     j = next((i for i, s in enumerate(sizes) if s != 1), len(sizes))
-    if any(s != bs for s, bs in zip(sizes[j + 1:], b.sizes[j + 1:])):
+    if any(s != bs for s, bs in zip(sizes[j + 1 :], b.sizes[j + 1 :])):
         return None
     start, stride = 0, 1
     for o, bo, bs in zip(reversed(offsets), reversed(b.offsets), reversed(b.sizes)):
@@ -59,25 +60,30 @@ class Reads:
     def _boxes(self, prefix: str, b: Block) -> list:
         entries = self.index.get((prefix, b.name))
         if not entries:
-            raise CheckpointError(f"{self.d} has no {prefix} tensor {b.name!r}: it was saved from another "
-                                  f"model; check the model flags")
+            raise CheckpointError(
+                f"{self.d} has no {prefix} tensor {b.name!r}: it was saved from another model; check the model flags"
+            )
         out = []
         for e in entries:
             if e["shape"] != list(b.global_shape):
-                raise CheckpointError(f"{self.d}: {b.name} has shape {e['shape']} in the checkpoint, "
-                                      f"{list(b.global_shape)} in this run; check the model flags")
+                raise CheckpointError(
+                    f"{self.d}: {b.name} has shape {e['shape']} in the checkpoint, "
+                    f"{list(b.global_shape)} in this run; check the model flags"
+                )
             flat = e.get("flat")
-            boxes = flat_boxes(e["offsets"], e["sizes"], *flat) if flat else [(tuple(e["offsets"]),
-                                                                               tuple(e["sizes"]), 0)]
+            boxes = (
+                flat_boxes(e["offsets"], e["sizes"], *flat) if flat else [(tuple(e["offsets"]), tuple(e["sizes"]), 0)]
+            )
             out += [(e, o, s, place) for o, s, place in boxes if overlap(b.offsets, b.sizes, o, s)]
         if (prefix, b.key) not in self.covered:  # the entries must tile the block: none missing, none twice
             self.covered.add((prefix, b.key))
-            have = sum(math.prod(x.stop - x.start for x in overlap(b.offsets, b.sizes, o, s)[0])
-                       for _, o, s, _ in out)
+            have = sum(math.prod(x.stop - x.start for x in overlap(b.offsets, b.sizes, o, s)[0]) for _, o, s, _ in out)
             if have != math.prod(b.sizes):
-                raise CheckpointError(f"{self.d}: the entries of {prefix} tensor {b.name!r} cover {have} of the "
-                                      f"{math.prod(b.sizes)} elements of its block at {list(b.offsets)}: an index "
-                                      f"is damaged or missing; {AGAIN}")
+                raise CheckpointError(
+                    f"{self.d}: the entries of {prefix} tensor {b.name!r} cover {have} of the "
+                    f"{math.prod(b.sizes)} elements of its block at {list(b.offsets)}: an index "
+                    f"is damaged or missing; {AGAIN}"
+                )
         return out
 
     def _use(self, prefix: str, e: dict, use: tuple) -> None:
@@ -100,29 +106,34 @@ class Reads:
                     for (ent, _, bs, place), start in zip(boxes, runs):
                         x, y = max(u, start), min(v, start + math.prod(bs))
                         if x < y:
-                            self._use(prefix, ent, ("flat", place + x - start, place + y - start,
-                                                    t[a0 + x - s:a0 + y - s]))
+                            self._use(
+                                prefix, ent, ("flat", place + x - start, place + y - start, t[a0 + x - s : a0 + y - s])
+                            )
                     continue
                 rs = math.prod(b.sizes[1:])
                 r0, r1 = u // rs, -(-v // rs)
                 whole = (u, v) == (0, n)  # the destination holds the block: copy into a view of it
-                rows = t[a0 - s:a0 + n - s].view(b.sizes) if whole else torch.empty(
-                    (r1 - r0,) + tuple(b.sizes[1:]), dtype=t.dtype)
+                rows = (
+                    t[a0 - s : a0 + n - s].view(b.sizes)
+                    if whole
+                    else torch.empty((r1 - r0,) + tuple(b.sizes[1:]), dtype=t.dtype)
+                )
                 at = (b.offsets[0] + r0,) + tuple(b.offsets[1:])
                 for ent, o, bs, place in boxes:
                     ov = overlap(at, rows.shape, o, bs)
                     if ov:
                         self._use(prefix, ent, ("box", place, bs, ov[1], rows[ov[0]]))
                 if not whole:
-                    self.staged[prefix].append((rows.view(-1)[u - r0 * rs:v - r0 * rs], t[a0 + u - s:a0 + v - s]))
+                    self.staged[prefix].append((rows.view(-1)[u - r0 * rs : v - r0 * rs], t[a0 + u - s : a0 + v - s]))
 
     def run(self) -> None:
         """Every planned read, each stored tensor once, checksums verified; model first, main weights last."""
         workers = min(8, os.cpu_count() or 1)  # reads, checksums and copies release the GIL
         with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
             for prefix in PREFIXES:  # one prefix after the other: a main weight may alias its parameter
-                keys = sorted(self.uses[prefix], key=lambda k: (self.files.where[k].relative_path,
-                                                                self.files.where[k].offset))
+                keys = sorted(
+                    self.uses[prefix], key=lambda k: (self.files.where[k].relative_path, self.files.where[k].offset)
+                )
                 jobs = [(self.entries[k], self.uses[prefix][k]) for k in keys]
                 if pool is None:
                     for job in jobs:
@@ -141,9 +152,12 @@ class Reads:
         want = e.get("crc32", loc[3] or None if loc else None)  # else the zip record's CRC-32 (0: none kept)
         path = loc[1] if loc else os.path.join(self.d, self.files.where[e["key"]].relative_path)
         flats = sorted((u for u in uses if u[0] == "flat"), key=lambda u: u[1])
-        direct = loc is not None and len(flats) == len(uses) and all(
-            t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for _, _, _, t in flats) and all(
-            flats[i][2] <= flats[i + 1][1] for i in range(len(flats) - 1))
+        direct = (
+            loc is not None
+            and len(flats) == len(uses)
+            and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for _, _, _, t in flats)
+            and all(flats[i][2] <= flats[i + 1][1] for i in range(len(flats) - 1))
+        )
         if direct:
             f, _, off, _ = loc
             crc, pos = 0, 0
@@ -165,13 +179,15 @@ class Reads:
             crc = crc_of(whole) if want is not None else None
             for u in uses:
                 if u[0] == "flat":
-                    u[3].copy_(whole[u[1]:u[2]])
+                    u[3].copy_(whole[u[1] : u[2]])
                 else:
                     _, place, bs, sl, dst = u
-                    dst.copy_(whole[place:place + math.prod(bs)].view(bs)[sl])
+                    dst.copy_(whole[place : place + math.prod(bs)].view(bs)[sl])
         if want is not None and crc != want:
-            raise CheckpointError(f"{path}: {e['key']!r} fails its checksum (crc32 {crc:08x}, saved {want:08x}): "
-                                  f"the checkpoint is damaged; {AGAIN}")
+            raise CheckpointError(
+                f"{path}: {e['key']!r} fails its checksum (crc32 {crc:08x}, saved {want:08x}): "
+                f"the checkpoint is damaged; {AGAIN}"
+            )
 
 
 def _zero_uncovered(blocks: Sequence[Block], row: int, dests: Sequence[Dest]) -> None:
@@ -181,7 +197,7 @@ def _zero_uncovered(blocks: Sequence[Block], row: int, dests: Sequence[Dest]) ->
         pos = s
         for a, z in spans + [(e, e)]:
             if a > pos and pos < e:
-                t[pos - s:min(a, e) - s].zero_()
+                t[pos - s : min(a, e) - s].zero_()
             pos = max(pos, z)
 
 
@@ -190,9 +206,9 @@ def _plan_all(reads: Reads, chunks, optimizer, keys: List[str], main_from_model:
     params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
     where = {id(p): k for k, p in params.items()}
     dests: Dict[Tuple[int, str], Dict[str, List[Dest]]] = {
-        k: {"model": [(0, p.numel(), p.data.view(-1))]} for k, p in params.items()}
-    targets = optimizer.load_targets(keys + (["param"] if main_from_model else [])) if keys or main_from_model \
-        else []
+        k: {"model": [(0, p.numel(), p.data.view(-1))]} for k, p in params.items()
+    }
+    targets = optimizer.load_targets(keys + (["param"] if main_from_model else [])) if keys or main_from_model else []
     for pc, tensors in targets:
         for k, t in tensors.items():
             prefix = "model" if k == "param" and main_from_model else f"optim.{k}"
@@ -207,8 +223,9 @@ def _plan_all(reads: Reads, chunks, optimizer, keys: List[str], main_from_model:
     return targets
 
 
-def read_sharded(d: str, meta: dict, ps: ParallelState, chunks: Sequence[nn.Module], optimizer,
-                 load_optim: bool, same_layout: bool) -> Optional[dict]:
+def read_sharded(
+    d: str, meta: dict, ps: ParallelState, chunks: Sequence[nn.Module], optimizer, load_optim: bool, same_layout: bool
+) -> Optional[dict]:
     """Load ``d``'s blocks into ``chunks`` and (with ``load_optim``) ``optimizer`` (collective).
 
     Returns this rank's saved random states when ``same_layout`` (the layout it was saved
@@ -233,14 +250,17 @@ def read_sharded(d: str, meta: dict, ps: ParallelState, chunks: Sequence[nn.Modu
             if same_layout:
                 path = os.path.join(d, f"rng_{ps.rank:05d}.pt")
                 if not os.path.exists(path):
-                    raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; pass --no-load-rng "
-                                          f"to load it without random states")
+                    raise CheckpointError(
+                        f"{path} is missing: the checkpoint is incomplete; pass --no-load-rng "
+                        f"to load it without random states"
+                    )
                 rng = safe_torch_load(path)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - a damaged file in a form not foreseen: still one line
-            raise CheckpointError(f"reading {d} failed ({type(e).__name__}: {str(e)[:200]}); the checkpoint is "
-                                  f"damaged: {AGAIN}") from None
+            raise CheckpointError(
+                f"reading {d} failed ({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged: {AGAIN}"
+            ) from None
         finally:
             if files is not None:
                 files.close()
@@ -252,8 +272,9 @@ def read_sharded(d: str, meta: dict, ps: ParallelState, chunks: Sequence[nn.Modu
     return rng
 
 
-def read_whole(d: str, index: Dict[Tuple[str, str], List[dict]], names: Sequence[str],
-               prefix: str = "model") -> Dict[str, torch.Tensor]:
+def read_whole(
+    d: str, index: Dict[Tuple[str, str], List[dict]], names: Sequence[str], prefix: str = "model"
+) -> Dict[str, torch.Tensor]:
     """Whole global tensors ``names`` of ``prefix`` from ``d`` (any writer's entries, flat or not; checked)."""
     out: Dict[str, torch.Tensor] = {}
     files = ItemFiles(d, SafeFileSystemReader(d).read_metadata())
@@ -262,8 +283,9 @@ def read_whole(d: str, index: Dict[Tuple[str, str], List[dict]], names: Sequence
         for n in names:
             entries = index.get((prefix, n))
             if not entries:
-                raise CheckpointError(f"{d} has no {prefix} tensor {n!r}: it does not hold the model meta.json "
-                                      f"describes")
+                raise CheckpointError(
+                    f"{d} has no {prefix} tensor {n!r}: it does not hold the model meta.json describes"
+                )
             shape = tuple(entries[0]["shape"])
             out[n] = torch.empty(shape, dtype=getattr(torch, entries[0]["dtype"]))
             whole = Block(n, shape, (0,) * len(shape), (0, shape[0]), shape)

@@ -27,6 +27,7 @@ torch.distributed.checkpoint copies one view at a time while it writes; an async
 The collective is torch.distributed.checkpoint's (plans gathered, ``.metadata`` written by the
 first rank of the group), run before anything else so a failure there reaches every rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,15 @@ def crc32_of(t: torch.Tensor) -> int:
 
 def _entry(prefix: str, b: Block, t: torch.Tensor, flat=None) -> dict:
     key = f"{prefix}/{b.key}" + (f"#{flat[0]}" if flat is not None else "")
-    e = {"key": key, "prefix": prefix, "name": b.name, "shape": list(b.global_shape), "offsets": list(b.offsets),
-         "sizes": list(b.sizes), "dtype": str(t.dtype).replace("torch.", "")}
+    e = {
+        "key": key,
+        "prefix": prefix,
+        "name": b.name,
+        "shape": list(b.global_shape),
+        "offsets": list(b.offsets),
+        "sizes": list(b.sizes),
+        "dtype": str(t.dtype).replace("torch.", ""),
+    }
     if flat is not None:
         e["flat"] = [int(flat[0]), int(flat[1])]
     return e
@@ -93,7 +101,7 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
                     flat = (lo - a, hi - a)
                     out.append((_entry("model", b, p, flat), p.view(-1)[lo:hi]))
                     for k, t in _optim_views(optimizer, pc).items():
-                        piece = t.view(-1)[lo - pc.start:hi - pc.start]
+                        piece = t.view(-1)[lo - pc.start : hi - pc.start]
                         out.append((_entry(f"optim.{k}", b, piece, flat), piece))
             continue
         state = {}
@@ -112,8 +120,7 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
     return out
 
 
-def write_sharded(tmp: str, ps: ParallelState, shards: Sequence[Shard], rng_state: dict,
-                  process_group=None) -> None:
+def write_sharded(tmp: str, ps: ParallelState, shards: Sequence[Shard], rng_state: dict, process_group=None) -> None:
     """Write this rank's shards, its index (with checksums) and random states into ``tmp``.
 
     Collective over ``process_group`` (the default group when None): torch.distributed.checkpoint

@@ -19,6 +19,7 @@ With expert parallelism (ep > 1) the ranks of one dp x cp group hold different e
 directory gains the EP rank, as Megatron-LM names it, and the first rank of the group holding
 each EP rank's experts writes that file. Such a checkpoint loads only at the same ep and etp.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,11 @@ __all__ = ["legacy_dir", "CRC_SUFFIX", "torch_state", "write_torch_state", "read
 def legacy_dir(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
     """Megatron's per-rank directory name: ``mp_rank_TT`` (no pipeline) or ``mp_rank_TT_PPP``, with
     ``_EEE`` (the expert-parallel rank) appended when ep > 1."""
-    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
-            + (f"_{ep_rank:03d}" if ep_size > 1 else ""))
+    return (
+        f"mp_rank_{tp_rank:02d}"
+        + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+        + (f"_{ep_rank:03d}" if ep_size > 1 else "")
+    )
 
 
 def _ep(ps: ParallelState):
@@ -66,8 +70,9 @@ def _model_key(i: int, n_chunks: int) -> str:
     return "model" if n_chunks == 1 else f"model{i}"
 
 
-def torch_state(ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta: dict,
-                rng: dict, gather_optimizer: bool = True) -> Optional[dict]:
+def torch_state(
+    ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta: dict, rng: dict, gather_optimizer: bool = True
+) -> Optional[dict]:
     """This (tp, pp[, ep]) rank's ``model_optim_rng.pt`` content on its writer (:func:`_writes_file`), None
     elsewhere (collective over dp x cp).
 
@@ -86,12 +91,19 @@ def torch_state(ps: ParallelState, chunks: Sequence[nn.Module], optimizer, meta:
     if not _writes_file(ps):
         return None
     models = {_model_key(i, len(chunks)): c.state_dict() for i, c in enumerate(chunks)}
-    return {"args": meta["config"], "checkpoint_version": 3.0, "iteration": meta["iteration"],
-            "consumed_samples": meta["consumed_samples"], **models,
-            "optimizer": {"state": full_opt, "scaler": meta["scaler"], "group_steps": meta["group_steps"]},
-            "opt_param_scheduler": meta["scheduler"], "rng_state": rngs,
-            "counters": {"skipped_iters": meta["skipped_iters"], "nan_iters": meta["nan_iters"]},
-            "layout": meta["layout"], "model_shape": meta["model_shape"]}
+    return {
+        "args": meta["config"],
+        "checkpoint_version": 3.0,
+        "iteration": meta["iteration"],
+        "consumed_samples": meta["consumed_samples"],
+        **models,
+        "optimizer": {"state": full_opt, "scaler": meta["scaler"], "group_steps": meta["group_steps"]},
+        "opt_param_scheduler": meta["scheduler"],
+        "rng_state": rngs,
+        "counters": {"skipped_iters": meta["skipped_iters"], "nan_iters": meta["nan_iters"]},
+        "layout": meta["layout"],
+        "model_shape": meta["model_shape"],
+    }
 
 
 class _Checksummed:
@@ -135,13 +147,15 @@ def check_same_layout(d: str, saved: dict, here: dict, num_layers: int) -> None:
         raise CheckpointError(
             f"{d} is a torch-format checkpoint saved with expert parallelism ep={ep} etp={etp}; this run has "
             f"ep={ep_here} etp={etp_here}: run with --expert-model-parallel-size {ep} "
-            f"--expert-tensor-parallel-size {etp}, or save with --ckpt-format sharded, which loads into any layout")
+            f"--expert-tensor-parallel-size {etp}, or save with --ckpt-format sharded, which loads into any layout"
+        )
     if any(saved[k] != here[k] for k in ("tp", "pp", "vp")) or split(saved) != split(here):
         raise CheckpointError(
             f"{d} is a torch-format checkpoint saved with tp={saved['tp']} pp={saved['pp']} vp={saved['vp']} "
             f"(layers per stage: {split(saved)}); this run has tp={here['tp']} pp={here['pp']} vp={here['vp']} "
             f"({split(here)}): run with the saved layout (--pipeline-stage-layers) or save with --ckpt-format "
-            f"sharded, which loads into any layout")
+            f"sharded, which loads into any layout"
+        )
 
 
 def _load_models(path: str, state: dict, chunks: Sequence[nn.Module]) -> List[Dict[str, object]]:
@@ -150,8 +164,10 @@ def _load_models(path: str, state: dict, chunks: Sequence[nn.Module]) -> List[Di
         for name, p in chunk.named_parameters():
             if name not in sd or tuple(sd[name].shape) != tuple(p.shape):
                 got = tuple(sd[name].shape) if name in sd else "missing"
-                raise CheckpointError(f"{path}: {name} is {got} in the checkpoint, {tuple(p.shape)} in this run "
-                                      f"(check --make-vocab-size-divisible-by and the model flags)")
+                raise CheckpointError(
+                    f"{path}: {name} is {got} in the checkpoint, {tuple(p.shape)} in this run "
+                    f"(check --make-vocab-size-divisible-by and the model flags)"
+                )
         chunk.load_state_dict(sd)
     return models
 
@@ -163,8 +179,9 @@ def _verify_checksum(path: str) -> None:
         return
     want = read_json(side)
     if not (isinstance(want, dict) and type(want.get("crc32")) is int and type(want.get("bytes")) is int):
-        raise CheckpointError(f"{side} is damaged (no integer crc32 and bytes); load another iteration with "
-                              f"--ckpt-step")
+        raise CheckpointError(
+            f"{side} is damaged (no integer crc32 and bytes); load another iteration with --ckpt-step"
+        )
     crc, size, buf = 0, 0, bytearray(16 << 20)
     with open(path, "rb", buffering=0) as f:
         while True:
@@ -178,13 +195,23 @@ def _verify_checksum(path: str) -> None:
         except CheckpointError as e:
             if str(e).startswith("refusing to load"):
                 raise
-        raise CheckpointError(f"{path} fails its checksum ({size} bytes, crc32 {crc:08x}; {side} says "
-                              f"{want['bytes']} bytes, {want['crc32'] & 0xFFFFFFFF:08x}): the file is damaged; "
-                              f"load another iteration with --ckpt-step")
+        raise CheckpointError(
+            f"{path} fails its checksum ({size} bytes, crc32 {crc:08x}; {side} says "
+            f"{want['bytes']} bytes, {want['crc32'] & 0xFFFFFFFF:08x}): the file is damaged; "
+            f"load another iteration with --ckpt-step"
+        )
 
 
-def read_torch(d: str, saved: dict, here: dict, ps: ParallelState, chunks: Sequence[nn.Module], optimizer,
-               load_optim: bool, num_layers: int) -> Optional[dict]:
+def read_torch(
+    d: str,
+    saved: dict,
+    here: dict,
+    ps: ParallelState,
+    chunks: Sequence[nn.Module],
+    optimizer,
+    load_optim: bool,
+    num_layers: int,
+) -> Optional[dict]:
     """Load this rank's ``model_optim_rng.pt`` of ``d`` into ``chunks`` and (with ``load_optim``) ``optimizer``.
 
     ``saved``/``here`` are the checkpoint's and this run's layouts. Returns this rank's saved

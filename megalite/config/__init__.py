@@ -8,8 +8,29 @@ exists; ``settings.py`` RunSettings (what the sections imply for one run); ``pre
 output paths probed before training; ``cli.py`` the command-line pieces the tools share.
 Every bad-flag error is a :class:`ConfigError` raised from this package.
 """
-from megalite.config.sections import (HELP_GROUPS, CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
-                                      ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig", "TrainConfig",
-           "CheckpointConfig", "LoggingConfig", "HELP_GROUPS"]
+from megalite.config.sections import (
+    HELP_GROUPS,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "ModelConfig",
+    "ParallelConfig",
+    "OptimConfig",
+    "DataConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "HELP_GROUPS",
+]

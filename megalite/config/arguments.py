@@ -7,6 +7,7 @@ back into the sections the same way, and validate.py checks them before any proc
 exists, failing with one line (``ConfigError``) saying what is wrong and what to do. Flags that
 belong to features not built yet are accepted by name only to say so, never ignored.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megalite.config import HELP_GROUPS, Config, ConfigError
 from megalite.config.flags import FieldFlags, Flag, flag_fields
-from megalite.pipeline.registry import SCHEDULES
 from megalite.config.validate import validate
+from megalite.pipeline.registry import SCHEDULES
 
 __all__ = ["NOT_IMPLEMENTED", "build_parser", "config_from_args", "declared_fields", "parse_args", "validate"]
 
@@ -96,22 +97,32 @@ class _HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False)
+        return textwrap.fill(
+            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if text and action.option_strings and action.nargs != 0 and action.default is not argparse.SUPPRESS \
-                and "%(default)" not in text:
+        if (
+            text
+            and action.option_strings
+            and action.nargs != 0
+            and action.default is not argparse.SUPPRESS
+            and "%(default)" not in text
+        ):
             text += " (default: %(default)s)"
         return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full CLI (Megatron flag names), built from the flag declarations of the config fields."""
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, exit_on_error=False,
-                                description="Pretrain a GPT with tensor, pipeline and data parallelism.",
-                                formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        allow_abbrev=False,
+        exit_on_error=False,
+        description="Pretrain a GPT with tensor, pipeline and data parallelism.",
+        formatter_class=_HelpFormatter,
+    )
     flags = _ordered_flags()
     for group in HELP_GROUPS:
         g = p.add_argument_group(group.title)
@@ -121,8 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in NOT_IMPLEMENTED:  # recognised to fail with a clear line; listed in the epilog, not as options
         p.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
     if NOT_IMPLEMENTED:
-        p.epilog = ("Recognised but not implemented yet (they stop with an error): "
-                    + ", ".join(f"{f} ({what})" for f, what in NOT_IMPLEMENTED.items()) + ".")
+        p.epilog = (
+            "Recognised but not implemented yet (they stop with an error): "
+            + ", ".join(f"{f} ({what})" for f, what in NOT_IMPLEMENTED.items())
+            + "."
+        )
     return p
 
 
@@ -141,8 +155,12 @@ def _join_negative_values(argv: Sequence[str]) -> List[str]:
     for tok in argv:
         # argparse itself takes -1 and -0.5 as values (and a weighted --data-path needs them as
         # separate tokens); only forms it would read as flags, like -1e-3, are joined.
-        if out and out[-1].startswith("--") and "=" not in out[-1] \
-                and re.fullmatch(r"-(\d+\.?\d*|\.\d+)e[-+]?\d+|-inf|-nan", tok, re.IGNORECASE):
+        if (
+            out
+            and out[-1].startswith("--")
+            and "=" not in out[-1]
+            and re.fullmatch(r"-(\d+\.?\d*|\.\d+)e[-+]?\d+|-inf|-nan", tok, re.IGNORECASE)
+        ):
             out[-1] = f"{out[-1]}={tok}"
         else:
             out.append(tok)
@@ -172,8 +190,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     used: List[str] = [f for f in NOT_IMPLEMENTED if getattr(args, f[2:].replace("-", "_")) is not None]
     if used:
         flag = used[0]
-        raise ConfigError(f"{flag} is not implemented yet ({NOT_IMPLEMENTED[flag]} is on the roadmap); "
-                          f"remove the flag")
+        raise ConfigError(f"{flag} is not implemented yet ({NOT_IMPLEMENTED[flag]} is on the roadmap); remove the flag")
     cfg = config_from_args(args)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
     return cfg

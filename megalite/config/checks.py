@@ -5,6 +5,7 @@ the flag and what to do), and every ConfigError of a run comes from this package
 the ones it can before any process group exists; the runtime calls the rest at the point it learns
 the fact (the ParallelState it was handed, the dataset split it built, the parameter it looked for).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,9 +13,19 @@ from typing import Tuple
 
 from megalite.config.sections import Config, ConfigError, DataConfig, TrainConfig
 
-__all__ = ["check_profiling_flags", "require_wandb", "check_fault_injection", "check_tokenizer_given",
-           "check_training_documents", "parse_perturb", "check_perturb_found", "check_layout_matches",
-           "check_overlap_device", "check_dense_sizes", "check_expert_sizes"]
+__all__ = [
+    "check_profiling_flags",
+    "require_wandb",
+    "check_fault_injection",
+    "check_tokenizer_given",
+    "check_training_documents",
+    "parse_perturb",
+    "check_perturb_found",
+    "check_layout_matches",
+    "check_overlap_device",
+    "check_dense_sizes",
+    "check_expert_sizes",
+]
 
 _PERTURB_EXAMPLE = "decoder.layers.1.mlp.linear_fc1.weight"
 
@@ -23,12 +34,15 @@ def check_profiling_flags(cfg: Config, world_size: int) -> None:
     """--profile-* and --wandb-* against each other, the world and the installed packages (ConfigError)."""
     lg = cfg.logging
     if lg.profile and lg.profile_step_end <= lg.profile_step_start:
-        raise ConfigError(f"--profile-step-end {lg.profile_step_end} must be above --profile-step-start "
-                          f"{lg.profile_step_start}: the traced iterations are start + 1 to end")
+        raise ConfigError(
+            f"--profile-step-end {lg.profile_step_end} must be above --profile-step-start "
+            f"{lg.profile_step_start}: the traced iterations are start + 1 to end"
+        )
     outside = [r for r in lg.profile_ranks if not 0 <= r < world_size]
     if lg.profile and outside:
-        raise ConfigError(f"--profile-ranks {outside[0]} is not a rank of this world of {world_size} "
-                          f"(ranks 0 to {world_size - 1})")
+        raise ConfigError(
+            f"--profile-ranks {outside[0]} is not a rank of this world of {world_size} (ranks 0 to {world_size - 1})"
+        )
     if lg.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb (or drop the --wandb-* flags)")
     if (lg.wandb_exp_name or lg.wandb_save_dir) and not lg.wandb_project:
@@ -47,22 +61,27 @@ def require_wandb():
 def check_fault_injection(train_cfg: TrainConfig, world_size: int) -> None:
     """Refuse --inject-fault-rank outside the world before any iteration runs (ConfigError)."""
     if train_cfg.inject_fault_at_iteration is not None and train_cfg.inject_fault_rank >= world_size:
-        raise ConfigError(f"--inject-fault-rank {train_cfg.inject_fault_rank} is not a rank of this world of "
-                          f"{world_size}; give 0..{world_size - 1}")
+        raise ConfigError(
+            f"--inject-fault-rank {train_cfg.inject_fault_rank} is not a rank of this world of "
+            f"{world_size}; give 0..{world_size - 1}"
+        )
 
 
 def check_tokenizer_given(data: DataConfig) -> None:
     """Real data (after the default corpus was filled in) needs a tokenizer to size the vocabulary."""
     if not data.tokenizer_type:
-        raise ConfigError("--data-path needs --tokenizer-type (e.g. GPT2BPETokenizer with --vocab-file "
-                          "and --merge-file)")
+        raise ConfigError(
+            "--data-path needs --tokenizer-type (e.g. GPT2BPETokenizer with --vocab-file and --merge-file)"
+        )
 
 
 def check_training_documents(data: DataConfig, found: bool) -> None:
     """The --split's training part must hold documents when training iterations are asked for."""
     if not found:
-        raise ConfigError(f"--split {data.split!r} leaves no training documents; give the train "
-                          f"part a weight or pass --train-data-path")
+        raise ConfigError(
+            f"--split {data.split!r} leaves no training documents; give the train "
+            f"part a weight or pass --train-data-path"
+        )
 
 
 def parse_perturb(text: str) -> Tuple[str, float]:
@@ -73,35 +92,44 @@ def parse_perturb(text: str) -> Tuple[str, float]:
     except ValueError:
         value = None
     if not sep or not name or value is None:
-        raise ConfigError(f"--perturb {text!r}: give NAME=EPS, a global parameter name and the size of the change, "
-                          f"e.g. {_PERTURB_EXAMPLE}=1e-3")
+        raise ConfigError(
+            f"--perturb {text!r}: give NAME=EPS, a global parameter name and the size of the change, "
+            f"e.g. {_PERTURB_EXAMPLE}=1e-3"
+        )
     return name, value
 
 
 def check_perturb_found(name: str, found: bool) -> None:
     """--perturb names a parameter some rank holds."""
     if not found:
-        raise ConfigError(f"--perturb: the model has no parameter named {name!r}; give a global name "
-                          f"such as {_PERTURB_EXAMPLE}")
+        raise ConfigError(
+            f"--perturb: the model has no parameter named {name!r}; give a global name such as {_PERTURB_EXAMPLE}"
+        )
 
 
 def check_layout_matches(cfg: Config, tp: int, pp: int, cp: int, ep: int, etp: int) -> None:
     """The config and the ParallelState handed to the Trainer describe the same grid."""
     par = cfg.parallel
     if (par.tp, par.pp, par.cp) != (tp, pp, cp):
-        raise ConfigError(f"the config asks for tp {par.tp} x pp {par.pp} x cp {par.cp} "
-                          f"but the ParallelState has tp {tp} x pp {pp} x cp {cp}; "
-                          "build both from the same flags")
+        raise ConfigError(
+            f"the config asks for tp {par.tp} x pp {par.pp} x cp {par.cp} "
+            f"but the ParallelState has tp {tp} x pp {pp} x cp {cp}; "
+            "build both from the same flags"
+        )
     if cfg.model.is_moe and (par.ep, par.expert_tp) != (ep, etp):
-        raise ConfigError(f"the config asks for ep {par.ep} x etp {par.expert_tp} but the "
-                          f"ParallelState has ep {ep} x etp {etp}; build both from the same flags")
+        raise ConfigError(
+            f"the config asks for ep {par.ep} x etp {par.expert_tp} but the "
+            f"ParallelState has ep {ep} x etp {etp}; build both from the same flags"
+        )
 
 
 def check_overlap_device(cfg: Config, device_type: str) -> None:
     """--overlap-moe-expert-parallel-comm pairs threads on one stream: refused on CUDA for now."""
     if cfg.parallel.overlap_moe_expert_parallel_comm and device_type == "cuda":
-        raise ConfigError("--overlap-moe-expert-parallel-comm runs on CPU (gloo) only for now: on CUDA its two "
-                          "threads share one stream and NCCL could hang; drop the flag")
+        raise ConfigError(
+            "--overlap-moe-expert-parallel-comm runs on CPU (gloo) only for now: on CUDA its two "
+            "threads share one stream and NCCL could hang; drop the flag"
+        )
 
 
 def check_dense_sizes(world_size: int, tp: int, pp: int, cp: int) -> None:
@@ -118,5 +146,7 @@ def check_dense_sizes(world_size: int, tp: int, pp: int, cp: int) -> None:
 def check_expert_sizes(stage_ranks: int, ep: int, etp: int) -> None:
     """ep x etp divides the ranks of a pipeline stage (the rest is expert data parallel)."""
     if ep < 1 or etp < 1 or stage_ranks % (ep * etp):
-        raise ConfigError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not "
-                          f"divide the {stage_ranks} ranks of a pipeline stage (tp x cp x dp); change ep or etp")
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not "
+            f"divide the {stage_ranks} ranks of a pipeline stage (tp x cp x dp); change ep or etp"
+        )

@@ -3,6 +3,7 @@
 Their contract: bad input is one ``prog: error: ...`` line and exit code 2, never a usage block
 or a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,17 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoint")
     g.add_argument("--load", required=True, help="checkpoint directory (pretrain_gpt.py --save), any format and layout")
     g.add_argument("--ckpt-step", type=int, help="load this iteration, not the latest")
-    g.add_argument("--device", type=check_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda or cuda:N (default: cuda where available)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="weights and activations (default: the run's, from --bf16/--fp16)")
+    g.add_argument(
+        "--device",
+        type=check_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (default: cuda where available)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="weights and activations (default: the run's, from --bf16/--fp16)",
+    )
 
 
 def check_device(name: str) -> str:
@@ -38,11 +46,13 @@ def check_device(name: str) -> str:
         if not torch.cuda.is_available():  # torch's own check is an AssertionError with a traceback
             raise argparse.ArgumentTypeError(
                 f"{name!r} needs CUDA, which this machine lacks (no GPU visible, or torch built without "
-                "CUDA); use --device cpu")
+                "CUDA); use --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise argparse.ArgumentTypeError(
                 f"{name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise argparse.ArgumentTypeError("'mps' is not available on this machine; use --device cpu")
     elif device.type not in ("cpu", "mps"):

@@ -6,6 +6,7 @@ one-to-one onto a field, the function that works the field out of them, and the 
 value must lie in. arguments.py builds the parser from these declarations and validate.py
 checks the ranges (README, Architecture: a flag is declared once, next to its field).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,10 +59,21 @@ class HelpGroup:
         """A companion flag in this group (it sets no field by itself)."""
         return Flag(name, self.title, help, options)
 
-    def __call__(self, name: str, default: Any, help: str, *, before: Union[Flag, Tuple[Flag, ...]] = (),
-                 then: Union[Flag, Tuple[Flag, ...]] = (), value: Optional[Callable] = None,
-                 gt: Optional[float] = None, ge: Optional[float] = None, lt: Optional[float] = None,
-                 listed_after: Optional[str] = None, **options: Any) -> Any:
+    def __call__(
+        self,
+        name: str,
+        default: Any,
+        help: str,
+        *,
+        before: Union[Flag, Tuple[Flag, ...]] = (),
+        then: Union[Flag, Tuple[Flag, ...]] = (),
+        value: Optional[Callable] = None,
+        gt: Optional[float] = None,
+        ge: Optional[float] = None,
+        lt: Optional[float] = None,
+        listed_after: Optional[str] = None,
+        **options: Any,
+    ) -> Any:
         """A dataclass field defaulting to ``default`` whose flag ``name`` has ``help`` (see FieldFlags)."""
         own = Flag(name, self.title, help, options)
         cli = FieldFlags((*_as_tuple(before), own, *_as_tuple(then)), own, value, gt, ge, lt, listed_after)

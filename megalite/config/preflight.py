@@ -6,6 +6,7 @@ flags name is probed up front: the directory is created (it would be anyway)
 and a scratch file is written and removed in it, which also catches read-only
 file systems and permissions that ``os.access`` misjudges (for example as root).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,16 +24,14 @@ def _probe_dir(flag: str, path: str) -> None:
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent.rstrip(os.sep)) or ("." if not os.path.isabs(path) else os.sep)
     if parent and not os.path.isdir(parent):
-        raise ConfigError(f"{flag} {path} cannot be created: {parent} is a file, not a directory; "
-                          f"give another path")
+        raise ConfigError(f"{flag} {path} cannot be created: {parent} is a file, not a directory; give another path")
     try:
         os.makedirs(path, exist_ok=True)
         fd, scratch = tempfile.mkstemp(prefix=".megalite-write-test-", dir=path)
         os.close(fd)
         os.remove(scratch)
     except OSError as e:
-        raise ConfigError(f"{flag} {path} is not writable ({e.strerror or e}); give a writable directory") \
-            from None
+        raise ConfigError(f"{flag} {path} is not writable ({e.strerror or e}); give a writable directory") from None
 
 
 def _probe_file(flag: str, path: str) -> None:
@@ -67,7 +66,9 @@ def check_output_paths(cfg: Config, rank: Optional[int] = None) -> None:
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     load = cfg.checkpoint.load
     if load and os.path.exists(load) and not os.path.isdir(load):
-        raise ConfigError(f"--load {load} is a file; give the checkpoint directory (the one holding "
-                          f"latest_checkpointed_iteration.txt)")
+        raise ConfigError(
+            f"--load {load} is a file; give the checkpoint directory (the one holding "
+            f"latest_checkpointed_iteration.txt)"
+        )
     for flag, path, is_dir in output_dirs(cfg, rank):
         (_probe_dir if is_dir else _probe_file)(flag, path)

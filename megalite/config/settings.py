@@ -7,6 +7,7 @@ computes them in one place (validation calls it, training reads its result)
 instead of every consumer repeating ``global_batch // (micro_batch * dp)`` or
 ``pipeline_schedule or default_schedule_name(pp, vp)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,7 @@ from typing import Optional, Tuple
 from megalite.config import Config, ConfigError
 from megalite.parallel.state import grid_groups
 from megalite.pipeline.partition import stage_layer_counts
-from megalite.pipeline.registry import (ScheduleSpec, default_schedule_name, get_schedule, layout_for,
-                                       validate_schedule)
+from megalite.pipeline.registry import ScheduleSpec, default_schedule_name, get_schedule, layout_for, validate_schedule
 from megalite.pipeline.stage_layout import StageLayout
 
 
@@ -50,20 +50,34 @@ def resolve_settings(cfg: Config, world_size: int) -> RunSettings:
     stage_layers = None
     try:
         if par.pipeline_balance != "measured" or par.pipeline_stage_layers is not None:
-            stage_layers = tuple(stage_layer_counts(
-                m.num_layers, par.pp, par.vp, par.decoder_first_pipeline_num_layers,
-                par.decoder_last_pipeline_num_layers, par.pipeline_stage_layers))
+            stage_layers = tuple(
+                stage_layer_counts(
+                    m.num_layers,
+                    par.pp,
+                    par.vp,
+                    par.decoder_first_pipeline_num_layers,
+                    par.decoder_last_pipeline_num_layers,
+                    par.pipeline_stage_layers,
+                )
+            )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
-            f"{t.micro_batch_size} x data-parallel size {dp}; change one of them")
+            f"{t.micro_batch_size} x data-parallel size {dp}; change one of them"
+        )
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     name = par.pipeline_schedule or default_schedule_name(par.pp, par.vp)
     try:
         validate_schedule(name, par.pp, par.vp, num_microbatches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return RunSettings(dp=dp, num_microbatches=num_microbatches, schedule=name, spec=get_schedule(name),
-                       layout=layout_for(name, par.pp, par.vp), stage_layers=stage_layers)
+    return RunSettings(
+        dp=dp,
+        num_microbatches=num_microbatches,
+        schedule=name,
+        spec=get_schedule(name),
+        layout=layout_for(name, par.pp, par.vp),
+        stage_layers=stage_layers,
+    )

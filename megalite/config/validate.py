@@ -6,6 +6,7 @@ field in config.py (``gt``/``ge``/``lt``) and checked here in field order; the r
 between flags. The derived settings (data-parallel size, micro-batches, schedule, split of
 layers) are worked out by settings.resolve_settings, which raises for those that cannot be.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -13,11 +14,11 @@ from typing import Iterator, Optional, Tuple
 
 from megalite.checkpointing.format_info import format_info, layout_free_format
 from megalite.config import Config, ConfigError
-from megalite.config.flags import FieldFlags, flag_fields
-from megalite.parallel.state import grid_groups
 from megalite.config.checks import check_profiling_flags
+from megalite.config.flags import FieldFlags, flag_fields
 from megalite.config.settings import RunSettings, resolve_settings
 from megalite.config.validate_moe import validate_moe
+from megalite.parallel.state import grid_groups
 
 
 def _number(value: float) -> str:
@@ -64,39 +65,49 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
     if t.skip_train and (t.eval_iters <= 0 or t.eval_interval <= 0):
         raise ConfigError("--skip-train only evaluates, but --eval-iters or --eval-interval is 0; give both > 0")
     if t.eval_interval == 0 and t.eval_iters > 0:  # Megatron's loop skips it, but its split sizing divides by it
-        raise ConfigError(f"--eval-interval 0 with --eval-iters {t.eval_iters}: give --eval-interval N > 0 to "
-                          "evaluate every N iterations (N >= --train-iters: only at the end), or --eval-iters 0 "
-                          "for no evaluation")
+        raise ConfigError(
+            f"--eval-interval 0 with --eval-iters {t.eval_iters}: give --eval-interval N > 0 to "
+            "evaluate every N iterations (N >= --train-iters: only at the end), or --eval-iters 0 "
+            "for no evaluation"
+        )
     if t.skip_train and not cfg.checkpoint.load:
         raise ConfigError("--skip-train evaluates a trained model: give its checkpoint with --load DIR")
     if par.cp > 1 and par.tp * par.pp * par.cp > world_size:
-        raise ConfigError(f"--tensor-model-parallel-size {par.tp} x --pipeline-model-parallel-size {par.pp} x "
-                          f"--context-parallel-size {par.cp} = {par.tp * par.pp * par.cp} ranks, more than the world "
-                          f"size {world_size}; lower the parallel sizes or launch more processes")
+        raise ConfigError(
+            f"--tensor-model-parallel-size {par.tp} x --pipeline-model-parallel-size {par.pp} x "
+            f"--context-parallel-size {par.cp} = {par.tp * par.pp * par.cp} ranks, more than the world "
+            f"size {world_size}; lower the parallel sizes or launch more processes"
+        )
     grid_groups(world_size, par.tp, par.pp, par.cp)
     if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                          f"{m.num_attention_heads}")
+        raise ConfigError(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}"
+        )
     if m.num_attention_heads % par.tp:
-        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-                          f"--tensor-model-parallel-size {par.tp}")
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {par.tp}"
+        )
     if m.num_query_groups is not None:
         if m.num_query_groups % par.tp:
-            raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by "
-                              f"--tensor-model-parallel-size {par.tp}")
+            raise ConfigError(
+                f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {par.tp}"
+            )
         if m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups:
-            raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-                              f"--num-query-groups {m.num_query_groups}")
+            raise ConfigError(
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                f"--num-query-groups {m.num_query_groups}"
+            )
     if m.ffn_size % par.tp:
-        raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
-                          f"{par.tp}; set --ffn-hidden-size")
+        raise ConfigError(
+            f"ffn hidden size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
+            f"{par.tp}; set --ffn-hidden-size"
+        )
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"rope needs an even head dim, got {m.head_dim}; change --hidden-size")
     if m.openai_gelu and m.swiglu:
         raise ConfigError("--openai-gelu selects the GeLU of the plain MLP, but --swiglu uses SiLU; drop one of them")
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_positions:
-        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-                          f"{m.max_positions}")
+        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}")
     validate_moe(cfg, world_size)
     _validate_balance(cfg)
     _validate_context_parallel(cfg)
@@ -119,18 +130,24 @@ def _validate_context_parallel(cfg: Config) -> None:
     chunks = 2 * par.cp * (par.tp if par.sequence_parallel else 1)
     if m.seq_length % chunks:
         sp = " x --tensor-model-parallel-size (with --sequence-parallel)" if par.sequence_parallel else ""
-        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size{sp} = "
-                          f"{chunks} (each CP rank holds two of 2 x CP load-balanced chunks); change --seq-length "
-                          f"or --context-parallel-size")
+        raise ConfigError(
+            f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size{sp} = "
+            f"{chunks} (each CP rank holds two of 2 x CP load-balanced chunks); change --seq-length "
+            f"or --context-parallel-size"
+        )
     if par.cp_comm_type == "a2a":
         for flag, n in (("--num-attention-heads", m.num_attention_heads), ("--num-query-groups", m.query_groups)):
             if (n // par.tp) % par.cp:
-                raise ConfigError(f"--cp-comm-type a2a splits the heads of each rank over the CP group, but {flag} "
-                                  f"{n} / --tensor-model-parallel-size {par.tp} is not divisible by "
-                                  f"--context-parallel-size {par.cp}; use --cp-comm-type p2p or all_gather")
+                raise ConfigError(
+                    f"--cp-comm-type a2a splits the heads of each rank over the CP group, but {flag} "
+                    f"{n} / --tensor-model-parallel-size {par.tp} is not divisible by "
+                    f"--context-parallel-size {par.cp}; use --cp-comm-type p2p or all_gather"
+                )
     if par.cp_comm_type == "p2p" and m.attention_dropout > 0:
-        raise ConfigError(f"--cp-comm-type p2p (ring attention) does not support --attention-dropout "
-                          f"{m.attention_dropout:g}; set --attention-dropout 0 or use --cp-comm-type all_gather/a2a")
+        raise ConfigError(
+            f"--cp-comm-type p2p (ring attention) does not support --attention-dropout "
+            f"{m.attention_dropout:g}; set --attention-dropout 0 or use --cp-comm-type all_gather/a2a"
+        )
 
 
 def _validate_balance(cfg: Config) -> None:
@@ -138,17 +155,26 @@ def _validate_balance(cfg: Config) -> None:
     par, layers = cfg.parallel, cfg.model.num_layers
     if par.pipeline_balance != "measured":
         return
-    given = [f for f, v in (("--pipeline-stage-layers", par.pipeline_stage_layers),
-                            ("--decoder-first-pipeline-num-layers", par.decoder_first_pipeline_num_layers),
-                            ("--decoder-last-pipeline-num-layers", par.decoder_last_pipeline_num_layers)) if v]
+    given = [
+        f
+        for f, v in (
+            ("--pipeline-stage-layers", par.pipeline_stage_layers),
+            ("--decoder-first-pipeline-num-layers", par.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", par.decoder_last_pipeline_num_layers),
+        )
+        if v
+    ]
     if given:
         raise ConfigError(f"--pipeline-balance measured chooses the split of layers itself; drop {given[0]}")
     if par.pp == 1:
-        raise ConfigError("--pipeline-balance measured needs --pipeline-model-parallel-size > 1 (one stage has "
-                          "nothing to balance)")
+        raise ConfigError(
+            "--pipeline-balance measured needs --pipeline-model-parallel-size > 1 (one stage has nothing to balance)"
+        )
     if layers < par.pp * par.vp:
-        raise ConfigError(f"--pipeline-balance measured needs --num-layers >= pp x vp = {par.pp * par.vp} (one "
-                          f"layer per virtual stage), got {layers}")
+        raise ConfigError(
+            f"--pipeline-balance measured needs --num-layers >= pp x vp = {par.pp * par.vp} (one "
+            f"layer per virtual stage), got {layers}"
+        )
 
 
 def _validate_zero_bubble(cfg: Config, settings: RunSettings) -> None:
@@ -157,21 +183,29 @@ def _validate_zero_bubble(cfg: Config, settings: RunSettings) -> None:
     if not settings.spec.split_backward:
         return
     if cfg.model.torch_compile:
-        raise ConfigError(f"--pipeline-schedule {name} splits each backward into input and weight gradients, "
-                          f"which torch.compile'd layers do not support; drop --torch-compile")
+        raise ConfigError(
+            f"--pipeline-schedule {name} splits each backward into input and weight gradients, "
+            f"which torch.compile'd layers do not support; drop --torch-compile"
+        )
     if not settings.spec.v_shape:
         return
     if par.decoder_first_pipeline_num_layers or par.decoder_last_pipeline_num_layers:
-        raise ConfigError(f"--decoder-first/last-pipeline-num-layers are not supported with --pipeline-schedule "
-                          f"{name} (a V puts the first and last stage on one rank); use --pipeline-stage-layers")
+        raise ConfigError(
+            f"--decoder-first/last-pipeline-num-layers are not supported with --pipeline-schedule "
+            f"{name} (a V puts the first and last stage on one rank); use --pipeline-stage-layers"
+        )
     if cfg.model.tied_embeddings and cfg.optim.overlap_grad_reduce and settings.dp > 1:
-        raise ConfigError(f"--pipeline-schedule {name} with tied embeddings uses the embedding twice on rank 0, "
-                          "which --overlap-grad-reduce cannot count; add --untie-embeddings-and-output-weights "
-                          "or drop --overlap-grad-reduce")
+        raise ConfigError(
+            f"--pipeline-schedule {name} with tied embeddings uses the embedding twice on rank 0, "
+            "which --overlap-grad-reduce cannot count; add --untie-embeddings-and-output-weights "
+            "or drop --overlap-grad-reduce"
+        )
     fmt = format_info(cfg.checkpoint.ckpt_format)
     if not fmt.layout_free and (cfg.checkpoint.save or cfg.checkpoint.load):
-        raise ConfigError(f"--ckpt-format {fmt.name} stores Megatron's interleaved chunk layout, not {name}'s V; "
-                          f"use --ckpt-format {layout_free_format()} with --pipeline-schedule {name}")
+        raise ConfigError(
+            f"--ckpt-format {fmt.name} stores Megatron's interleaved chunk layout, not {name}'s V; "
+            f"use --ckpt-format {layout_free_format()} with --pipeline-schedule {name}"
+        )
 
 
 def _validate_precision_and_memory(cfg: Config) -> None:
@@ -179,15 +213,23 @@ def _validate_precision_and_memory(cfg: Config) -> None:
     if m.recompute_granularity == "full" and m.recompute_method is None:
         raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
     if m.recompute_method is not None and m.recompute_granularity != "full":
-        raise ConfigError("--recompute-method applies to --recompute-granularity full only; "
-                          "drop it or add --recompute-granularity full")
+        raise ConfigError(
+            "--recompute-method applies to --recompute-granularity full only; "
+            "drop it or add --recompute-granularity full"
+        )
     if par.sequence_parallel and m.seq_length % par.tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
-                          f"--tensor-model-parallel-size {par.tp}")
+        raise ConfigError(
+            f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {par.tp}"
+        )
     if o.overlap_param_gather and not (o.use_distributed_optimizer and o.overlap_grad_reduce):
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if m.params_dtype == "float16":  # loss scaling is used with fp16 only
-        _positive(initial_loss_scale=o.initial_loss_scale, min_loss_scale=o.min_loss_scale,
-                  loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, loss_scale=o.loss_scale)
+        _positive(
+            initial_loss_scale=o.initial_loss_scale,
+            min_loss_scale=o.min_loss_scale,
+            loss_scale_window=o.loss_scale_window,
+            hysteresis=o.hysteresis,
+            loss_scale=o.loss_scale,
+        )
     if cfg.checkpoint.save_interval and not cfg.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")

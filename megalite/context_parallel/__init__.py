@@ -14,6 +14,7 @@ sequence.py: where tokens live (cp_token_index, the batch slicer) and packed doc
 attention.py: context_parallel_attention (the entry point); ring.py, collectives.py: the
 communication; blocks.py: tiled fp32 attention with a log-sum-exp (masks built per tile).
 """
+
 from megalite.context_parallel.attention import context_parallel_attention
 
 __all__ = ["context_parallel_attention"]

@@ -13,6 +13,7 @@ Where a mask is needed and dropout is off, attention runs tile by tile in fp32 (
 documents uses torch's SDPA (is_causal). Attention dropout (all_gather, a2a, or one CP rank) draws
 from the tracker's "tp" stream, like the model's attention; with a mask it builds the dense mask.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +32,17 @@ COMM_TYPES = ("p2p", "all_gather", "a2a")
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup, comm_type: str,
-                               q_index: torch.Tensor, segment_ids: Optional[torch.Tensor] = None,
-                               dropout_p: float = 0.0, tracker=None) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: AxisGroup,
+    comm_type: str,
+    q_index: torch.Tensor,
+    segment_ids: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    tracker=None,
+) -> torch.Tensor:
     """Causal (and, with ``segment_ids``, per-document) attention of this CP rank's queries over the
     whole sequence's keys.
 
@@ -64,24 +73,31 @@ def _check(q: torch.Tensor, k: torch.Tensor, cp: AxisGroup, comm_type: str, drop
     if cp.size == 1:
         return
     if q.shape[2] % 2:
-        raise ValueError(f"a context-parallel rank holds two equal chunks of the sequence; its {q.shape[2]} "
-                         f"tokens do not split in two (--seq-length must divide by 2 x --context-parallel-size)")
+        raise ValueError(
+            f"a context-parallel rank holds two equal chunks of the sequence; its {q.shape[2]} "
+            f"tokens do not split in two (--seq-length must divide by 2 x --context-parallel-size)"
+        )
     if comm_type == "p2p" and dropout_p > 0:
-        raise ValueError(f"--cp-comm-type p2p (ring attention) does not support attention dropout "
-                         f"(--attention-dropout {dropout_p}); set --attention-dropout 0 or use --cp-comm-type "
-                         f"all_gather or a2a")
+        raise ValueError(
+            f"--cp-comm-type p2p (ring attention) does not support attention dropout "
+            f"(--attention-dropout {dropout_p}); set --attention-dropout 0 or use --cp-comm-type "
+            f"all_gather or a2a"
+        )
     if comm_type == "a2a" and (nq % cp.size or nkv % cp.size):
-        raise ValueError(f"--cp-comm-type a2a splits the attention heads over the context-parallel group: "
-                         f"this rank's {nq} heads and {nkv} query groups must divide by --context-parallel-size "
-                         f"{cp.size}; use --cp-comm-type p2p or all_gather")
+        raise ValueError(
+            f"--cp-comm-type a2a splits the attention heads over the context-parallel group: "
+            f"this rank's {nq} heads and {nkv} query groups must divide by --context-parallel-size "
+            f"{cp.size}; use --cp-comm-type p2p or all_gather"
+        )
 
 
 def _fork(tracker, dropout_p: float):
     return tracker.fork("tp") if tracker is not None and dropout_p > 0 else contextlib.nullcontext()
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], dropout_p: float,
-          tracker) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], dropout_p: float, tracker
+) -> torch.Tensor:
     """torch's SDPA: causal (natural order) when ``mask`` is None, else the boolean ``allowed`` mask."""
     kw = dict(attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p)
     rep = q.shape[1] // k.shape[1]
@@ -90,13 +106,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
             return F.scaled_dot_product_attention(q, k, v, **kw)
         if _SDPA_GQA:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
-                                              **kw)
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), **kw)
 
 
-def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
-           q_runs: List[Run], k_runs: List[Run], seg_q: Optional[torch.Tensor], seg_k: Optional[torch.Tensor],
-           dropout_p: float, tracker) -> torch.Tensor:
+def _local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    q_runs: List[Run],
+    k_runs: List[Run],
+    seg_q: Optional[torch.Tensor],
+    seg_k: Optional[torch.Tensor],
+    dropout_p: float,
+    tracker,
+) -> torch.Tensor:
     """Attention of local queries over local keys, both described by runs of global indices."""
     natural = q_runs == k_runs == [(0, 0, q.shape[2])]
     if seg_q is None and natural:
@@ -124,8 +149,9 @@ def _all_gather_attention(q, k, v, cp: AxisGroup, q_index, segment_ids, dropout_
     seg_q = seg_k = None
     if segment_ids is not None:
         seg_q, seg_k = segment_ids.index_select(1, q_index), segment_ids.index_select(1, k_idx)
-    return _local(q, kv[0], kv[1], q_index, k_idx, layout_runs(s, cp.size, cp.rank), k_runs, seg_q, seg_k,
-                  dropout_p, tracker)
+    return _local(
+        q, kv[0], kv[1], q_index, k_idx, layout_runs(s, cp.size, cp.rank), k_runs, seg_q, seg_k, dropout_p, tracker
+    )
 
 
 def _a2a_attention(q, k, v, cp: AxisGroup, segment_ids, dropout_p, tracker) -> torch.Tensor:

@@ -17,6 +17,7 @@ On CPU a tile runs in torch's fused flash kernel (the one SDPA uses; it returns 
 backward takes the final output and LSE) when this torch has it; elsewhere, explicit fp32 matmuls.
 Without documents, tiles are whole chunks (the kernel blocks internally); with a mask, 1024 tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,11 @@ TILE = 1024  # tokens per tile side where a mask is materialised
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-if _FLASH is None or _FLASH_BWD is None or not all("attn_mask" in str(op.default._schema)
-                                                     for op in (_FLASH, _FLASH_BWD)):
+if (
+    _FLASH is None
+    or _FLASH_BWD is None
+    or not all("attn_mask" in str(op.default._schema) for op in (_FLASH, _FLASH_BWD))
+):
     _FLASH = _FLASH_BWD = None
 
 
@@ -77,8 +81,9 @@ def tile_pairs(q_runs: List[Run], k_runs: List[Run], tile: int = TILE) -> List[P
     return pairs
 
 
-def tile_mask(pair: Pair, q_idx: torch.Tensor, k_idx: torch.Tensor, seg_q: Optional[torch.Tensor],
-              seg_k: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], bool]:
+def tile_mask(
+    pair: Pair, q_idx: torch.Tensor, k_idx: torch.Tensor, seg_q: Optional[torch.Tensor], seg_k: Optional[torch.Tensor]
+) -> Tuple[Optional[torch.Tensor], bool]:
     """(allowed, causal) of one tile pair: ``allowed`` a boolean [b or 1, 1, 1, sq, sk] mask or None;
     ``causal`` True for a diagonal tile without documents (the square causal mask, left implicit)."""
     qs, ks, kind = pair
@@ -97,8 +102,9 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor], causal: bool,
-            scale: float) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor], causal: bool, scale: float
+) -> torch.Tensor:
     """q [b, g, r, sq, d], k [b, g, sk, d] -> masked scaled scores [b, g, r, sq, sk] (fp32)."""
     b, g, r, sq, d = q.shape
     s = torch.matmul(q.reshape(b, g, r * sq, d), k.transpose(-1, -2)).mul_(scale).view(b, g, r, sq, -1)
@@ -126,8 +132,9 @@ def _fused_args(q, k, v, allowed, causal, *rows):
     return rows, k, v, mask
 
 
-def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor], causal: bool,
-                 scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def tile_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor], causal: bool, scale: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Normalised output [b, g, r, sq, d] and log-sum-exp [b, g, r, sq] of one tile."""
     b, g, r, sq, d = q.shape
     if fused(q.device):
@@ -148,14 +155,22 @@ def merge(out: torch.Tensor, lse: torch.Tensor, qs: slice, o: torch.Tensor, l: t
     old = lse[..., qs]
     new = torch.logaddexp(old, l)
     safe = _finite(new)
-    out[..., qs, :] = (out[..., qs, :] * torch.exp(old - safe).unsqueeze(-1)
-                       + o * torch.exp(l - safe).unsqueeze(-1))
+    out[..., qs, :] = out[..., qs, :] * torch.exp(old - safe).unsqueeze(-1) + o * torch.exp(l - safe).unsqueeze(-1)
     lse[..., qs] = new
 
 
-def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, delta: Optional[torch.Tensor], allowed: Optional[torch.Tensor], causal: bool, scale: float
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: Optional[torch.Tensor],
+    allowed: Optional[torch.Tensor],
+    causal: bool,
+    scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq [b,g,r,sq,d], dk [b,g,sk,d], dv [b,g,sk,d]) of one tile; ``out``, ``lse`` and ``delta``
     (sum(dout * out); None on the fused path, whose kernel works it out) are the rows' final values, not
     the tile's."""
@@ -201,8 +216,13 @@ class TiledAttention(torch.autograd.Function):
         out = torch.zeros_like(q32)
         lse = torch.full(q32.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for pair in pairs:
-            o, l = tile_forward(q32[..., pair[0], :], k32[..., pair[1], :], v32[..., pair[1], :],
-                                *tile_mask(pair, q_idx, k_idx, seg_q, seg_k), scale)
+            o, l = tile_forward(
+                q32[..., pair[0], :],
+                k32[..., pair[1], :],
+                v32[..., pair[1], :],
+                *tile_mask(pair, q_idx, k_idx, seg_q, seg_k),
+                scale,
+            )
             merge(out, lse, pair[0], o, l)
         out = out.view(b, nq, sq, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, seg_q, seg_k)
@@ -219,9 +239,17 @@ class TiledAttention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q32), torch.zeros_like(k32), torch.zeros_like(v32)
         for pair in ctx.pairs:
             qs, ks, _ = pair
-            a, bk, bv = tile_backward(q32[..., qs, :], k32[..., ks, :], v32[..., ks, :], do[..., qs, :],
-                                      out32[..., qs, :], lse[..., qs], None if delta is None else delta[..., qs],
-                                      *tile_mask(pair, q_idx, k_idx, seg_q, seg_k), scale)
+            a, bk, bv = tile_backward(
+                q32[..., qs, :],
+                k32[..., ks, :],
+                v32[..., ks, :],
+                do[..., qs, :],
+                out32[..., qs, :],
+                lse[..., qs],
+                None if delta is None else delta[..., qs],
+                *tile_mask(pair, q_idx, k_idx, seg_q, seg_k),
+                scale,
+            )
             dq[..., qs, :] += a
             dk[..., ks, :] += bk
             dv[..., ks, :] += bv

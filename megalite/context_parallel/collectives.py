@@ -7,6 +7,7 @@
 The gathered sequence is in rank order (each rank's two chunks, rank after rank), not the natural
 order; callers reorder it when they need to.
 """
+
 from __future__ import annotations
 
 import torch

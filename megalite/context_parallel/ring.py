@@ -15,6 +15,7 @@ accumulator for that block; each rank adds its contribution and passes it on, on
 K/V (so its transfer overlaps the next block's compute). After CP steps and one last hop every
 accumulator is back with its block's owner, holding every rank's contribution.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,17 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megalite.context_parallel.blocks import (fused, grouped, layout_runs, merge, tile_backward, tile_forward,
-                                              tile_mask, tile_pairs, tile_size)
+from megalite.context_parallel.blocks import (
+    fused,
+    grouped,
+    layout_runs,
+    merge,
+    tile_backward,
+    tile_forward,
+    tile_mask,
+    tile_pairs,
+    tile_size,
+)
 from megalite.context_parallel.sequence import cp_token_index
 from megalite.parallel.state import AxisGroup
 
@@ -48,8 +58,9 @@ timing: Optional[RingTiming] = None  # off unless a benchmark sets it
 def exchange(cp: AxisGroup, send: torch.Tensor, recv: torch.Tensor, tag: int) -> List:
     """Start sending ``send`` to the next CP rank and receiving ``recv`` from the previous one."""
     nxt, prv = cp.ranks[(cp.rank + 1) % cp.size], cp.ranks[(cp.rank - 1) % cp.size]
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, cp.group, tag),
-                                   dist.P2POp(dist.irecv, recv, prv, cp.group, tag)])
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, nxt, cp.group, tag), dist.P2POp(dist.irecv, recv, prv, cp.group, tag)]
+    )
 
 
 def _wait(works: List) -> None:
@@ -130,9 +141,17 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for pair in plan.pairs[src]:
                 qs, ks, _ = pair
-                a, bk, bv = tile_backward(q32[..., qs, :], k32[..., ks, :], v32[..., ks, :], do[..., qs, :],
-                                          out32[..., qs, :], lse[..., qs], None if delta is None else delta[..., qs],
-                                          *plan.mask(src, pair), scale)
+                a, bk, bv = tile_backward(
+                    q32[..., qs, :],
+                    k32[..., ks, :],
+                    v32[..., ks, :],
+                    do[..., qs, :],
+                    out32[..., qs, :],
+                    lse[..., qs],
+                    None if delta is None else delta[..., qs],
+                    *plan.mask(src, pair),
+                    scale,
+                )
                 dq[..., qs, :] += a
                 dkv[0][..., ks, :] += bk
                 dkv[1][..., ks, :] += bv

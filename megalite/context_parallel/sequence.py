@@ -23,6 +23,7 @@ A micro-batch dict then carries ``position_ids`` [b, s_local] (absent: a token's
 ``segment_ids`` [b, s] (FULL sequence on every CP rank; absent: one document per row) and, under
 CP, ``num_tokens`` (the full sequence's loss-mask sum, for the loss normalisation).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,7 @@ def cp_token_index(seq_len: int, cp_size: int, cp_rank: int, device=None) -> tor
     if cp_size == 1:
         return torch.arange(seq_len, device=device)
     if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel-size "
-                         f"({2 * cp_size})")
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel-size ({2 * cp_size})")
     c = seq_len // (2 * cp_size)
     first = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
     last = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c, device=device)
@@ -80,13 +80,15 @@ class SequenceOptions:
         """The full-sequence micro-batch with the packing fields the flags ask for, then this rank's slice."""
         batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
         if self.packing:
-            batch = add_document_fields(batch, self.eod, self.reset_position_ids, self.reset_attention_mask,
-                                        self.eod_mask_loss)
+            batch = add_document_fields(
+                batch, self.eod, self.reset_position_ids, self.reset_attention_mask, self.eod_mask_loss
+            )
         return slice_for_cp(batch, self.cp_size, self.cp_rank) if self.cp_size > 1 else batch
 
 
-def add_document_fields(batch: Batch, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
-                        eod_mask_loss: bool) -> Batch:
+def add_document_fields(
+    batch: Batch, eod: int, reset_position_ids: bool, reset_attention_mask: bool, eod_mask_loss: bool
+) -> Batch:
     """``batch`` with Megatron's packed-document fields: position_ids (reset after each eod),
     segment_ids (for the block-diagonal causal mask), loss_mask 0 at eod inputs."""
     out = dict(batch)

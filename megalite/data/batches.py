@@ -4,6 +4,7 @@ A DataLoader over Megatron's pretraining sampler reads the samples of this DP ra
 (``--num-workers`` processes ahead of the loop); the sampler is walked a second time
 alongside so that a sample holding a bad token id can be named in the error.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -29,18 +30,23 @@ def eod_token(cfg) -> int:
     if not data.tokenizer_type or data.tokenizer_type == "NullTokenizer":
         return vocab - 1  # NullTokenizer --vocab-size N: N + 1 ids, eod N
     from megalite.data.tokenizers import build_tokenizer
+
     return build_tokenizer(data, vocab).eod
 
 
 def sequence_options(cfg, ps: ParallelState) -> Optional[SequenceOptions]:
     """How this rank's micro-batches are laid out (packed documents, CP chunks); None: plain batches."""
     d = cfg.data
-    flags = dict(reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-                 eod_mask_loss=d.eod_mask_loss)
+    flags = dict(
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+    )
     if ps.cp_size == 1 and not any(flags.values()):
         return None
-    return SequenceOptions(eod=eod_token(cfg) if any(flags.values()) else None, cp_size=ps.cp_size,
-                           cp_rank=ps.cp_rank, **flags)
+    return SequenceOptions(
+        eod=eod_token(cfg) if any(flags.values()) else None, cp_size=ps.cp_size, cp_rank=ps.cp_rank, **flags
+    )
 
 
 class MicroBatches:
@@ -53,15 +59,29 @@ class MicroBatches:
     this CP rank's chunks of each sample; the CP ranks of one DP rank read the same samples.
     """
 
-    def __init__(self, dataset, consumed: int, mbs: int, m: int, ps: ParallelState, num_workers: int = 0,
-                 name: str = "train", sequence: Optional[SequenceOptions] = None):
+    def __init__(
+        self,
+        dataset,
+        consumed: int,
+        mbs: int,
+        m: int,
+        ps: ParallelState,
+        num_workers: int = 0,
+        name: str = "train",
+        sequence: Optional[SequenceOptions] = None,
+    ):
         self.m, self.device, self.dataset, self.name, self.sequence = m, ps.device, dataset, name, sequence
         sampler = PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size)
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                             collate_fn=_collate, pin_memory=ps.device.type == "cuda",
-                                             # its own generator: starting a loader must not draw from
-                                             # the global RNG, or a resumed run's dropout would differ
-                                             generator=torch.Generator())
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_collate,
+            pin_memory=ps.device.type == "cuda",
+            # its own generator: starting a loader must not draw from
+            # the global RNG, or a resumed run's dropout would differ
+            generator=torch.Generator(),
+        )
         self.it = iter(loader)
         self.indices = iter(PretrainingSampler(len(dataset), consumed, mbs, ps.dp_rank, ps.dp_size))
         self.last_indices: List[List[int]] = []
@@ -85,16 +105,18 @@ class MicroBatches:
     def bad_token(self, batches: List[Dict[str, torch.Tensor]], vocab: int) -> Optional[str]:
         """A one-line description of the first token id outside [0, vocab) in ``batches``, the last ones
         ``next()`` returned (None: all fine)."""
-        for mb, text in enumerate(self.last_host[:len(batches)]):
+        for mb, text in enumerate(self.last_host[: len(batches)]):
             if int(text.min()) >= 0 and int(text.max()) < vocab:
                 continue
             row = int(((text < 0) | (text >= vocab)).any(dim=1).nonzero()[0])
             ids = text[row]
             bad = int(ids[(ids < 0) | (ids >= vocab)][0])
             sample = self.last_indices[mb][row]
-            return (f"{self.name} sample {sample} ({describe_sample(self.dataset, sample)}) holds token id {bad}, "
-                    f"outside the model's vocabulary [0, {vocab}): the data was tokenized with another "
-                    f"tokenizer than the one given (--tokenizer-type / --vocab-file / --vocab-size)")
+            return (
+                f"{self.name} sample {sample} ({describe_sample(self.dataset, sample)}) holds token id {bad}, "
+                f"outside the model's vocabulary [0, {vocab}): the data was tokenized with another "
+                f"tokenizer than the one given (--tokenizer-type / --vocab-file / --vocab-size)"
+            )
         return None
 
 

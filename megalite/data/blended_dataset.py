@@ -8,6 +8,7 @@ prefix of n samples each dataset's count is within one sample of
 (about a million samples a second for three datasets) and is cached like
 the GPT indices.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,12 +38,10 @@ def parse_blend(paths: Sequence[str]) -> tuple[list[str], Optional[list[float]]]
     if len(paths) % 2 == 0 and all(is_number(w) for w in paths[0::2]):
         weights = [float(w) for w in paths[0::2]]
         if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"--data-path weights must be non-negative with a positive sum: "
-                             f"{weights}")
+            raise ValueError(f"--data-path weights must be non-negative with a positive sum: {weights}")
         return paths[1::2], weights
     if any(is_number(p) for p in paths):
-        raise ValueError("--data-path: give either 'weight prefix' pairs or only prefixes, "
-                         f"got {' '.join(paths)}")
+        raise ValueError(f"--data-path: give either 'weight prefix' pairs or only prefixes, got {' '.join(paths)}")
     return paths, None
 
 
@@ -62,15 +61,13 @@ def normalize(weights: Sequence[float]) -> list[float]:
 SURPLUS = 0.005
 
 
-def samples_per_dataset(num_samples: int, weights: Sequence[float],
-                        surplus: float = 0.0) -> list[int]:
+def samples_per_dataset(num_samples: int, weights: Sequence[float], surplus: float = 0.0) -> list[int]:
     """Samples asked of each part for a blend of ``num_samples``: ceil(ceil(n * w) * (1 + surplus)).
 
     With surplus 0 these are the blend's targets (their sum is the blend's
     size); with :data:`SURPLUS` they are the sizes the parts are built with.
     """
-    return [int(math.ceil(math.ceil(num_samples * w) * (1 + surplus)))
-            for w in normalize(weights)]
+    return [int(math.ceil(math.ceil(num_samples * w) * (1 + surplus))) for w in normalize(weights)]
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -108,9 +105,16 @@ class BlendedDataset:
     hold at least its share of samples (the builder requests a margin).
     """
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], size: int,
-                 cache_dir: Optional[str] = None, description: Optional[dict] = None,
-                 write_cache: bool = True, split_name: str = "train"):
+    def __init__(
+        self,
+        datasets: Sequence,
+        weights: Sequence[float],
+        size: int,
+        cache_dir: Optional[str] = None,
+        description: Optional[dict] = None,
+        write_cache: bool = True,
+        split_name: str = "train",
+    ):
         if len(datasets) != len(weights):
             raise ValueError("BlendedDataset: one weight per dataset")
         self.datasets = list(datasets)
@@ -118,10 +122,14 @@ class BlendedDataset:
         self.size = size
         # "order" tells these caches from earlier megalite ones (uint8 indices, other
         # sizes), which then miss and are rebuilt instead of failing the dtype check
-        desc = {"class": "BlendedDataset", "weights": self.weights, "size": size,
-                "datasets": description or {}, "order": "megatron-core 0.16"}
-        spec = {"dataset_index": (np.dtype(np.int16), (size,)),
-                "dataset_sample_index": (np.dtype(np.int64), (size,))}
+        desc = {
+            "class": "BlendedDataset",
+            "weights": self.weights,
+            "size": size,
+            "datasets": description or {},
+            "order": "megatron-core 0.16",
+        }
+        spec = {"dataset_index": (np.dtype(np.int16), (size,)), "dataset_sample_index": (np.dtype(np.int64), (size,))}
 
         def build() -> dict:
             d, s = build_blending_indices(self.weights, size)
@@ -133,8 +141,9 @@ class BlendedDataset:
         counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
         for d, ds in enumerate(self.datasets):
             if counts[d] > len(ds):
-                raise ValueError(f"the {split_name} blend asks dataset {d} for {counts[d]} "
-                                 f"samples but it has {len(ds)}")
+                raise ValueError(
+                    f"the {split_name} blend asks dataset {d} for {counts[d]} samples but it has {len(ds)}"
+                )
 
     def __len__(self) -> int:
         return self.size

@@ -9,6 +9,7 @@ rank builds and caches the indices, then calls ``barrier()``; the others
 call ``barrier()`` first and load the cache. Nothing here talks to
 torch.distributed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from megalite.config import DataConfig
-from megalite.data.blended_dataset import (SURPLUS, BlendedDataset, normalize, parse_blend,
-                                           samples_per_dataset)
+from megalite.data.blended_dataset import SURPLUS, BlendedDataset, normalize, parse_blend, samples_per_dataset
 from megalite.data.gpt_dataset import GPTDataset, split_document_ranges
 from megalite.data.indexed_dataset import IndexedDataset
 
@@ -33,8 +33,9 @@ def default_cache_dir(prefix: str, kind: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", f"{kind}_indices")
 
 
-def megatron_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
-                         eval_iters: int) -> tuple[int, int, int]:
+def megatron_num_samples(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> tuple[int, int, int]:
     """The (train, valid, test) sample counts Megatron-LM asks its dataset builder for.
 
     Megatron evaluates ``eval_iters`` batches every ``eval_interval`` iterations
@@ -45,8 +46,7 @@ def megatron_num_samples(train_iters: int, global_batch_size: int, eval_interval
     when these exact counts are requested.
     """
     valid_iters = (train_iters // eval_interval + 1) * eval_iters if eval_interval > 0 else 0
-    return (train_iters * global_batch_size, valid_iters * global_batch_size,
-            eval_iters * global_batch_size)
+    return (train_iters * global_batch_size, valid_iters * global_batch_size, eval_iters * global_batch_size)
 
 
 class _Builder:
@@ -80,12 +80,12 @@ class _Builder:
         bounds = (0, n) if whole else split_document_ranges(self.cfg.split, n)[split]
         return None if bounds is None else np.arange(*bounds, dtype=np.int32)
 
-    def gpt(self, prefix: str, docs: np.ndarray, num_samples: Optional[int],
-            split: int) -> GPTDataset:
+    def gpt(self, prefix: str, docs: np.ndarray, num_samples: Optional[int], split: int) -> GPTDataset:
         """A GPTDataset over ``docs`` of ``prefix``, its indices cached per the config."""
         cache = self.cfg.data_cache_path or default_cache_dir(prefix, "GPTDataset")
-        return GPTDataset(self.open(prefix), docs, num_samples, self.seq_length,
-                          self.seed, cache, SPLIT_NAMES[split], self.write)
+        return GPTDataset(
+            self.open(prefix), docs, num_samples, self.seq_length, self.seed, cache, SPLIT_NAMES[split], self.write
+        )
 
     def has_tokens(self, prefix: str, docs: np.ndarray, split: int) -> bool:
         """False (with a warning) when the split's share of ``prefix`` holds no tokens.
@@ -97,14 +97,17 @@ class _Builder:
         """
         if int(self.open(prefix).sequence_lengths[docs].sum(dtype=np.int64)) > 0:
             return True
-        logger.warning("%s: no tokens in the %s split (documents %d..%d of %d); it gives "
-                       "that split nothing", prefix, SPLIT_NAMES[split],
-                       docs[0] if len(docs) else 0, docs[-1] + 1 if len(docs) else 0,
-                       len(self.open(prefix)))
+        logger.warning(
+            "%s: no tokens in the %s split (documents %d..%d of %d); it gives that split nothing",
+            prefix,
+            SPLIT_NAMES[split],
+            docs[0] if len(docs) else 0,
+            docs[-1] + 1 if len(docs) else 0,
+            len(self.open(prefix)),
+        )
         return False
 
-    def split_dataset(self, paths: Sequence[str], split: int, num_samples: int,
-                      whole: bool):
+    def split_dataset(self, paths: Sequence[str], split: int, num_samples: int, whole: bool):
         """The dataset for one split, or None when nothing is requested or available."""
         if num_samples <= 0:
             return None
@@ -117,8 +120,11 @@ class _Builder:
         docs = [self.documents(p, split, whole) for p in prefixes]
         if any(d is None for d in docs):  # the split has weight 0: all parts are empty
             return None
-        keep = [i for i in range(len(prefixes)) if (weights is None or weights[i] > 0)
-                and self.has_tokens(prefixes[i], docs[i], split)]
+        keep = [
+            i
+            for i in range(len(prefixes))
+            if (weights is None or weights[i] > 0) and self.has_tokens(prefixes[i], docs[i], split)
+        ]
         if not keep:
             return None
         if weights is None:
@@ -126,9 +132,11 @@ class _Builder:
             blend_weights = [len(p) for p in parts]
             size = min(num_samples, sum(blend_weights))
             if size < num_samples:
-                short = (f"the unweighted {SPLIT_NAMES[split]} blend holds {size} samples (one "
-                         f"epoch of each dataset, as megatron-core builds it), fewer than the "
-                         f"{num_samples} asked for; give weights (e.g. 1 A 1 B) to draw more")
+                short = (
+                    f"the unweighted {SPLIT_NAMES[split]} blend holds {size} samples (one "
+                    f"epoch of each dataset, as megatron-core builds it), fewer than the "
+                    f"{num_samples} asked for; give weights (e.g. 1 A 1 B) to draw more"
+                )
                 if split == 0:  # training would run dry part way: say so now, in one line
                     raise ValueError(short + " or train for fewer iterations")
                 logger.warning("%s", short)
@@ -138,21 +146,23 @@ class _Builder:
             asks = samples_per_dataset(num_samples, blend_weights, SURPLUS)
             parts = [self.gpt(prefixes[i], docs[i], n, split) for i, n in zip(keep, asks)]
             size = sum(targets)
-        cache = self.cfg.data_cache_path or default_cache_dir(prefixes[keep[0]],
-                                                              "BlendedDataset")
-        description = {"prefixes": [os.path.abspath(prefixes[i]) for i in keep],
-                       "split": SPLIT_NAMES[split], "parts": [len(p) for p in parts],
-                       "seed": self.seed, "seq_length": self.seq_length}
-        return BlendedDataset(parts, blend_weights, size, cache, description, self.write,
-                              SPLIT_NAMES[split])
+        cache = self.cfg.data_cache_path or default_cache_dir(prefixes[keep[0]], "BlendedDataset")
+        description = {
+            "prefixes": [os.path.abspath(prefixes[i]) for i in keep],
+            "split": SPLIT_NAMES[split],
+            "parts": [len(p) for p in parts],
+            "seed": self.seed,
+            "seq_length": self.seq_length,
+        }
+        return BlendedDataset(parts, blend_weights, size, cache, description, self.write, SPLIT_NAMES[split])
 
 
-def _build(cfg: DataConfig, num_samples: Sequence[int], seq_length: int, seed: int,
-           write_cache: bool) -> tuple:
+def _build(cfg: DataConfig, num_samples: Sequence[int], seq_length: int, seed: int, write_cache: bool) -> tuple:
     per_split = (cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path)
     if not cfg.data_path and not any(per_split):
-        raise ValueError("no data: give --data-path or --train-data-path/--valid-data-path/"
-                         "--test-data-path (or --mock-data)")
+        raise ValueError(
+            "no data: give --data-path or --train-data-path/--valid-data-path/--test-data-path (or --mock-data)"
+        )
     builder = _Builder(cfg, seq_length, seed, write_cache)
     out = []
     for split, n in enumerate(num_samples):
@@ -163,15 +173,19 @@ def _build(cfg: DataConfig, num_samples: Sequence[int], seq_length: int, seed: i
         else:
             out.append(None)
     for name, ds, n in zip(SPLIT_NAMES, out, num_samples):
-        logger.info("%s dataset: %s samples (requested %d)", name,
-                    len(ds) if ds is not None else "no", n)
+        logger.info("%s dataset: %s samples (requested %d)", name, len(ds) if ds is not None else "no", n)
     return tuple(out)
 
 
 def build_train_valid_test_datasets(
-        cfg: DataConfig, num_samples: tuple[int, int, int], *, seq_length: int, seed: int,
-        is_primary: bool = True,
-        barrier: Callable[[], None] = lambda: None) -> tuple[Optional[object], ...]:
+    cfg: DataConfig,
+    num_samples: tuple[int, int, int],
+    *,
+    seq_length: int,
+    seed: int,
+    is_primary: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> tuple[Optional[object], ...]:
     """Build (train, valid, test) datasets as megatron-core builds them for ``num_samples``.
 
     Each holds at least its ``num_samples``, except an unweighted blend, which

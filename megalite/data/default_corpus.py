@@ -8,6 +8,7 @@ Python version and a hash of the text and of this recipe; it is built in a
 temporary directory and renamed into place, so concurrent ranks or a crash
 never expose a half-built cache (the loser of a rename race discards its copy).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +33,7 @@ _RECIPE_VERSION = "1"  # bump when the recipe below changes the output
 
 def _topics() -> list[str]:
     from pydoc_data.topics import topics
+
     return [topics[k] for k in sorted(topics)]
 
 
@@ -45,10 +47,12 @@ def _cache_key(texts: list[str]) -> str:
 
 
 def _result(root: str) -> dict:
-    return {"data_prefix": output_prefix_for(os.path.join(root, "pydoc_topics"), "text"),
-            "vocab_file": os.path.join(root, "vocab.json"),
-            "merge_file": os.path.join(root, "merges.txt"),
-            "tokenizer_type": "GPT2BPETokenizer"}
+    return {
+        "data_prefix": output_prefix_for(os.path.join(root, "pydoc_topics"), "text"),
+        "vocab_file": os.path.join(root, "vocab.json"),
+        "merge_file": os.path.join(root, "merges.txt"),
+        "tokenizer_type": "GPT2BPETokenizer",
+    }
 
 
 def _build_into(root: str, texts: list[str]) -> None:
@@ -58,10 +62,17 @@ def _build_into(root: str, texts: list[str]) -> None:
             f.write(json.dumps({"text": t}) + "\n")
     vocab, merges = train_bpe(texts, DEFAULT_VOCAB_SIZE)
     vocab_file, merge_file = save_bpe(vocab, merges, root)
-    tok = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file,
-                     merge_file=merge_file)
-    preprocess(PreprocessOptions(input=jsonl, output_prefix=os.path.join(root, "pydoc_topics"),
-                                 tokenizer=tok, append_eod=True, workers=1, log_interval=0))
+    tok = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    preprocess(
+        PreprocessOptions(
+            input=jsonl,
+            output_prefix=os.path.join(root, "pydoc_topics"),
+            tokenizer=tok,
+            append_eod=True,
+            workers=1,
+            log_interval=0,
+        )
+    )
 
 
 def prepare_default_corpus(cache_dir: Optional[str] = None) -> dict:
@@ -71,8 +82,11 @@ def prepare_default_corpus(cache_dir: Optional[str] = None) -> dict:
     Returns ``{"data_prefix", "vocab_file", "merge_file", "tokenizer_type"}``;
     a cache hit costs a hash of the text and a few stat calls.
     """
-    base = cache_dir or os.environ.get("MEGALITE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "megalite", "default_corpus")
+    base = (
+        cache_dir
+        or os.environ.get("MEGALITE_CACHE")
+        or os.path.join(os.path.expanduser("~"), ".cache", "megalite", "default_corpus")
+    )
     texts = _topics()
     root = os.path.join(base, _cache_key(texts))
     result = _result(root)

@@ -26,6 +26,7 @@ megatron-core 0.16's for the same inputs; tests/unit/test_data_megatron_parity.p
 checks them against megatron-core itself. They are cached as .npy (see
 index_cache.py) and loaded by memory map.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,13 +78,11 @@ def split_document_ranges(split: str, num_documents: int) -> list[Optional[tuple
         if hi <= lo:  # megatron-core's split matrix has None here: no dataset at all
             ranges.append(None)
         else:
-            ranges.append((int(round(lo * float(num_documents))),
-                           int(round(hi * float(num_documents)))))
+            ranges.append((int(round(lo * float(num_documents))), int(round(hi * float(num_documents)))))
     return ranges
 
 
-def num_epochs_needed(tokens_per_epoch: int, seq_length: int,
-                      num_samples: Optional[int]) -> int:
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int]) -> int:
     """Smallest epoch count whose tokens make ``num_samples`` samples (+1 extra token).
 
     ``num_samples`` None (a part of an unweighted blend) means one epoch.
@@ -99,8 +98,7 @@ def num_samples_built(tokens_per_epoch: int, seq_length: int, num_epochs: int) -
     return (num_epochs * tokens_per_epoch - 1) // seq_length
 
 
-def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int],
-                         num_epochs: int) -> bool:
+def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: Optional[int], num_epochs: int) -> bool:
     """Megatron's rule: shuffle the last epoch alone when < 80% of it is used."""
     if num_epochs == 1 or num_samples is None:
         return False
@@ -110,8 +108,9 @@ def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: Op
     return from_last < int(0.80 * per_epoch)
 
 
-def _epochs_shuffled(items: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                     separate_final: bool) -> np.ndarray:
+def _epochs_shuffled(
+    items: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final: bool
+) -> np.ndarray:
     """``items`` repeated ``num_epochs`` times, shuffled as Megatron's _build_document_index shuffles.
 
     One shuffle of everything, or (``separate_final``) one of all but the last
@@ -127,21 +126,23 @@ def _epochs_shuffled(items: np.ndarray, num_epochs: int, rng: np.random.RandomSt
     out = np.empty(num_epochs * n, dtype=items.dtype)
     out.reshape(num_epochs, n)[:] = items
     if separate_final:
-        rng.shuffle(out[:(num_epochs - 1) * n])
-        rng.shuffle(out[(num_epochs - 1) * n:])
+        rng.shuffle(out[: (num_epochs - 1) * n])
+        rng.shuffle(out[(num_epochs - 1) * n :])
     else:
         rng.shuffle(out)
     return out
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final: bool) -> np.ndarray:
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final: bool
+) -> np.ndarray:
     """Documents repeated ``num_epochs`` times and shuffled (int32)."""
     return _epochs_shuffled(np.array(documents, dtype=np.int32), num_epochs, rng, separate_final)
 
 
-def shuffled_documents(documents: np.ndarray, sizes: np.ndarray, num_epochs: int,
-                       rng: np.random.RandomState, separate_final: bool) -> np.ndarray:
+def shuffled_documents(
+    documents: np.ndarray, sizes: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final: bool
+) -> np.ndarray:
     """The document index and each of its entries' token count, from one shuffle.
 
     Returns an int32 array [E * D, 2]: column 0 is the document index, column 1
@@ -182,8 +183,9 @@ def largest_sequence(indexed: IndexedDataset) -> int:
     return total if total <= np.iinfo(np.int32).max else int(sizes.max())
 
 
-def sample_index_from_sizes(doc_sizes: np.ndarray, seq_length: int, dtype: np.dtype,
-                            chunk: int = 1 << 16) -> np.ndarray:
+def sample_index_from_sizes(
+    doc_sizes: np.ndarray, seq_length: int, dtype: np.dtype, chunk: int = 1 << 16
+) -> np.ndarray:
     """Start (position in the document index, token offset) of every sample, plus the end.
 
     ``doc_sizes[j]`` is the token count of document-index entry ``j``. Sample i
@@ -205,7 +207,7 @@ def sample_index_from_sizes(doc_sizes: np.ndarray, seq_length: int, dtype: np.dt
     for a in range(0, len(doc_sizes), chunk):
         if done == num_samples:
             break
-        sizes = doc_sizes[a:a + chunk]
+        sizes = doc_sizes[a : a + chunk]
         ends = np.cumsum(sizes, dtype=np.int64)
         ends += start
         last = ends - 1
@@ -222,7 +224,7 @@ def sample_index_from_sizes(doc_sizes: np.ndarray, seq_length: int, dtype: np.dt
         holders = np.flatnonzero(counts)  # entries holding a boundary, usually one each
         if len(holders) < top - done:
             holders = np.repeat(holders, counts[holders])
-        rows = out[done + 1:top + 1]
+        rows = out[done + 1 : top + 1]
         np.add(holders, a, out=rows[:, 0], casting="unsafe")
         ends -= sizes  # now each entry's first token
         offsets = np.arange(done + 1, top + 1, dtype=np.int64)
@@ -233,8 +235,7 @@ def sample_index_from_sizes(doc_sizes: np.ndarray, seq_length: int, dtype: np.dt
     return out
 
 
-def build_sample_index(sizes: np.ndarray, document_index: np.ndarray,
-                       seq_length: int) -> np.ndarray:
+def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
     """Megatron's sample index of ``document_index`` over a dataset's sequence lengths ``sizes``.
 
     ``sizes`` is every sequence length of the dataset: its largest decides the
@@ -249,8 +250,7 @@ def shuffle_index_dtype(total_size: int) -> np.dtype:
     return np.dtype(np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64)
 
 
-def build_shuffle_index(num_samples: int, total_size: int,
-                        rng: np.random.RandomState) -> np.ndarray:
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
     """Permutation of [0, num_samples) then, separately, of [num_samples, total_size)."""
     dtype = shuffle_index_dtype(total_size)
     first = np.arange(num_samples, dtype=dtype)
@@ -285,10 +285,17 @@ class GPTDataset:
     ``ds[i]`` is ``{"text": int64 array}``.
     """
 
-    def __init__(self, indexed: IndexedDataset, documents: np.ndarray,
-                 num_samples: Optional[int], seq_length: int, seed: int,
-                 cache_dir: Optional[str] = None, split_name: str = "train",
-                 write_cache: bool = True):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        documents: np.ndarray,
+        num_samples: Optional[int],
+        seq_length: int,
+        seed: int,
+        cache_dir: Optional[str] = None,
+        split_name: str = "train",
+        write_cache: bool = True,
+    ):
         self.indexed = indexed
         self.seq_length = seq_length
         self.num_samples = num_samples
@@ -301,29 +308,35 @@ class GPTDataset:
         separate = separate_final_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
         total = num_samples_built(tokens_per_epoch, seq_length, num_epochs)
         description = {
-            "class": "GPTDataset", "dataset_path": os.path.abspath(indexed.prefix),
-            "fingerprint": data_fingerprint(indexed.prefix), "index_split": split_name,
+            "class": "GPTDataset",
+            "dataset_path": os.path.abspath(indexed.prefix),
+            "fingerprint": data_fingerprint(indexed.prefix),
+            "index_split": split_name,
             "documents": [int(documents[0]), int(documents[-1]) + 1, len(documents)],
-            "num_samples": num_samples, "random_seed": seed, "sequence_length": seq_length,
+            "num_samples": num_samples,
+            "random_seed": seed,
+            "sequence_length": seq_length,
             "add_extra_token_to_sequence": True,
         }
         doc_len = num_epochs * len(documents)
-        spec = {"document_index": (np.dtype(np.int32), (doc_len,)),
-                "sample_index": (sample_index_dtype(largest_sequence(indexed), doc_len),
-                                 (total + 1, 2)),
-                "shuffle_index": (shuffle_index_dtype(total), (total,))}
+        spec = {
+            "document_index": (np.dtype(np.int32), (doc_len,)),
+            "sample_index": (sample_index_dtype(largest_sequence(indexed), doc_len), (total + 1, 2)),
+            "shuffle_index": (shuffle_index_dtype(total), (total,)),
+        }
 
         def build() -> dict:
             rng = np.random.RandomState(seed)
             pairs = shuffled_documents(documents, sizes, num_epochs, rng, separate)
-            sample_index = sample_index_from_sizes(pairs[:, 1], seq_length,
-                                                   spec["sample_index"][0])
+            sample_index = sample_index_from_sizes(pairs[:, 1], seq_length, spec["sample_index"][0])
             doc_index = pairs[:, 0].copy()
             del pairs
-            first = num_samples_built(tokens_per_epoch, seq_length, num_epochs - 1) \
-                if separate else total
-            return {"document_index": doc_index, "sample_index": sample_index,
-                    "shuffle_index": build_shuffle_index(first, total, rng)}
+            first = num_samples_built(tokens_per_epoch, seq_length, num_epochs - 1) if separate else total
+            return {
+                "document_index": doc_index,
+                "sample_index": sample_index,
+                "shuffle_index": build_shuffle_index(first, total, rng),
+            }
 
         arrays, self.cache_hit = cached_arrays(cache_dir, description, spec, build, write_cache)
         self.document_index = arrays["document_index"]

@@ -10,6 +10,7 @@ built): a truncated, unreadable or foreign file would otherwise train on
 wrong samples without a word. A bad file is a one-line :class:`IndexCacheError`
 naming the file and what to do, never a numpy traceback.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,9 +33,11 @@ class IndexCacheError(ValueError):
 
 
 def _damaged(path: str, problem: str) -> IndexCacheError:
-    return IndexCacheError(f"{path}: damaged dataset index cache ({problem}); delete it "
-                           f"(or its directory {os.path.dirname(path)}) and rerun: it is "
-                           "rebuilt from the data")
+    return IndexCacheError(
+        f"{path}: damaged dataset index cache ({problem}); delete it "
+        f"(or its directory {os.path.dirname(path)}) and rerun: it is "
+        "rebuilt from the data"
+    )
 
 
 def load_checked(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -75,12 +78,12 @@ def _save_set(arrays: dict, paths: dict, marker: str, text: str, cache_dir: str)
             f.write(text)
         os.replace(tmp, marker)
     except OSError as e:
-        logger.warning("could not write index cache under %s (%s); using in-memory indices",
-                       cache_dir, e)
+        logger.warning("could not write index cache under %s (%s); using in-memory indices", cache_dir, e)
 
 
-def cached_arrays(cache_dir: Optional[str], description: dict, spec: ArraySpec,
-                  build: Callable[[], dict], write: bool) -> tuple[dict, bool]:
+def cached_arrays(
+    cache_dir: Optional[str], description: dict, spec: ArraySpec, build: Callable[[], dict], write: bool
+) -> tuple[dict, bool]:
     """Load the arrays of ``spec`` from the cache keyed by ``description``, or build them.
 
     Returns (arrays, cache_hit). With ``write`` (the primary rank), a miss is
@@ -110,8 +113,9 @@ def cached_arrays(cache_dir: Optional[str], description: dict, spec: ArraySpec,
     if cache_dir is None:
         return arrays, False
     if not write:
-        logger.warning("index cache %s missing on a non-primary rank (is --data-cache-path "
-                       "shared?); built in memory", cache_dir)
+        logger.warning(
+            "index cache %s missing on a non-primary rank (is --data-cache-path shared?); built in memory", cache_dir
+        )
         return arrays, False
     _save_set(arrays, paths, marker, text, cache_dir)
     return arrays, False

@@ -22,10 +22,11 @@ page faults and no resident memory. The writer streams tokens to a temporary
 .bin and writes the .idx last, then renames both, so a crash never leaves a
 pair that looks valid.
 """
+
 from __future__ import annotations
 
-import logging
 import array
+import logging
 import os
 import struct
 from pathlib import Path
@@ -84,8 +85,7 @@ def dataset_exists(prefix: PathLike) -> bool:
     return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
 
 
-def write_index(path: PathLike, dtype: type, lengths: np.ndarray,
-                document_indices: np.ndarray) -> None:
+def write_index(path: PathLike, dtype: type, lengths: np.ndarray, document_indices: np.ndarray) -> None:
     """Write a .idx file for the given sequence lengths and document indices.
 
     Pointers are derived from the lengths (cumulative byte offsets), which is
@@ -186,12 +186,15 @@ class IndexedDatasetBuilder:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        write_index(self._idx_tmp, self.dtype.type, np.frombuffer(self._lengths, dtype=np.int32),
-                    np.frombuffer(self._doc_indices, dtype=np.int64))
+        write_index(
+            self._idx_tmp,
+            self.dtype.type,
+            np.frombuffer(self._lengths, dtype=np.int32),
+            np.frombuffer(self._doc_indices, dtype=np.int64),
+        )
         os.replace(self._bin_tmp, bin_path(self.prefix))
         os.replace(self._idx_tmp, idx_path(self.prefix))
-        logger.info("wrote %s (.bin/.idx): %d sequences, %d tokens",
-                    self.prefix, len(self._lengths), self.num_tokens)
+        logger.info("wrote %s (.bin/.idx): %d sequences, %d tokens", self.prefix, len(self._lengths), self.num_tokens)
 
     def abort(self) -> None:
         """Close and delete the temporary files (after an error)."""
@@ -239,8 +242,7 @@ def _read_header(path: str, idx_size: int) -> tuple[type, int, int]:
         raise _bad(path, f"unsupported index version {version} (expected {VERSION})")
     code = head[17]
     if code not in DTYPE_CODES:
-        raise _bad(path, f"unknown dtype code {code} "
-                   f"(valid: {min(DTYPE_CODES)}-{max(DTYPE_CODES)})")
+        raise _bad(path, f"unknown dtype code {code} (valid: {min(DTYPE_CODES)}-{max(DTYPE_CODES)})")
     seq_count, doc_count = struct.unpack("<QQ", head[18:34])
     return DTYPE_CODES[code], seq_count, doc_count
 
@@ -264,14 +266,18 @@ class IndexedDataset:
                 # The usual slip is a path with .bin/.idx where the prefix is wanted.
                 raise FileNotFoundError(
                     f"indexed dataset file not found: {p} (a dataset is the {{prefix}}.bin/.idx "
-                    "pair written by tools/preprocess_data.py; give the prefix without .bin/.idx)")
+                    "pair written by tools/preprocess_data.py; give the prefix without .bin/.idx)"
+                )
         idx_size = os.path.getsize(ipath)
         dtype, seq_count, doc_count = _read_header(ipath, idx_size)
         expected = HEADER_SIZE + seq_count * 12 + doc_count * 8
         if idx_size != expected:
             what = "truncated index" if idx_size < expected else "trailing bytes after the index"
-            raise _bad(ipath, f"size {idx_size} bytes does not match header ({seq_count} "
-                       f"sequences, {doc_count} document indices -> {expected} bytes): {what}")
+            raise _bad(
+                ipath,
+                f"size {idx_size} bytes does not match header ({seq_count} "
+                f"sequences, {doc_count} document indices -> {expected} bytes): {what}",
+            )
         self.dtype = np.dtype(dtype)
         self._idx_mmap = np.memmap(ipath, mode="r", dtype=np.uint8)
         buf = self._idx_mmap
@@ -284,8 +290,7 @@ class IndexedDataset:
         bin_size = os.path.getsize(bpath)
         self._check_documents(ipath, seq_count)
         self._check_sequences(ipath, bpath, bin_size)
-        self._bin = (np.memmap(bpath, mode="r", dtype=self.dtype) if bin_size
-                     else np.zeros(0, dtype=self.dtype))
+        self._bin = np.memmap(bpath, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, dtype=self.dtype)
 
     def _check_documents(self, ipath: str, seq_count: int) -> None:
         """Document indices: 0 first, never decreasing, the sequence count last."""
@@ -293,10 +298,13 @@ class IndexedDataset:
         if len(docs) == 0 or docs[0] != 0:
             first = docs[0] if len(docs) else "none"
             raise _bad(ipath, f"document indices must start with 0 (first is {first})")
-        i = _first_bad(lambda a, b: docs[a + 1:b + 1] < docs[a:b], len(docs) - 1)
+        i = _first_bad(lambda a, b: docs[a + 1 : b + 1] < docs[a:b], len(docs) - 1)
         if i >= 0:
-            raise _bad(ipath, f"document index {i + 1} ({docs[i + 1]}) is below document index "
-                       f"{i} ({docs[i]}): document indices must be non-decreasing")
+            raise _bad(
+                ipath,
+                f"document index {i + 1} ({docs[i + 1]}) is below document index "
+                f"{i} ({docs[i]}): document indices must be non-decreasing",
+            )
         if docs[-1] != seq_count:
             raise _bad(ipath, f"last document index {docs[-1]} != sequence count {seq_count}")
 
@@ -310,26 +318,36 @@ class IndexedDataset:
         lengths, pointers = self.sequence_lengths, self.sequence_pointers
         itemsize = self.dtype.itemsize
         if bin_size % itemsize:
-            raise _bad(bpath, f"size {bin_size} bytes is not a multiple of the {self.dtype} "
-                       f"item size ({itemsize} bytes): truncated .bin, or a wrong dtype code "
-                       "in the .idx")
+            raise _bad(
+                bpath,
+                f"size {bin_size} bytes is not a multiple of the {self.dtype} "
+                f"item size ({itemsize} bytes): truncated .bin, or a wrong dtype code "
+                "in the .idx",
+            )
         i = _first_bad(lambda a, b: lengths[a:b] < 0, len(lengths))
         if i >= 0:
             raise _bad(ipath, f"sequence {i} has negative length {lengths[i]}")
         if len(pointers) and pointers[0] != 0:
             raise _bad(ipath, f"sequence pointer 0 is {pointers[0]}, expected 0")
-        i = _first_bad(lambda a, b: pointers[a + 1:b + 1] - pointers[a:b]
-                       != lengths[a:b].astype(np.int64) * itemsize, len(pointers) - 1)
+        i = _first_bad(
+            lambda a, b: pointers[a + 1 : b + 1] - pointers[a:b] != lengths[a:b].astype(np.int64) * itemsize,
+            len(pointers) - 1,
+        )
         if i >= 0:
             want = int(pointers[i]) + int(lengths[i]) * itemsize
-            past = (f", past the end of the .bin ({bin_size} bytes)"
-                    if pointers[i + 1] > bin_size else "")
-            raise _bad(ipath, f"sequence pointer {i + 1} is {pointers[i + 1]}{past}, expected "
-                       f"{want} (pointer {i} + length {lengths[i]} x {itemsize} bytes)")
+            past = f", past the end of the .bin ({bin_size} bytes)" if pointers[i + 1] > bin_size else ""
+            raise _bad(
+                ipath,
+                f"sequence pointer {i + 1} is {pointers[i + 1]}{past}, expected "
+                f"{want} (pointer {i} + length {lengths[i]} x {itemsize} bytes)",
+            )
         expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(pointers) else 0
         if bin_size != expected:
-            raise _bad(bpath, f"size {bin_size} bytes, but the index describes {expected} bytes "
-                       "(truncated .bin, or .bin/.idx from different runs)")
+            raise _bad(
+                bpath,
+                f"size {bin_size} bytes, but the index describes {expected} bytes "
+                "(truncated .bin, or .bin/.idx from different runs)",
+            )
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -353,10 +371,9 @@ class IndexedDataset:
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"slice [{offset}, {offset + length}) out of sequence {idx} "
-                             f"of length {size}")
+            raise IndexError(f"slice [{offset}, {offset + length}) out of sequence {idx} of length {size}")
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
-        return self._bin[start:start + length]
+        return self._bin[start : start + length]
 
 
 def merge_datasets(input_prefixes: Iterable[PathLike], output_prefix: PathLike) -> int:

@@ -6,6 +6,7 @@ does (every evaluation reads new validation batches); ``build_datasets`` builds 
 once per node, with every rank agreeing on a failure so that one rank reports it.
 ``split_dataset`` is the same recipe for one split in one process (tools/evaluate.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,12 +14,12 @@ import os
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
-from megalite.parallel.agreement import flag_on_any_rank, lowest_rank_with
 from megalite.config import Config, DataConfig
+from megalite.config.checks import check_tokenizer_given, check_training_documents
 from megalite.data.builder import build_train_valid_test_datasets, megatron_num_samples
 from megalite.data.mock_dataset import MockGPTDataset
+from megalite.parallel.agreement import flag_on_any_rank, lowest_rank_with
 from megalite.parallel.state import ParallelState
-from megalite.config.checks import check_tokenizer_given, check_training_documents
 
 logger = logging.getLogger("megalite")
 _DEFAULT_CORPUS = "pydoc_topics_text_document"  # default_corpus.py's data prefix, in its cache directory
@@ -27,9 +28,15 @@ _DEFAULT_CORPUS = "pydoc_topics_text_document"  # default_corpus.py's data prefi
 def _with_default_corpus(data: DataConfig) -> DataConfig:
     """``data`` reading the embedded default corpus (built under the cache directory when missing)."""
     from megalite.data.default_corpus import prepare_default_corpus
+
     corpus = prepare_default_corpus()
-    return replace(data, data_path=(corpus["data_prefix"],), tokenizer_type=corpus["tokenizer_type"],
-                   vocab_file=corpus["vocab_file"], merge_file=corpus["merge_file"])
+    return replace(
+        data,
+        data_path=(corpus["data_prefix"],),
+        tokenizer_type=corpus["tokenizer_type"],
+        vocab_file=corpus["vocab_file"],
+        merge_file=corpus["merge_file"],
+    )
 
 
 def resolve_default_corpus(data: DataConfig) -> DataConfig:
@@ -53,6 +60,7 @@ def resolve_data(cfg: Config) -> Config:
         data = _with_default_corpus(data)
     check_tokenizer_given(data)
     from megalite.data.tokenizers import build_tokenizer
+
     tokenizer = build_tokenizer(data, cfg.model.vocab_size or None)
     return cfg.with_(data=data, model=replace(cfg.model, vocab_size=tokenizer.vocab_size))
 
@@ -112,8 +120,10 @@ def build_datasets(cfg: Config, ps: ParallelState) -> Datasets:
     if t.skip_train:  # only evaluates: the validation split keeps the training run's size (its order)
         n_train = 0
     if cfg.data.mock_data:
-        make = lambda n, salt: MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size,  # noqa: E731
-                                              cfg.train.seed + salt, n) if n else None
+
+        def make(n: int, salt: int) -> Optional[MockGPTDataset]:
+            return MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, cfg.train.seed + salt, n) if n else None
+
         return Datasets(make(n_train, 0), make(n_valid, 1), make(n_test, 2))
     agreed = []
 
@@ -124,9 +134,14 @@ def build_datasets(cfg: Config, ps: ParallelState) -> Datasets:
 
     error: Optional[str] = None
     try:
-        train, valid, test = build_train_valid_test_datasets(cfg.data, (n_train, n_valid, n_test),
-                                                          seq_length=cfg.model.seq_length, seed=cfg.train.seed,
-                                                          is_primary=ps.rank == 0, barrier=barrier)
+        train, valid, test = build_train_valid_test_datasets(
+            cfg.data,
+            (n_train, n_valid, n_test),
+            seq_length=cfg.model.seq_length,
+            seed=cfg.train.seed,
+            is_primary=ps.rank == 0,
+            barrier=barrier,
+        )
         check_training_documents(cfg.data, found=train is not None or n_train == 0)
     except DatasetError:
         raise
@@ -136,16 +151,20 @@ def build_datasets(cfg: Config, ps: ParallelState) -> Datasets:
             raise DatasetError(str(e), report=True) from None
         error = str(e)
     if error is None and valid is not None and len(valid) < n_valid and len(valid) < t.eval_iters * t.global_batch_size:
-        error = (f"the validation split has {len(valid)} samples, fewer than one evaluation reads (--eval-iters "
-                 f"{t.eval_iters} x --global-batch-size {t.global_batch_size}); lower --eval-iters or give more "
-                 f"validation data (--split / --valid-data-path)")
+        error = (
+            f"the validation split has {len(valid)} samples, fewer than one evaluation reads (--eval-iters "
+            f"{t.eval_iters} x --global-batch-size {t.global_batch_size}); lower --eval-iters or give more "
+            f"validation data (--split / --valid-data-path)"
+        )
     reporter = lowest_rank_with(error is not None, ps)  # phase 2: did any rank fail loading?
     if reporter is not None:
         raise DatasetError(error or "the dataset build failed on another rank", report=reporter == ps.rank)
     if test is not None and len(test) < t.eval_iters * t.global_batch_size:  # a capped blend: too small to read
         if ps.rank == 0:
-            logger.warning(f"the test split has {len(test)} samples, fewer than one evaluation reads (--eval-iters "
-                           f"{t.eval_iters} x --global-batch-size {t.global_batch_size}): it is not evaluated")
+            logger.warning(
+                f"the test split has {len(test)} samples, fewer than one evaluation reads (--eval-iters "
+                f"{t.eval_iters} x --global-batch-size {t.global_batch_size}): it is not evaluated"
+            )
         test = None
     return Datasets(train, valid, test)
 
@@ -163,8 +182,7 @@ def split_dataset(cfg: Config, split: str):
         return MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed + index, n)
     counts = [0, 0, 0]
     counts[index] = n
-    ds = build_train_valid_test_datasets(cfg.data, tuple(counts), seq_length=cfg.model.seq_length,
-                                         seed=t.seed)[index]
+    ds = build_train_valid_test_datasets(cfg.data, tuple(counts), seq_length=cfg.model.seq_length, seed=t.seed)[index]
     if ds is None:
         raise ValueError(f"the {split} split has no documents (see --split, or give --{split}-data-path)")
     return ds

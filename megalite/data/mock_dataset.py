@@ -5,6 +5,7 @@ stride drawn from a generator seeded by (seed, i): the same sample for the same
 seed whatever the parallel layout, and a pattern a model can learn, so the
 loss falls as it should.
 """
+
 from __future__ import annotations
 
 from typing import Dict

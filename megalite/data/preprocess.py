@@ -31,6 +31,7 @@ Where Megatron stops with a traceback, this reports or repairs instead:
   replaced by U+FFFD / "?" and the affected lines counted;
 * outputs live under temporary names until the end (see IndexedDatasetBuilder).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -65,6 +66,7 @@ class PreprocessError(ValueError):
 @dataclass
 class PreprocessOptions:
     """Everything that defines one preprocessing run (picklable, for partitions)."""
+
     input: str
     output_prefix: str
     tokenizer: DataConfig
@@ -81,6 +83,7 @@ class PreprocessOptions:
 @dataclass
 class PreprocessStats:
     """Counters reported at the end (and merged across partitions)."""
+
     lines: int = 0
     documents: dict = field(default_factory=dict)  # key -> documents written (empty included)
     tokens: dict = field(default_factory=dict)  # key -> tokens written
@@ -92,8 +95,7 @@ class PreprocessStats:
 
     def merge(self, other: "PreprocessStats") -> None:
         """Add another partition's counters to these (seconds are left to the caller)."""
-        for name in ("lines", "bytes_read", "invalid_skipped", "empty_documents",
-                     "utf8_replaced"):
+        for name in ("lines", "bytes_read", "invalid_skipped", "empty_documents", "utf8_replaced"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for key, n in other.documents.items():
             self.documents[key] = self.documents.get(key, 0) + n
@@ -104,12 +106,14 @@ class PreprocessStats:
         """One human-readable line: counts and throughput."""
         secs = max(self.seconds, 1e-9)
         ntok = sum(self.tokens.values())
-        return (f"{self.lines} lines, documents {self.documents}, tokens {ntok}; "
-                f"{self.empty_documents} empty (kept as empty documents, as Megatron does); "
-                f"skipped {self.invalid_skipped} invalid; "
-                f"{self.utf8_replaced} lines with invalid UTF-8 replaced; "
-                f"{self.seconds:.1f}s, {self.lines / secs:.0f} docs/s, "
-                f"{self.bytes_read / secs / 1e6:.2f} MB/s, {ntok / secs:.0f} tokens/s")
+        return (
+            f"{self.lines} lines, documents {self.documents}, tokens {ntok}; "
+            f"{self.empty_documents} empty (kept as empty documents, as Megatron does); "
+            f"skipped {self.invalid_skipped} invalid; "
+            f"{self.utf8_replaced} lines with invalid UTF-8 replaced; "
+            f"{self.seconds:.1f}s, {self.lines / secs:.0f} docs/s, "
+            f"{self.bytes_read / secs / 1e6:.2f} MB/s, {ntok / secs:.0f} tokens/s"
+        )
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
@@ -141,8 +145,7 @@ _W: dict = {}
 
 def _init_worker(opts: PreprocessOptions) -> None:
     tok = build_tokenizer(opts.tokenizer, opts.vocab_size)
-    _W.update(tok=tok, keys=opts.json_keys, eod=opts.append_eod,
-              dtype=optimal_dtype(tok.vocab_size))
+    _W.update(tok=tok, keys=opts.json_keys, eod=opts.append_eod, dtype=optimal_dtype(tok.vocab_size))
 
 
 def _parse_line(raw: bytes, keys: tuple) -> tuple[Optional[dict], Optional[str], bool]:
@@ -164,8 +167,7 @@ def _parse_line(raw: bytes, keys: tuple) -> tuple[Optional[dict], Optional[str],
         if isinstance(v, list):
             wrong = next((s for s in v if not isinstance(s, str)), None)
             if wrong is not None:
-                return None, (f"key {k!r} is a list holding {type(wrong).__name__}, "
-                              "expected strings (sentences)"), bad
+                return None, (f"key {k!r} is a list holding {type(wrong).__name__}, expected strings (sentences)"), bad
         elif not isinstance(v, str):
             return None, f"key {k!r} is {type(v).__name__}, not a string", bad
     return obj, None, bad
@@ -176,7 +178,7 @@ def _tokenize_document(value, bad: bool) -> tuple[list[int], list[int], bool]:
     tok = _W["tok"]
     ids: list[int] = []
     lengths: list[int] = []
-    for sentence in (value if isinstance(value, list) else (value,)):
+    for sentence in value if isinstance(value, list) else (value,):
         try:
             sentence.encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates from "\udXXX" escapes
@@ -239,8 +241,7 @@ Selection = tuple[Callable[[int], bool], Callable[[int], bool]]
 _ALL: Selection = (lambda i: True, lambda i: False)
 
 
-def _batches(f: IO[bytes], select: Selection, throttle: _Throttle,
-             counter: list) -> Iterator[list]:
+def _batches(f: IO[bytes], select: Selection, throttle: _Throttle, counter: list) -> Iterator[list]:
     """Yield batches of (1-based line number, bytes), blocking while too many are in flight."""
     take, done = select
     batch, size = [], 0
@@ -278,13 +279,19 @@ def _write_document(builder: IndexedDatasetBuilder, data: bytes, lengths: list[i
     else:
         step, off = builder.dtype.itemsize, 0
         for n in lengths:
-            builder.add_raw(data[off:off + n * step], n)
+            builder.add_raw(data[off : off + n * step], n)
             off += n * step
     builder.end_document()
 
 
-def _consume(opts: PreprocessOptions, results_iter: Iterator[list], throttle: _Throttle,
-             builders: dict, stats: PreprocessStats, progress: Callable[[], None]) -> None:
+def _consume(
+    opts: PreprocessOptions,
+    results_iter: Iterator[list],
+    throttle: _Throttle,
+    builders: dict,
+    stats: PreprocessStats,
+    progress: Callable[[], None],
+) -> None:
     for results in results_iter:
         throttle.sem.release()
         for lineno, err, bad, encoded in results:
@@ -304,14 +311,13 @@ def _consume(opts: PreprocessOptions, results_iter: Iterator[list], throttle: _T
         progress()
 
 
-def _run_single(opts: PreprocessOptions, out_prefix: str,
-                select: Selection = _ALL) -> PreprocessStats:
+def _run_single(opts: PreprocessOptions, out_prefix: str, select: Selection = _ALL) -> PreprocessStats:
     """Process the lines ``select`` picks from the input into ``out_prefix``."""
     vocab = build_tokenizer(opts.tokenizer, opts.vocab_size).vocab_size
-    stats = PreprocessStats(documents={k: 0 for k in opts.json_keys},
-                            tokens={k: 0 for k in opts.json_keys})
-    builders = {k: IndexedDatasetBuilder(output_prefix_for(out_prefix, k), optimal_dtype(vocab))
-                for k in opts.json_keys}
+    stats = PreprocessStats(documents={k: 0 for k in opts.json_keys}, tokens={k: 0 for k in opts.json_keys})
+    builders = {
+        k: IndexedDatasetBuilder(output_prefix_for(out_prefix, k), optimal_dtype(vocab)) for k in opts.json_keys
+    }
     throttle = _Throttle(_INFLIGHT_PER_WORKER * max(1, opts.workers))
     counter, t0, next_log = [0], time.time(), [opts.log_interval]
 
@@ -355,8 +361,7 @@ def partition_selection(parts: int, index: int, run: Optional[int]) -> Selection
     return (lambda i: index * run <= i < (index + 1) * run), (lambda i: i >= (index + 1) * run)
 
 
-def _partition_main(opts: PreprocessOptions, prefix: str, index: int, run: Optional[int],
-                    conn) -> None:
+def _partition_main(opts: PreprocessOptions, prefix: str, index: int, run: Optional[int], conn) -> None:
     try:
         select = partition_selection(opts.partitions, index, run)
         conn.send(("ok", _run_single(opts, prefix, select)))
@@ -368,11 +373,9 @@ def _partition_main(opts: PreprocessOptions, prefix: str, index: int, run: Optio
 
 def _run_partitioned(opts: PreprocessOptions) -> PreprocessStats:
     """Each partition reads the whole input for its own lines (Megatron's order), then merge."""
-    per = PreprocessOptions(**{**opts.__dict__,
-                               "workers": max(1, opts.workers // opts.partitions)})
+    per = PreprocessOptions(**{**opts.__dict__, "workers": max(1, opts.workers // opts.partitions)})
     prefixes = [f"{opts.output_prefix}.part{i}-{os.getpid()}" for i in range(opts.partitions)]
-    run = (max(1, math.ceil(_count_lines(opts.input) / opts.partitions))
-           if opts.keep_sequential_samples else None)
+    run = max(1, math.ceil(_count_lines(opts.input) / opts.partitions)) if opts.keep_sequential_samples else None
     procs, stats, errors = [], PreprocessStats(), []
     for i, prefix in enumerate(prefixes):
         recv, send = mp.Pipe(duplex=False)
@@ -395,8 +398,7 @@ def _run_partitioned(opts: PreprocessOptions) -> PreprocessStats:
         if errors:  # the error of the earliest line, as a single pass would report
             raise PreprocessError(min(errors, key=_error_line))
         for k in opts.json_keys:
-            merge_datasets([output_prefix_for(p, k) for p in prefixes],
-                           output_prefix_for(opts.output_prefix, k))
+            merge_datasets([output_prefix_for(p, k) for p in prefixes], output_prefix_for(opts.output_prefix, k))
     finally:
         for p in prefixes:
             for k in opts.json_keys:
@@ -421,14 +423,17 @@ def check_output_prefix(prefix: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"--output-prefix {prefix}: {existing} is a file, not a directory; give a prefix "
-                         "in a directory")
+        raise ValueError(
+            f"--output-prefix {prefix}: {existing} is a file, not a directory; give a prefix in a directory"
+        )
     try:
         os.makedirs(directory, exist_ok=True)
         tempfile.TemporaryFile(dir=directory).close()  # also catches what os.access misjudges (root, ro mounts)
     except OSError as e:
-        raise ValueError(f"--output-prefix {prefix}: cannot write in {directory} ({e.strerror or e}); give a "
-                         "prefix in a writable directory") from None
+        raise ValueError(
+            f"--output-prefix {prefix}: cannot write in {directory} ({e.strerror or e}); give a "
+            "prefix in a writable directory"
+        ) from None
 
 
 def preprocess(opts: PreprocessOptions) -> PreprocessStats:

@@ -10,6 +10,7 @@ So the union over DP ranks of a global batch is the same whatever the layout,
 and a run resumed at ``consumed_samples`` reads exactly what it would have
 (Megatron's MegatronPretrainingSampler).
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List
@@ -18,8 +19,7 @@ from typing import Iterator, List
 class PretrainingSampler:
     """Yields, for this DP rank, the list of sample indices of each micro-batch, in order."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int):
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
         if consumed_samples >= total_samples:
             raise ValueError(f"no samples left: consumed {consumed_samples} of {total_samples}")
         self.total, self.consumed = total_samples, consumed_samples

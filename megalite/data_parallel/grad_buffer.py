@@ -25,6 +25,7 @@ of the same layout, so the updated shards are all-gathered straight into the
 weights (bucket by bucket; with ``overlap_param_gather`` in the background,
 each bucket waited for by the first forward of a module that uses it).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -60,10 +61,19 @@ class GradBuffer:
     """Owns ``main_grad`` of every parameter; averages it over ``dp`` (the replicas: the optimizer passes
     ParallelState.dp_cp) by all-reduce or reduce-scatter."""
 
-    def __init__(self, params: Sequence[nn.Parameter], dp: AxisGroup, *, grad_dtype: Optional[torch.dtype] = None,
-                 bucket_elements: Optional[int] = None, overlap: bool = False, shard: bool = False,
-                 deferred: Sequence[nn.Parameter] = (), average_over: Optional[int] = None,
-                 recorder: Optional[FlightRecorder] = None):
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        dp: AxisGroup,
+        *,
+        grad_dtype: Optional[torch.dtype] = None,
+        bucket_elements: Optional[int] = None,
+        overlap: bool = False,
+        shard: bool = False,
+        deferred: Sequence[nn.Parameter] = (),
+        average_over: Optional[int] = None,
+        recorder: Optional[FlightRecorder] = None,
+    ):
         self.dp, self.shard_grads = dp, shard
         # the rank's flight recorder (ParallelState.recorder) sees the reductions; None: nothing recorded
         self.recorder = recorder if recorder is not None else FlightRecorder(0)
@@ -103,8 +113,7 @@ class GradBuffer:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def _layout(self, plist: List[nn.Parameter], offset: int, bucket_elements: int,
-                deferred: bool = False) -> int:
+    def _layout(self, plist: List[nn.Parameter], offset: int, bucket_elements: int, deferred: bool = False) -> int:
         start, members = offset, []
         for p in plist:
             self.index[p] = (offset, offset + p.numel())
@@ -147,14 +156,15 @@ class GradBuffer:
                 self._start_reduce(bucket)
 
     def _start_reduce(self, b: Bucket) -> None:
-        data = self.grad_data[b.start:b.end]
+        data = self.grad_data[b.start : b.end]
         # Average before the sum (as Megatron): a sum of fp16 gradients can overflow where the mean would not.
         data.mul_(1.0 / self.average_over)
         if self.shard_grads:
             # A separate output: an in-place reduce-scatter (output inside input) is not safe on gloo.
             b.grad_out = torch.empty(b.shard[1] - b.shard[0], dtype=data.dtype, device=data.device)
-            b.grad_handle = self.recorder.call("dp_cp", reduce_scatter_flat, b.grad_out, data, group=self.dp.group,
-                                          async_op=True)
+            b.grad_handle = self.recorder.call(
+                "dp_cp", reduce_scatter_flat, b.grad_out, data, group=self.dp.group, async_op=True
+            )
         else:
             b.grad_handle = self.recorder.call("dp_cp", dist.all_reduce, data, group=self.dp.group, async_op=True)
 
@@ -167,8 +177,10 @@ class GradBuffer:
         if not self.accumulate_in_hook:
             for p in self.params:
                 if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():
-                    raise RuntimeError("a parameter's .grad was replaced during backward; "
-                                       "gradients must accumulate into the data-parallel buffer")
+                    raise RuntimeError(
+                        "a parameter's .grad was replaced during backward; "
+                        "gradients must accumulate into the data-parallel buffer"
+                    )
         if self.dp.size == 1:
             if self.average_over != 1:
                 self.grad_data.mul_(1.0 / self.average_over)
@@ -180,7 +192,7 @@ class GradBuffer:
             b.grad_handle.wait()
             b.grad_handle = None
             if self.shard_grads:
-                self.grad_data[b.shard[0]:b.shard[1]].copy_(b.grad_out)
+                self.grad_data[b.shard[0] : b.shard[1]].copy_(b.grad_out)
                 b.grad_out = None
 
     # -- distributed optimizer: gather the updated weights ------------------------------------
@@ -189,17 +201,21 @@ class GradBuffer:
         if self.param_data is None or self.dp.size == 1:
             return
         for b in self.buckets:
-            shard = self.param_data[b.shard[0]:b.shard[1]].clone()
-            b.param_handle = self.recorder.call("dp_cp", all_gather_flat, self.param_data[b.start:b.end], shard,
-                                           group=self.dp.group, async_op=True)
+            shard = self.param_data[b.shard[0] : b.shard[1]].clone()
+            b.param_handle = self.recorder.call(
+                "dp_cp", all_gather_flat, self.param_data[b.start : b.end], shard, group=self.dp.group, async_op=True
+            )
             b.gather_src = shard
         if not async_op:
             self.wait_params()
 
     def wait_params(self, params: Optional[Sequence[nn.Parameter]] = None) -> None:
         """Wait for the gathers of the buckets holding ``params`` (default: every bucket)."""
-        buckets = self.buckets if params is None else {id(self._bucket_of[p]): self._bucket_of[p]
-                                                      for p in params if p in self._bucket_of}.values()
+        buckets = (
+            self.buckets
+            if params is None
+            else {id(self._bucket_of[p]): self._bucket_of[p] for p in params if p in self._bucket_of}.values()
+        )
         for b in buckets:
             if b.param_handle is not None:
                 b.param_handle.wait()

@@ -4,6 +4,7 @@ gradient already holds the tokens every rank of its expert-parallel group sent i
 
 ``GradBuffers`` runs each step's calls on both, so the optimizer treats them as one.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple

@@ -9,6 +9,7 @@ own files as layer streams, for conversion and inference), ``tokenizer_vocab.py`
 run's vocabulary per tokenizer type). The runtime never imports this package: the composition root
 (training/, tools/) does, and hands :func:`checkpoint_formats` to the Checkpointer.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -23,4 +24,5 @@ def checkpoint_formats() -> "FormatRegistry":
     """The run's own checkpoint formats plus the load sources of other projects (Megatron-Core's torch_dist)."""
     from megalite.checkpointing.run_formats import RUN_FORMATS  # imported here: `import megalite.interop.x`
     from megalite.interop.torch_dist_load import TorchDistLoadSource  # stays light for the tools
+
     return RUN_FORMATS.with_sources(TorchDistLoadSource())

@@ -15,6 +15,7 @@ vocabulary is stored unpadded. The safetensors file is written as a stream:
 its header is computed from the config first, then each layer's bytes are
 appended, so memory holds one layer.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,17 +26,38 @@ from typing import BinaryIO, Dict, List, Tuple
 
 import torch
 
-from megalite.interop.interchange import (ModelSource, SourceInfo, check_tensors, full_shape, layer_names,
-                                          post_names, pre_names)
-from megalite.interop.hf_moe import (MODEL_TYPES, MOE_ARCHS, QWEN2_MOE, check_zero_qkv_bias, fused_expert_reader,
-                                     moe_config, moe_fields)
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.config import ModelConfig
+from megalite.interop.hf_moe import (
+    MODEL_TYPES,
+    MOE_ARCHS,
+    QWEN2_MOE,
+    check_zero_qkv_bias,
+    fused_expert_reader,
+    moe_config,
+    moe_fields,
+)
+from megalite.interop.interchange import (
+    ModelSource,
+    SourceInfo,
+    check_tensors,
+    full_shape,
+    layer_names,
+    post_names,
+    pre_names,
+)
 from megalite.model.spec import GPT2, LLAMA, ModelSpec, SpecError, hf_architecture, hf_layer_map, hf_top_map
 
 # a tokenizer's files; generation_config.json (which every save_pretrained writes) is not one of them
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 # the files that hold a vocabulary: without one of these sets there is no tokenizer to record
 _VOCAB_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -82,25 +104,51 @@ def from_hf_layer(cfg: ModelConfig, arch: str, i: int, get, has=lambda name: Fal
 # -- config.json ----------------------------------------------------------------------------------
 def hf_config(cfg: ModelConfig, arch: str) -> dict:
     """config.json for ``cfg`` (the unpadded vocabulary; GPT-2's GeLU as megalite computes it)."""
-    common = {"architectures": [arch], "vocab_size": cfg.vocab_size, "dtype": cfg.params_dtype,
-              "tie_word_embeddings": cfg.tied_embeddings, "initializer_range": cfg.init_method_std,
-              "use_cache": True,
-              # GPT-2's default special ids (50256) do not exist in a smaller vocabulary
-              **({"bos_token_id": None, "eos_token_id": None} if cfg.vocab_size <= 50256 else {})}
+    common = {
+        "architectures": [arch],
+        "vocab_size": cfg.vocab_size,
+        "dtype": cfg.params_dtype,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "initializer_range": cfg.init_method_std,
+        "use_cache": True,
+        # GPT-2's default special ids (50256) do not exist in a smaller vocabulary
+        **({"bos_token_id": None, "eos_token_id": None} if cfg.vocab_size <= 50256 else {}),
+    }
     if arch == GPT2:
-        return {**common, "model_type": "gpt2", "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-                "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_size, "n_positions": cfg.max_positions,
-                "n_ctx": cfg.max_positions, "layer_norm_epsilon": cfg.layernorm_epsilon,
-                "activation_function": "gelu_new" if cfg.openai_gelu else "gelu", "resid_pdrop": cfg.hidden_dropout,
-                "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True}
-    out = {**common, "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-           "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
-           "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.layernorm_epsilon,
-           "rope_theta": float(cfg.rotary_base),
-           "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-           "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
-           "attention_dropout": cfg.attention_dropout}
+        return {
+            **common,
+            "model_type": "gpt2",
+            "n_embd": cfg.hidden_size,
+            "n_layer": cfg.num_layers,
+            "n_head": cfg.num_attention_heads,
+            "n_inner": cfg.ffn_size,
+            "n_positions": cfg.max_positions,
+            "n_ctx": cfg.max_positions,
+            "layer_norm_epsilon": cfg.layernorm_epsilon,
+            "activation_function": "gelu_new" if cfg.openai_gelu else "gelu",
+            "resid_pdrop": cfg.hidden_dropout,
+            "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout,
+            "scale_attn_weights": True,
+        }
+    out = {
+        **common,
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": cfg.layernorm_epsilon,
+        "rope_theta": float(cfg.rotary_base),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        "attention_bias": cfg.add_bias_linear,
+        "mlp_bias": cfg.add_bias_linear,
+        "attention_dropout": cfg.attention_dropout,
+    }
     if arch in MOE_ARCHS:
         del out["attention_bias"], out["mlp_bias"]
         out.update(moe_config(cfg, arch))
@@ -122,23 +170,34 @@ def config_from_hf(c: dict, where: str, divisible_by: int) -> Tuple[ModelConfig,
         act = c.get("activation_function", "gelu_new")
         _require(act in _GELU_EXACT + _GELU_TANH, where, f"activation {act!r} is used")
         h = c["n_embd"]
-        cfg = ModelConfig(num_layers=c["n_layer"], hidden_size=h, ffn_hidden_size=c.get("n_inner") or 4 * h,
-                          num_attention_heads=c["n_head"], seq_length=c["n_positions"],
-                          max_position_embeddings=c["n_positions"], vocab_size=c["vocab_size"],
-                          make_vocab_size_divisible_by=divisible_by,
-                          init_method_std=c.get("initializer_range", 0.02),
-                          hidden_dropout=c.get("resid_pdrop", 0.1), attention_dropout=c.get("attn_pdrop", 0.1),
-                          layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5),
-                          untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
-                          openai_gelu=act in _GELU_TANH, params_dtype=dtype)
+        cfg = ModelConfig(
+            num_layers=c["n_layer"],
+            hidden_size=h,
+            ffn_hidden_size=c.get("n_inner") or 4 * h,
+            num_attention_heads=c["n_head"],
+            seq_length=c["n_positions"],
+            max_position_embeddings=c["n_positions"],
+            vocab_size=c["vocab_size"],
+            make_vocab_size_divisible_by=divisible_by,
+            init_method_std=c.get("initializer_range", 0.02),
+            hidden_dropout=c.get("resid_pdrop", 0.1),
+            attention_dropout=c.get("attn_pdrop", 0.1),
+            layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5),
+            untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
+            openai_gelu=act in _GELU_TANH,
+            params_dtype=dtype,
+        )
         return cfg, GPT2
     arch = arch or {"llama": LLAMA, **MODEL_TYPES}.get(c.get("model_type"), "")
     if arch in (LLAMA,) + MOE_ARCHS:
         h, heads = c["hidden_size"], c["num_attention_heads"]
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        _require(rope.get("rope_type", rope.get("type", "default")) == "default", where,
-                 f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is used")
+        _require(
+            rope.get("rope_type", rope.get("type", "default")) == "default",
+            where,
+            f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is used",
+        )
         _require((c.get("head_dim") or h // heads) == h // heads, where, "head_dim differs from hidden_size/heads")
         _require(c.get("hidden_act", "silu") == "silu", where, f"activation {c.get('hidden_act')!r} is used")
         _require(float(theta).is_integer(), where, f"rope_theta {theta} is not an integer")
@@ -146,19 +205,33 @@ def config_from_hf(c: dict, where: str, divisible_by: int) -> Tuple[ModelConfig,
         _require(bool(c.get("mlp_bias", False)) == bias, where, "attention and MLP biases differ")
         kv = c.get("num_key_value_heads") or heads
         moe = moe_fields(c, arch, where) if arch in MOE_ARCHS else {"ffn_hidden_size": c["intermediate_size"]}
-        cfg = ModelConfig(num_layers=c["num_hidden_layers"], hidden_size=h, **moe,
-                          num_attention_heads=heads, num_query_groups=kv if kv != heads else None,
-                          seq_length=c["max_position_embeddings"], max_position_embeddings=c["max_position_embeddings"],
-                          vocab_size=c["vocab_size"], make_vocab_size_divisible_by=divisible_by,
-                          init_method_std=c.get("initializer_range", 0.02), hidden_dropout=0.0,
-                          attention_dropout=c.get("attention_dropout", 0.0), normalization="RMSNorm",
-                          layernorm_epsilon=c.get("rms_norm_eps", 1e-6), swiglu=True, position_embedding_type="rope",
-                          rotary_base=int(theta), add_bias_linear=bias,
-                          untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
-                          params_dtype=dtype)
+        cfg = ModelConfig(
+            num_layers=c["num_hidden_layers"],
+            hidden_size=h,
+            **moe,
+            num_attention_heads=heads,
+            num_query_groups=kv if kv != heads else None,
+            seq_length=c["max_position_embeddings"],
+            max_position_embeddings=c["max_position_embeddings"],
+            vocab_size=c["vocab_size"],
+            make_vocab_size_divisible_by=divisible_by,
+            init_method_std=c.get("initializer_range", 0.02),
+            hidden_dropout=0.0,
+            attention_dropout=c.get("attention_dropout", 0.0),
+            normalization="RMSNorm",
+            layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
+            swiglu=True,
+            position_embedding_type="rope",
+            rotary_base=int(theta),
+            add_bias_linear=bias,
+            untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+            params_dtype=dtype,
+        )
         return cfg, arch
-    raise CheckpointError(f"{where} describes {arch or c.get('model_type') or 'an unknown model'}; the hf loader "
-                          f"reads {GPT2}, {LLAMA} and {', '.join(MOE_ARCHS)}")
+    raise CheckpointError(
+        f"{where} describes {arch or c.get('model_type') or 'an unknown model'}; the hf loader "
+        f"reads {GPT2}, {LLAMA} and {', '.join(MOE_ARCHS)}"
+    )
 
 
 # -- tokenizer files ------------------------------------------------------------------------------
@@ -184,8 +257,11 @@ def tokenizer_fields(files: List[str], where: str) -> Dict[str, str]:
         except (OSError, ValueError):
             gpt2 = False
         if gpt2:
-            return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.join(where, "vocab.json"),
-                    "merge_file": os.path.join(where, "merges.txt")}
+            return {
+                "tokenizer_type": "GPT2BPETokenizer",
+                "vocab_file": os.path.join(where, "vocab.json"),
+                "merge_file": os.path.join(where, "merges.txt"),
+            }
     if "tokenizer.json" not in names and "tokenizer.model" in names:
         return {"tokenizer_type": "Llama2Tokenizer", "tokenizer_model": os.path.join(where, "tokenizer.model")}
     return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": where}
@@ -195,11 +271,14 @@ def tokenizer_fields(files: List[str], where: str) -> Dict[str, str]:
 def _safe_open(safe_open, path: str):
     """``safe_open(path)``, with a damaged file (truncated, not safetensors) as one CheckpointError line."""
     from safetensors import SafetensorError
+
     try:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError) as e:  # the library's message names neither the file nor a remedy
-        raise CheckpointError(f"{path} is not a complete safetensors file ({str(e).splitlines()[0]}); it may be "
-                              f"truncated (an interrupted download or copy): fetch it again") from None
+        raise CheckpointError(
+            f"{path} is not a complete safetensors file ({str(e).splitlines()[0]}); it may be "
+            f"truncated (an interrupted download or copy): fetch it again"
+        ) from None
 
 
 class HFSource(ModelSource):
@@ -207,6 +286,7 @@ class HFSource(ModelSource):
 
     def __init__(self, root: str, divisible_by: int = 128):
         from safetensors import safe_open
+
         path = os.path.join(root, "config.json")
         if not os.path.isdir(root):
             raise CheckpointError(f"--load-dir {root} does not exist")
@@ -225,17 +305,21 @@ class HFSource(ModelSource):
         elif os.path.exists(os.path.join(root, "model.safetensors")):
             files = None
         else:
-            raise CheckpointError(f"{root} has no model.safetensors (nor an index of shards); convert .bin "
-                                  f"weights to safetensors first")
+            raise CheckpointError(
+                f"{root} has no model.safetensors (nor an index of shards); convert .bin weights to safetensors first"
+            )
         self._handles: Dict[str, object] = {}
-        self._open = lambda fn: self._handles[fn] if fn in self._handles else \
-            self._handles.setdefault(fn, _safe_open(safe_open, fn))  # each file opened once
+        self._open = lambda fn: (
+            self._handles[fn] if fn in self._handles else self._handles.setdefault(fn, _safe_open(safe_open, fn))
+        )  # each file opened once
         if files is None:
             single = os.path.join(root, "model.safetensors")
             files = {n: single for n in self._open(single).keys()}
         # GPT-2 files from the hub name tensors without the "transformer." prefix
-        self._files = {("transformer." + n if self.arch == GPT2 and not n.startswith(("transformer.", "lm_head"))
-                        else n): (fn, n) for n, fn in files.items()}
+        self._files = {
+            ("transformer." + n if self.arch == GPT2 and not n.startswith(("transformer.", "lm_head")) else n): (fn, n)
+            for n, fn in files.items()
+        }
         self.info = SourceInfo(kind="hf", tokenizer_files=find_tokenizer(root))
         if self.arch == QWEN2_MOE and raw.get("qkv_bias", True):  # must be zero (hf_moe.py): checked up front
             for i in range(self.cfg.num_layers):

@@ -23,6 +23,7 @@ dropping. megalite has biases on all linear layers or none, not on Q, K, V alone
 ``--add-qkv-bias``): a Qwen2-MoE with ``qkv_bias`` imports only when those biases are all zero (as
 a fresh initialization has them), and is exported with ``qkv_bias: false``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict
@@ -45,42 +46,75 @@ def _need(ok: bool, where: str, what: str) -> None:
 def moe_fields(c: dict, arch: str, where: str) -> dict:
     """ModelConfig's MoE fields (and the dense ffn) from an HF MoE config.json."""
     layers, k = c["num_hidden_layers"], c.get("num_experts_per_tok", 2)
-    fields = dict(moe_router_topk=k, moe_aux_loss_coeff=float(c.get("router_aux_loss_coef", 0.0)),
-                  moe_router_load_balancing_type="aux_loss")
+    fields = dict(
+        moe_router_topk=k,
+        moe_aux_loss_coeff=float(c.get("router_aux_loss_coef", 0.0)),
+        moe_router_load_balancing_type="aux_loss",
+    )
     if arch == MIXTRAL:
         _need(not c.get("sliding_window"), where, "sliding-window attention is used")
-        return dict(fields, num_experts=c.get("num_local_experts", 8), ffn_hidden_size=c["intermediate_size"],
-                    moe_ffn_hidden_size=c["intermediate_size"], moe_layer_freq=1)
+        return dict(
+            fields,
+            num_experts=c.get("num_local_experts", 8),
+            ffn_hidden_size=c["intermediate_size"],
+            moe_ffn_hidden_size=c["intermediate_size"],
+            moe_layer_freq=1,
+        )
     _need(not c.get("use_sliding_window"), where, "sliding-window attention is used")
     shared = c.get("shared_expert_intermediate_size", 0)
     _need(shared > 0, where, "MoE layers without a shared expert (shared_expert_intermediate_size 0)")
     step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
     pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
     _need(c.get("num_experts", 0) > 0 and any(pattern), where, "no MoE layer")
-    return dict(fields, num_experts=c["num_experts"], ffn_hidden_size=c["intermediate_size"],
-                moe_ffn_hidden_size=c["moe_intermediate_size"], moe_shared_expert_intermediate_size=shared,
-                moe_shared_expert_gate=True, moe_router_pre_softmax=not c.get("norm_topk_prob", False),
-                moe_layer_freq=1 if all(pattern) else pattern)
+    return dict(
+        fields,
+        num_experts=c["num_experts"],
+        ffn_hidden_size=c["intermediate_size"],
+        moe_ffn_hidden_size=c["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=True,
+        moe_router_pre_softmax=not c.get("norm_topk_prob", False),
+        moe_layer_freq=1 if all(pattern) else pattern,
+    )
 
 
 def moe_config(cfg: ModelConfig, arch: str) -> dict:
     """config.json entries of an MoE class (added to the Llama-style ones hf.py writes)."""
-    common = {"num_experts_per_tok": cfg.moe_router_topk, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-              "output_router_logits": False}
+    common = {
+        "num_experts_per_tok": cfg.moe_router_topk,
+        "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+        "output_router_logits": False,
+    }
     if arch == MIXTRAL:
-        return {**common, "model_type": "mixtral", "num_local_experts": cfg.num_experts,
-                "intermediate_size": cfg.moe_ffn_size, "sliding_window": None, "router_jitter_noise": 0.0}
-    return {**common, "model_type": "qwen2_moe", "num_experts": cfg.num_experts, "intermediate_size": cfg.ffn_size,
-            "moe_intermediate_size": cfg.moe_ffn_size,
-            "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
-            "norm_topk_prob": not cfg.moe_router_pre_softmax, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)],
-            "qkv_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 0,
-            "layer_types": ["full_attention"] * cfg.num_layers}
+        return {
+            **common,
+            "model_type": "mixtral",
+            "num_local_experts": cfg.num_experts,
+            "intermediate_size": cfg.moe_ffn_size,
+            "sliding_window": None,
+            "router_jitter_noise": 0.0,
+        }
+    return {
+        **common,
+        "model_type": "qwen2_moe",
+        "num_experts": cfg.num_experts,
+        "intermediate_size": cfg.ffn_size,
+        "moe_intermediate_size": cfg.moe_ffn_size,
+        "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
+        "norm_topk_prob": not cfg.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)],
+        "qkv_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 0,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+    }
 
 
-def fused_expert_reader(arch: str, i: int, get: Callable[[str], torch.Tensor],
-                        has: Callable[[str], bool]) -> Callable[[str], torch.Tensor]:
+def fused_expert_reader(
+    arch: str, i: int, get: Callable[[str], torch.Tensor], has: Callable[[str], bool]
+) -> Callable[[str], torch.Tensor]:
     """``get`` for MoE layer ``i``'s HF names (model/spec.py's map) that also reads the layout transformers 5
     holds in memory: the router as ``mlp.gate.weight`` and the experts fused in ``mlp.experts.gate_up_proj``
     [E, 2f, h] ([gate; up] per expert) and ``mlp.experts.down_proj`` [E, h, f]; each fused tensor read once."""
@@ -91,7 +125,7 @@ def fused_expert_reader(arch: str, i: int, get: Callable[[str], torch.Tensor],
     def read(name: str) -> torch.Tensor:
         if name == f"{block}gate.weight" and not has(name) and has(f"{fused}gate.weight"):
             return get(f"{fused}gate.weight")
-        rest = name[len(f"{block}experts."):].split(".") if name.startswith(f"{block}experts.") else []
+        rest = name[len(f"{block}experts.") :].split(".") if name.startswith(f"{block}experts.") else []
         if len(rest) != 3 or rest[1] not in projections or not has(f"{fused}experts.gate_up_proj"):
             return get(name)
         key = "down_proj" if rest[1] == projections[2] else "gate_up_proj"
@@ -102,6 +136,7 @@ def fused_expert_reader(arch: str, i: int, get: Callable[[str], torch.Tensor],
             return t.clone()
         half = t.shape[0] // 2  # gate rows, then up rows
         return t[:half].clone() if rest[1] == projections[0] else t[half:].clone()
+
     return read
 
 
@@ -109,5 +144,7 @@ def check_zero_qkv_bias(get: Callable[[str], torch.Tensor], i: int, where: str) 
     """A Qwen2-MoE's Q, K, V biases must be zero: megalite cannot hold a bias on them alone."""
     for n in ("q_proj", "k_proj", "v_proj"):
         if get(f"model.layers.{i}.self_attn.{n}.bias").abs().max() > 0:
-            raise CheckpointError(f"{where}: layer {i}'s {n} has a nonzero bias (qkv_bias) and megalite has no bias "
-                                  f"on Q, K, V alone (Megatron's --add-qkv-bias): this model cannot be converted")
+            raise CheckpointError(
+                f"{where}: layer {i}'s {n} has a nonzero bias (qkv_bias) and megalite has no bias "
+                f"on Q, K, V alone (Megatron's --add-qkv-bias): this model cannot be converted"
+            )

@@ -16,6 +16,7 @@ same stream, and every saver shards that stream into its own files::
 Names and layouts are megalite's full (tp = 1) ones (the model's spec, model/spec.py, describes
 them), so a megalite -> megalite conversion is a pure reshard; a saver holds about one layer at a time.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,7 +71,7 @@ def split_tp(cfg: ModelConfig, name: str, full: torch.Tensor, tp: int) -> List[t
     if is_vocab(name):
         padded = cfg.padded_vocab_size(tp)
         table = torch.zeros(padded, full.shape[1], dtype=full.dtype)
-        table[:full.shape[0]] = full
+        table[: full.shape[0]] = full
         return list(table.chunk(tp, dim=0))
     pieces = column_pieces(cfg, name)
     if pieces is not None:
@@ -85,7 +86,7 @@ def merge_tp(cfg: ModelConfig, name: str, shards: Sequence[torch.Tensor]) -> tor
     """The inverse of :func:`split_tp`: the full tensor from every tp rank's shard (padding dropped)."""
     tp = len(shards)
     if is_vocab(name):
-        return torch.cat(list(shards), dim=0)[:cfg.vocab_size]
+        return torch.cat(list(shards), dim=0)[: cfg.vocab_size]
     pieces = column_pieces(cfg, name)
     if pieces is not None:
         local = [p // tp for p in pieces]
@@ -99,6 +100,7 @@ def merge_tp(cfg: ModelConfig, name: str, shards: Sequence[torch.Tensor]) -> tor
 @dataclass(frozen=True)
 class Layout:
     """A target (or source) parallel layout: tp, pp, virtual stages and an uneven first/last stage."""
+
     tp: int = 1
     pp: int = 1
     vp: int = 1
@@ -119,9 +121,11 @@ class Layout:
 
     def stages(self, num_layers: int) -> List[Tuple[int, int, range]]:
         """(pp_rank, chunk, global layers) of every chunk, in the order the layers run."""
-        out = [(r, c, StageLayout(self.pp, self.vp).layers(num_layers, r, c, self.first, self.last,
-                                                           self.stage_layers))
-               for c in range(self.vp) for r in range(self.pp)]
+        out = [
+            (r, c, StageLayout(self.pp, self.vp).layers(num_layers, r, c, self.first, self.last, self.stage_layers))
+            for c in range(self.vp)
+            for r in range(self.pp)
+        ]
         return out
 
     def stage_of_layer(self, num_layers: int) -> Dict[int, Tuple[int, int, int]]:
@@ -142,15 +146,21 @@ def check_fits(cfg: ModelConfig, layout: Layout) -> None:
     if cfg.is_moe and (cfg.moe_shared_expert_intermediate_size or 0) % tp:
         problems.append(f"shared expert size {cfg.moe_shared_expert_intermediate_size}")
     if problems:
-        raise CheckpointError(f"target tensor-parallel size {tp} does not divide the model's "
-                              f"{' and '.join(problems)}; choose a tp that divides them")
+        raise CheckpointError(
+            f"target tensor-parallel size {tp} does not divide the model's "
+            f"{' and '.join(problems)}; choose a tp that divides them"
+        )
     if (layout.ep > 1 or layout.etp is not None) and not cfg.is_moe:
-        raise CheckpointError("--target-expert-parallel-size / --target-expert-tensor-parallel-size need a "
-                              "mixture-of-experts model; this one is dense")
+        raise CheckpointError(
+            "--target-expert-parallel-size / --target-expert-tensor-parallel-size need a "
+            "mixture-of-experts model; this one is dense"
+        )
     if cfg.is_moe and (cfg.num_experts % layout.ep or cfg.moe_ffn_size % etp):
-        raise CheckpointError(f"target expert-parallel size {layout.ep} x expert tensor-parallel size {etp} does "
-                              f"not fit the model's {cfg.num_experts} experts of ffn {cfg.moe_ffn_size} (ep must "
-                              f"divide the experts, etp the expert ffn)")
+        raise CheckpointError(
+            f"target expert-parallel size {layout.ep} x expert tensor-parallel size {etp} does "
+            f"not fit the model's {cfg.num_experts} experts of ffn {cfg.moe_ffn_size} (ep must "
+            f"divide the experts, etp the expert ffn)"
+        )
     try:
         validate_partition(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last, layout.stage_layers)
     except ValueError as e:
@@ -167,6 +177,7 @@ def model_config_from_dict(d: dict) -> ModelConfig:
 @dataclass
 class SourceInfo:
     """What travels with the weights: counters, tokenizer, the source's own description."""
+
     iteration: int = 0
     tokenizer: Dict[str, Optional[str]] = field(default_factory=dict)  # DataConfig tokenizer fields
     tokenizer_files: List[str] = field(default_factory=list)  # files to copy next to an HF export
@@ -198,17 +209,22 @@ def check_tensors(cfg: ModelConfig, tensors: Dict[str, torch.Tensor], names: Seq
         if n not in tensors:
             raise CheckpointError(f"{where} has no tensor {n!r}: it does not hold the model its config describes")
         if tuple(tensors[n].shape) != full_shape(cfg, n):
-            raise CheckpointError(f"{where}: {n} has shape {tuple(tensors[n].shape)}, the config implies "
-                                  f"{full_shape(cfg, n)}")
+            raise CheckpointError(
+                f"{where}: {n} has shape {tuple(tensors[n].shape)}, the config implies {full_shape(cfg, n)}"
+            )
 
 
 TIED_COPY = "output_weight"  # megalite's name for the last stage's copy of a tied embedding
 Sharder = Callable[[Dict[str, torch.Tensor], Optional[int]], List[Dict[str, torch.Tensor]]]
 
 
-def stream_to_ranks(source: ModelSource, layout: Layout, sharder: Sharder,
-                    write: Callable[[int, List[Dict[int, Dict[str, torch.Tensor]]]], None],
-                    progress: Callable[[str], None]) -> None:
+def stream_to_ranks(
+    source: ModelSource,
+    layout: Layout,
+    sharder: Sharder,
+    write: Callable[[int, List[Dict[int, Dict[str, torch.Tensor]]]], None],
+    progress: Callable[[str], None],
+) -> None:
     """Read ``source`` in layer order and hand each pipeline rank's shards to ``write`` once complete.
 
     ``sharder(full tensors, index of the layer inside its chunk or None)`` returns every file's
@@ -227,6 +243,7 @@ def stream_to_ranks(source: ModelSource, layout: Layout, sharder: Sharder,
         def add(parts: List[Dict[str, torch.Tensor]]) -> None:
             for rank, part in enumerate(parts):
                 chunk[rank].update(part)
+
         if s == 0:
             pre = source.pre()
             word = pre[WORD] if cfg.tied_embeddings and len(stages) > 1 else None

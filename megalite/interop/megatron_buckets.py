@@ -21,22 +21,44 @@ megatron-core's local layer spec (``--transformer-impl local``) registers a laye
 The caller checks the result against the saved weights before use, so a wrong order is refused,
 never loaded.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Sequence, Tuple
 
-from megalite.interop.interchange import (OUTPUT, WORD, column_pieces, full_shape, is_row_parallel,
-                                                layer_names, layer_prefix, post_names, pre_names)
+from megalite.interop.interchange import (
+    OUTPUT,
+    WORD,
+    column_pieces,
+    full_shape,
+    is_row_parallel,
+    layer_names,
+    layer_prefix,
+    post_names,
+    pre_names,
+)
 
 # megatron-core's TransformerLayer (local spec) registers its modules in this order; Attention
 # builds linear_proj before SelfAttention adds linear_qkv
-_LOCAL_LAYER_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
-                      "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+_LOCAL_LAYER_ORDER = (
+    "input_layernorm",
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "pre_mlp_layernorm",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 # transformer_engine's spec fuses each norm into the next linear layer (TELayerNormColumnParallelLinear
 # registers layer_norm_weight/_bias before weight/bias), so the input norm follows linear_proj
-_TE_LAYER_ORDER = ("self_attention.linear_proj", "input_layernorm", "self_attention.linear_qkv",
-                   "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+_TE_LAYER_ORDER = (
+    "self_attention.linear_proj",
+    "input_layernorm",
+    "self_attention.linear_qkv",
+    "pre_mlp_layernorm",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 TIED_COPY = OUTPUT + " (tied copy)"  # the last stage's duplicate of a tied embedding when pp > 1
 
 __all__ = ["Unmappable", "rank_order", "bucket_layout", "TIED_COPY"]
@@ -58,8 +80,9 @@ def _local_shape(cfg, name: str, rows: int, tp: int) -> Tuple[int, ...]:
     return shape
 
 
-def rank_order(cfg, layers: Sequence[int], first: bool, last: bool, rows: int, tp: int,
-               te: bool = False) -> List[Tuple[str, Tuple[int, ...], bool]]:
+def rank_order(
+    cfg, layers: Sequence[int], first: bool, last: bool, rows: int, tp: int, te: bool = False
+) -> List[Tuple[str, Tuple[int, ...], bool]]:
     """(megalite global name, Megatron tp-local shape, shared embedding) of one pipeline stage's
     parameters in megatron-core GPTModel's ``named_parameters()`` order (``te``: the
     transformer_engine spec's)."""

@@ -9,6 +9,7 @@ pipeline rank's files when the last of its chunks is complete (one stage, or
 the whole model when virtual stages interleave). Optimizer state is not
 converted: the result loads with ``--finetune`` or ``--no-load-optim``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,19 +23,32 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megalite.interop.interchange import (TIED_COPY, WORD, Layout, ModelSource, SourceInfo, check_tensors,
-                                                expert_of, layer_names, layer_prefix, merge_tp,
-                                                model_config_from_dict, post_names, pre_names, split_tp,
-                                                stream_to_ranks)
 from megalite.checkpointing.format_info import SHARDED_INFO, TORCH_INFO, format_info
 from megalite.checkpointing.protocol import iteration_dir, read_json, read_latest
 from megalite.checkpointing.run_state import FORMAT_VERSION, MOE_SHAPE_FIELDS, SHAPE_FIELDS
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, safe_torch_load
 from megalite.checkpointing.sharded import quiet_single_process, read_index
 from megalite.checkpointing.sharded_read import read_whole
-from megalite.interop.torch_dist import is_torch_dist
 from megalite.checkpointing.torch_format import legacy_dir
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig
+from megalite.interop.interchange import (
+    TIED_COPY,
+    WORD,
+    Layout,
+    ModelSource,
+    SourceInfo,
+    check_tensors,
+    expert_of,
+    layer_names,
+    layer_prefix,
+    merge_tp,
+    model_config_from_dict,
+    post_names,
+    pre_names,
+    split_tp,
+    stream_to_ranks,
+)
+from megalite.interop.torch_dist import is_torch_dist
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
@@ -45,13 +59,15 @@ def find_iteration(root: str, what: str, step: Optional[int] = None, flag: str =
         raise CheckpointError(f"{flag} {root}: no such directory")
     it = step if step is not None else read_latest(root)
     if it is None:
-        raise CheckpointError(f"{flag} {root}: no checkpoint there (no latest_checkpointed_iteration.txt); "
-                              f"it is not a {what} checkpoint")
+        raise CheckpointError(
+            f"{flag} {root}: no checkpoint there (no latest_checkpointed_iteration.txt); it is not a {what} checkpoint"
+        )
     d = iteration_dir(root, it)
     if not os.path.isdir(d):
         asked = "--ckpt-step asks for" if step is not None else "latest_checkpointed_iteration.txt names"
-        raise CheckpointError(f"{root}: {asked} iteration {it} but {d} is missing; it is not a complete {what} "
-                              f"checkpoint")
+        raise CheckpointError(
+            f"{root}: {asked} iteration {it} but {d} is missing; it is not a complete {what} checkpoint"
+        )
     return d
 
 
@@ -63,25 +79,40 @@ class MegaliteSource(ModelSource):
         meta_path = os.path.join(self.dir, "meta.json")
         if not os.path.exists(meta_path):
             if is_torch_dist(self.dir):
-                raise CheckpointError(f"{self.dir} is a Megatron-Core torch_dist checkpoint, not a megalite one: "
-                                      f"convert it with --loader megatron (pretrain_gpt.py --load reads it directly)")
-            raise CheckpointError(f"{self.dir} has no meta.json: it is not a complete megalite checkpoint (a "
-                                  f"Megatron-LM one converts with --loader megatron)")
+                raise CheckpointError(
+                    f"{self.dir} is a Megatron-Core torch_dist checkpoint, not a megalite one: "
+                    f"convert it with --loader megatron (pretrain_gpt.py --load reads it directly)"
+                )
+            raise CheckpointError(
+                f"{self.dir} has no meta.json: it is not a complete megalite checkpoint (a "
+                f"Megatron-LM one converts with --loader megatron)"
+            )
         self.meta = read_json(meta_path)
         try:
             config = self.meta.get("config", {})
             self.cfg = model_config_from_dict(config.get("model", {}))
             data = config.get("data", {})
-            self.info = SourceInfo(iteration=int(self.meta.get("iteration", 0)), kind="megalite",
-                                   tokenizer={k: data.get(k) for k in TOKENIZER_FIELDS})
+            self.info = SourceInfo(
+                iteration=int(self.meta.get("iteration", 0)),
+                kind="megalite",
+                tokenizer={k: data.get(k) for k in TOKENIZER_FIELDS},
+            )
             self.format = format_info(self.meta.get("format", SHARDED_INFO.name))  # one of the run formats
             lay = self.meta["layout"]  # the layout it was trained in: the converter's default target
-            self.layout = Layout(lay["tp"], lay["pp"], lay["vp"], lay.get("first") or None,
-                                 lay.get("last") or None, tuple(lay.get("stage_layers") or ()) or None,
-                                 int(lay.get("ep", 1)), lay.get("etp"))
+            self.layout = Layout(
+                lay["tp"],
+                lay["pp"],
+                lay["vp"],
+                lay.get("first") or None,
+                lay.get("last") or None,
+                tuple(lay.get("stage_layers") or ()) or None,
+                int(lay.get("ep", 1)),
+                lay.get("etp"),
+            )
         except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{meta_path} is damaged ({type(e).__name__}: {e}); restore it from the run "
-                                  f"that saved the checkpoint") from None
+            raise CheckpointError(
+                f"{meta_path} is damaged ({type(e).__name__}: {e}); restore it from the run that saved the checkpoint"
+            ) from None
         if self.format.layout_free:  # one set of blocks for the whole model
             SafeFileSystemReader(self.dir).read_metadata()  # the allow-listed index, before DCP reads anything
             self.index = read_index(self.dir)
@@ -110,10 +141,13 @@ class MegaliteSource(ModelSource):
         ("expert", e, k) for ep rank e's experts at expert-TP shard k (file tp rank t holds shard t mod etp).
         A run writes file (t, e) only where one of its ranks has both: the first present one is taken."""
         lay, pp0 = self.layout, 0
-        first = lambda options: next((o for o in options if os.path.exists(self._path(o[0], pp0, o[1]))),  # noqa
-                                     options[0])
-        need: Dict[tuple, Tuple[int, int]] = {("dense", t): first([(t, e) for e in range(lay.ep)])
-                                              for t in range(lay.tp)}
+
+        def first(options):
+            return next((o for o in options if os.path.exists(self._path(o[0], pp0, o[1]))), options[0])
+
+        need: Dict[tuple, Tuple[int, int]] = {
+            ("dense", t): first([(t, e) for e in range(lay.ep)]) for t in range(lay.tp)
+        }
         for e in range(lay.ep) if self.cfg.is_moe else ():
             for k in range(lay.expert_tp):
                 need[("expert", e, k)] = first([(t, e) for t in range(k, lay.tp, lay.expert_tp)] or [(k, e)])
@@ -186,22 +220,47 @@ class MegaliteSource(ModelSource):
 # -- writing --------------------------------------------------------------------------------------
 def _meta(cfg: ModelConfig, info: SourceInfo, layout: Layout, fmt: str, tokenizer: Dict[str, Optional[str]]) -> dict:
     """meta.json of a converted checkpoint: weights only (no optimizer, no RNG; the layout marks it converted)."""
-    full = Config(model=cfg, parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp,
-                                                     decoder_first_pipeline_num_layers=layout.first,
-                                                     decoder_last_pipeline_num_layers=layout.last,
-                                                     ep=layout.ep, etp=layout.etp),
-                  data=DataConfig(**{k: v for k, v in tokenizer.items() if k in TOKENIZER_FIELDS}))
-    lay = {"world": layout.tp * layout.pp * layout.ep, "tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "dp": 1,
-           "first": layout.first or 0, "last": layout.last or 0, "converted_from": info.kind}
+    full = Config(
+        model=cfg,
+        parallel=ParallelConfig(
+            tp=layout.tp,
+            pp=layout.pp,
+            vp=layout.vp,
+            decoder_first_pipeline_num_layers=layout.first,
+            decoder_last_pipeline_num_layers=layout.last,
+            ep=layout.ep,
+            etp=layout.etp,
+        ),
+        data=DataConfig(**{k: v for k, v in tokenizer.items() if k in TOKENIZER_FIELDS}),
+    )
+    lay = {
+        "world": layout.tp * layout.pp * layout.ep,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "vp": layout.vp,
+        "dp": 1,
+        "first": layout.first or 0,
+        "last": layout.last or 0,
+        "converted_from": info.kind,
+    }
     if cfg.is_moe:  # as a run records an MoE layout (run_state.layout_of)
         lay.update(ep=layout.ep, etp=layout.expert_tp)
     shape = SHAPE_FIELDS + (MOE_SHAPE_FIELDS if cfg.is_moe else ())
-    return {"format_version": FORMAT_VERSION, "format": fmt, "iteration": info.iteration, "consumed_samples": 0,
-            "skipped_iters": 0, "nan_iters": 0, "scheduler": {"num_steps": info.iteration}, "scaler": None,
-            "adam_step": 0.0, "group_steps": [],
-            "layout": lay,  # never equal to a run's layout (converted_from), so no RNG file is looked for
-            "config": json.loads(json.dumps(asdict(full), default=str)),
-            "model_shape": {f: list(v) if isinstance(v, tuple) else v for f in shape for v in [getattr(cfg, f)]}}
+    return {
+        "format_version": FORMAT_VERSION,
+        "format": fmt,
+        "iteration": info.iteration,
+        "consumed_samples": 0,
+        "skipped_iters": 0,
+        "nan_iters": 0,
+        "scheduler": {"num_steps": info.iteration},
+        "scaler": None,
+        "adam_step": 0.0,
+        "group_steps": [],
+        "layout": lay,  # never equal to a run's layout (converted_from), so no RNG file is looked for
+        "config": json.loads(json.dumps(asdict(full), default=str)),
+        "model_shape": {f: list(v) if isinstance(v, tuple) else v for f in shape for v in [getattr(cfg, f)]},
+    }
 
 
 def _whole_key(name: str, t: torch.Tensor) -> str:
@@ -216,17 +275,23 @@ def _write_finish(out: str, meta: dict, iteration: int) -> None:
         f.write(str(iteration))
 
 
-def save_sharded(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
-                 progress: Callable[[str], None]) -> None:
+def save_sharded(
+    source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]], progress: Callable[[str], None]
+) -> None:
     """Write ``source`` as a megalite sharded checkpoint under ``out`` (a fresh directory)."""
     cfg, it = source.cfg, source.info.iteration
     d = iteration_dir(out, it)
     os.makedirs(d)
     index: List[dict] = []
     merged_md, merged_storage = {}, {}
-    groups = [("embeddings", source.pre)] + [(f"layer {i}", lambda i=i: {layer_prefix(i) + k: v for k, v in
-                                                                       source.layer(i).items()})
-                                             for i in range(cfg.num_layers)] + [("final norm and head", source.post)]
+    groups = (
+        [("embeddings", source.pre)]
+        + [
+            (f"layer {i}", lambda i=i: {layer_prefix(i) + k: v for k, v in source.layer(i).items()})
+            for i in range(cfg.num_layers)
+        ]
+        + [("final norm and head", source.post)]
+    )
     for k, (what, read) in enumerate(groups):
         tensors = {n: t.contiguous() for n, t in read().items()}
         state = {_whole_key(n, t): t for n, t in tensors.items()}
@@ -241,12 +306,21 @@ def save_sharded(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[
         os.replace(os.path.join(part, files.pop()), os.path.join(d, fname))
         shutil.rmtree(part)
         merged_md.update(md.state_dict_metadata)
-        merged_storage.update({idx: dataclasses.replace(info, relative_path=fname)
-                               for idx, info in md.storage_data.items()})
+        merged_storage.update(
+            {idx: dataclasses.replace(info, relative_path=fname) for idx, info in md.storage_data.items()}
+        )
         for n, t in tensors.items():
-            index.append({"key": _whole_key(n, t), "prefix": "model", "name": n,
-                          "shape": list(t.shape), "offsets": [0] * t.dim(), "sizes": list(t.shape),
-                          "dtype": str(t.dtype).replace("torch.", "")})
+            index.append(
+                {
+                    "key": _whole_key(n, t),
+                    "prefix": "model",
+                    "name": n,
+                    "shape": list(t.shape),
+                    "offsets": [0] * t.dim(),
+                    "sizes": list(t.shape),
+                    "dtype": str(t.dtype).replace("torch.", ""),
+                }
+            )
         progress(what)
     md.state_dict_metadata, md.storage_data = merged_md, merged_storage
     with open(os.path.join(d, ".metadata"), "wb") as f:
@@ -256,8 +330,9 @@ def save_sharded(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[
     _write_finish(out, _meta(cfg, source.info, layout, SHARDED_INFO.name, tokenizer), it)
 
 
-def shard_files(cfg: ModelConfig, layout: Layout, tensors: Dict[str, torch.Tensor],
-                rename: Callable[[str], str]) -> List[Dict[str, torch.Tensor]]:
+def shard_files(
+    cfg: ModelConfig, layout: Layout, tensors: Dict[str, torch.Tensor], rename: Callable[[str], str]
+) -> List[Dict[str, torch.Tensor]]:
     """Each per-rank file's entries (``layout.files``: file tp rank + tp x ep rank) of full ``tensors``:
     dense ones split over tp in every file; expert e's only in its ep rank's files, the expert-TP shard
     ``tp rank mod etp`` (the shard the run's rank of that tp rank holds, etp dividing tp), stored under
@@ -277,8 +352,9 @@ def shard_files(cfg: ModelConfig, layout: Layout, tensors: Dict[str, torch.Tenso
     return out
 
 
-def save_torch(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
-               progress: Callable[[str], None]) -> None:
+def save_torch(
+    source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]], progress: Callable[[str], None]
+) -> None:
     """Write ``source`` in megalite's torch (legacy, per tp/pp rank) format for ``layout``."""
     cfg, it, tp = source.cfg, source.info.iteration, layout.tp
     d = iteration_dir(out, it)
@@ -292,10 +368,21 @@ def save_torch(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[st
             models = {("model" if layout.vp == 1 else f"model{c}"): sd for c, sd in chunks.items()}
             path = os.path.join(d, legacy_dir(f % tp, pp_rank, layout.pp, f // tp, layout.ep), "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"args": meta["config"], "checkpoint_version": 3.0, "iteration": it, "consumed_samples": 0,
-                        **models, "optimizer": {"state": {}, "scaler": None, "group_steps": []},
-                        "opt_param_scheduler": meta["scheduler"], "rng_state": [], "layout": meta["layout"],
-                        "model_shape": meta["model_shape"]}, path)
+            torch.save(
+                {
+                    "args": meta["config"],
+                    "checkpoint_version": 3.0,
+                    "iteration": it,
+                    "consumed_samples": 0,
+                    **models,
+                    "optimizer": {"state": {}, "scaler": None, "group_steps": []},
+                    "opt_param_scheduler": meta["scheduler"],
+                    "rng_state": [],
+                    "layout": meta["layout"],
+                    "model_shape": meta["model_shape"],
+                },
+                path,
+            )
 
     stream_to_ranks(source, layout, shard, write, progress)
     _write_finish(out, meta, it)

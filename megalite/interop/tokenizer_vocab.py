@@ -23,6 +23,7 @@ produce and drops only the padding. A megalite run's own size is written back
 the same way (NullTokenizer: one less) so that Megatron rebuilds the same
 tokenizer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,14 @@ import os
 from typing import Optional, Tuple
 
 NULL_TYPES = ("NullTokenizer", "NullMultimodalTokenizer")
-_FILE_TYPES = {"GPT2BPETokenizer": "vocab_file", "SentencePieceTokenizer": "tokenizer_model",
-               "GPTSentencePieceTokenizer": "tokenizer_model", "Llama2Tokenizer": "tokenizer_model",
-               "HuggingFaceTokenizer": "tokenizer_model"}
-_TIKTOKEN_DEFAULT = 2 ** 17  # Megatron's TikTokenizer without --vocab-size
+_FILE_TYPES = {
+    "GPT2BPETokenizer": "vocab_file",
+    "SentencePieceTokenizer": "tokenizer_model",
+    "GPTSentencePieceTokenizer": "tokenizer_model",
+    "Llama2Tokenizer": "tokenizer_model",
+    "HuggingFaceTokenizer": "tokenizer_model",
+}
+_TIKTOKEN_DEFAULT = 2**17  # Megatron's TikTokenizer without --vocab-size
 
 
 def with_tokenizer_files(ns: argparse.Namespace, files: Optional[dict]) -> argparse.Namespace:
@@ -51,8 +56,11 @@ def check_vocab_fits(vocab: Optional[int], rows: Optional[int], note: str, where
     """One line when the vocabulary found (``note`` says how) has more ids than the stored table has rows."""
     if vocab and rows and vocab > rows:
         from megalite.checkpointing.safe_load import CheckpointError
-        raise CheckpointError(f"{where}: the vocabulary ({note}) has {vocab} ids but the embedding table holds "
-                              f"{rows} rows; pass --true-vocab-size")
+
+        raise CheckpointError(
+            f"{where}: the vocabulary ({note}) has {vocab} ids but the embedding table holds "
+            f"{rows} rows; pass --true-vocab-size"
+        )
 
 
 def vocab_size_arg(tokenizer_type: Optional[str], vocab: int) -> int:
@@ -68,10 +76,12 @@ def _files_vocab(kind: str, ns: argparse.Namespace) -> Tuple[Optional[int], str]
         return None, f"{kind}'s {flag} {path or '(not stored)'} is not on this machine"
     from megalite.config import DataConfig
     from megalite.data.tokenizers import build_tokenizer
+
     mine = "Llama2Tokenizer" if kind == "GPTSentencePieceTokenizer" else kind  # same pieces, same size
     try:
         if kind == "GPT2BPETokenizer":  # Megatron counts the vocabulary file's entries; merges do not matter
             from megalite.data.tokenizers.gpt2_bpe import read_vocab
+
             return len(read_vocab(path)), f"{kind}: {path} holds the ids"
         tok = build_tokenizer(DataConfig(tokenizer_type=mine, tokenizer_model=path))
         extra = int(getattr(ns, "vocab_extra_ids", 0) or 0) if kind == "SentencePieceTokenizer" else 0
@@ -82,8 +92,9 @@ def _files_vocab(kind: str, ns: argparse.Namespace) -> Tuple[Optional[int], str]
         return None, f"{kind}'s {flag} {path} cannot be read ({type(e).__name__})"
 
 
-def megatron_vocab(ns: argparse.Namespace, table_rows: Optional[int],
-                   true_vocab: Optional[int] = None) -> Tuple[Optional[int], str]:
+def megatron_vocab(
+    ns: argparse.Namespace, table_rows: Optional[int], true_vocab: Optional[int] = None
+) -> Tuple[Optional[int], str]:
     """(the rows of the embedding table that are vocabulary, eod included; how that was found).
 
     None means nothing says: the caller keeps the whole (padded) table and says so.

@@ -30,6 +30,7 @@ is read by torch_dist_optim.py where it maps exactly onto the saved weights;
 otherwise weights load, Adam starts fresh (as ``--no-load-optim``), and the loader
 says why.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,16 +46,24 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.interop.interchange import (OUTPUT, WORD, ModelSource, SourceInfo, check_tensors, full_shape,
-                                                layer_names, post_names, pre_names)
 from megalite.checkpointing.layout import chunk_blocks
-from megalite.interop.megatron import (LATEST, TOKENIZER_FIELDS, megatron_name, config_from_args,
-                                             qkv_from_megatron)
 from megalite.checkpointing.run_state import SHAPE_FIELDS, check_model_shape
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, load_megatron_file
 from megalite.checkpointing.sharded import quiet_single_process
-from megalite.interop.tokenizer_vocab import check_vocab_fits, megatron_vocab, with_tokenizer_files
 from megalite.config import ModelConfig
+from megalite.interop.interchange import (
+    OUTPUT,
+    WORD,
+    ModelSource,
+    SourceInfo,
+    check_tensors,
+    full_shape,
+    layer_names,
+    post_names,
+    pre_names,
+)
+from megalite.interop.megatron import LATEST, TOKENIZER_FIELDS, config_from_args, megatron_name, qkv_from_megatron
+from megalite.interop.tokenizer_vocab import check_vocab_fits, megatron_vocab, with_tokenizer_files
 
 CONFIG = "metadata.json"
 COMMON = "common.pt"
@@ -114,18 +123,27 @@ class _RegionPlanner(DefaultLoadPlanner):
 class TorchDistSource(ModelSource):
     """A torch_dist checkpoint read layer by layer (any layout it was saved from)."""
 
-    def __init__(self, root: str, true_vocab: Optional[int] = None, step: Optional[int] = None,
-                 tokenizer_files: Optional[dict] = None):
+    def __init__(
+        self,
+        root: str,
+        true_vocab: Optional[int] = None,
+        step: Optional[int] = None,
+        tokenizer_files: Optional[dict] = None,
+    ):
         d = torch_dist_dir(root, step)
         if d is None:
-            raise CheckpointError(f"{root} is not a Megatron-Core torch_dist checkpoint (no metadata.json with "
-                                  f"sharded_backend torch_dist in it or in the iteration it names)")
+            raise CheckpointError(
+                f"{root} is not a Megatron-Core torch_dist checkpoint (no metadata.json with "
+                f"sharded_backend torch_dist in it or in the iteration it names)"
+            )
         self.dir = d
         common = load_megatron_file(os.path.join(d, COMMON))
         ns = common.get("args") if isinstance(common, dict) else None
         if not isinstance(ns, argparse.Namespace):
-            raise CheckpointError(f"{d}/{COMMON} stores no argparse Namespace 'args': the model's shape is not "
-                                  f"recorded (it was not saved by Megatron-LM's training loop)")
+            raise CheckpointError(
+                f"{d}/{COMMON} stores no argparse Namespace 'args': the model's shape is not "
+                f"recorded (it was not saved by Megatron-LM's training loop)"
+            )
         ns = with_tokenizer_files(ns, tokenizer_files)
         self.args, self.common = ns, common
         self.md = SafeFileSystemReader(d).read_metadata()  # the allow-listed index, before DCP reads anything
@@ -136,8 +154,11 @@ class TorchDistSource(ModelSource):
         self.vocab_guessed = not vocab
         self.cfg, self.layout = config_from_args(ns, vocab or rows, d)
         it = common.get("iteration", 0)
-        self.info = SourceInfo(iteration=int(it) if isinstance(it, int) else 0, kind="megatron torch_dist",
-                               tokenizer={k: getattr(ns, k, None) for k in TOKENIZER_FIELDS})
+        self.info = SourceInfo(
+            iteration=int(it) if isinstance(it, int) else 0,
+            kind="megatron torch_dist",
+            tokenizer={k: getattr(ns, k, None) for k in TOKENIZER_FIELDS},
+        )
         self.keys = {n: self._key(n) for n in layer_names(self.cfg)}
         for n in pre_names(self.cfg) + post_names(self.cfg):  # every tensor there, with its shape, up front
             self._check(n, n, full_shape(self.cfg, n))
@@ -149,8 +170,10 @@ class TorchDistSource(ModelSource):
         for cand in (STACKED + megatron_name(rel, True), STACKED + rel):
             if cand in self.md.state_dict_metadata:
                 return cand
-        raise CheckpointError(f"{self.dir} has no tensor {STACKED + megatron_name(rel, True)!r}: it does not hold "
-                              f"the model its args describe")
+        raise CheckpointError(
+            f"{self.dir} has no tensor {STACKED + megatron_name(rel, True)!r}: it does not hold "
+            f"the model its args describe"
+        )
 
     def _check(self, key: str, what: str, want: Tuple[int, ...]) -> None:
         md = self.md.state_dict_metadata.get(key)
@@ -163,18 +186,26 @@ class TorchDistSource(ModelSource):
 
     def read_regions(self, regions: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Dict[str, torch.Tensor]:
         """key -> the block (offsets, sizes) of its global tensor, read without a process group."""
-        state = {k: torch.empty(sizes, dtype=self.md.state_dict_metadata[k].properties.dtype)
-                 for k, (_, sizes) in regions.items()}
+        state = {
+            k: torch.empty(sizes, dtype=self.md.state_dict_metadata[k].properties.dtype)
+            for k, (_, sizes) in regions.items()
+        }
         try:
             with quiet_single_process():
-                dcp.load(state, storage_reader=SafeFileSystemReader(self.dir),
-                         planner=_RegionPlanner({k: off for k, (off, _) in regions.items()}), no_dist=True)
+                dcp.load(
+                    state,
+                    storage_reader=SafeFileSystemReader(self.dir),
+                    planner=_RegionPlanner({k: off for k, (off, _) in regions.items()}),
+                    no_dist=True,
+                )
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - DCP wraps a damaged file in its own exception types
             first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            raise CheckpointError(f"reading the tensors of {self.dir} failed ({first[:200]}); the checkpoint is "
-                                  f"damaged: use another iteration of it") from None
+            raise CheckpointError(
+                f"reading the tensors of {self.dir} failed ({first[:200]}); the checkpoint is "
+                f"damaged: use another iteration of it"
+            ) from None
         return state
 
     def _whole(self, names: List[str]) -> Dict[str, torch.Tensor]:
@@ -218,8 +249,9 @@ def open_for_run(d: str, model: ModelConfig) -> "TorchDistSource":
     return TorchDistSource(d, true_vocab=model.vocab_size) if src.vocab_guessed else src
 
 
-def load_torch_dist_weights(src: "TorchDistSource", model: ModelConfig, chunks: Sequence[nn.Module],
-                            optimizer) -> Dict[str, int]:
+def load_torch_dist_weights(
+    src: "TorchDistSource", model: ModelConfig, chunks: Sequence[nn.Module], optimizer
+) -> Dict[str, int]:
     """Copy the weights this rank holds (any tp/pp/vp) from ``src`` (:func:`open_for_run`) into ``chunks``.
 
     The fp32 main weights follow the loaded ones (torch_dist_optim.py then restores the
@@ -249,5 +281,4 @@ def load_torch_dist_weights(src: "TorchDistSource", model: ModelConfig, chunks: 
     if optimizer.half:  # separate fp32 main weights: they start from the loaded weights
         optimizer.load_full_state_dict(main)
     args = src.args
-    return {"iteration": src.info.iteration,
-            "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)}
+    return {"iteration": src.info.iteration, "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)}

@@ -5,6 +5,7 @@ place: the weights into this rank's slices, the distributed-optimizer state when
 the counters unless ``--finetune``. The composition root hands this source to the Checkpointer
 (``megalite.interop.checkpoint_formats()``); the run's own load path never imports it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,9 +61,13 @@ def _report(run: "RunParts", d: str, iteration: int, skipped: Optional[str]) -> 
     if not run.ps.is_logging_rank:
         return
     if skipped is None:
-        logger.warning(f"loaded Megatron-Core torch_dist checkpoint {d} (iteration {iteration}): "
-                       f"weights and distributed-optimizer state; its random states are not restored")
+        logger.warning(
+            f"loaded Megatron-Core torch_dist checkpoint {d} (iteration {iteration}): "
+            f"weights and distributed-optimizer state; its random states are not restored"
+        )
     else:
-        logger.warning(f"loaded the weights of Megatron-Core torch_dist checkpoint {d} (iteration "
-                       f"{iteration}); its optimizer state is not restored ({skipped}) nor its random "
-                       f"states: Adam starts fresh, as with --no-load-optim --no-load-rng")
+        logger.warning(
+            f"loaded the weights of Megatron-Core torch_dist checkpoint {d} (iteration "
+            f"{iteration}); its optimizer state is not restored ({skipped}) nor its random "
+            f"states: Adam starts fresh, as with --no-load-optim --no-load-rng"
+        )

@@ -26,6 +26,7 @@ bucket is saved whole, without its padding to a multiple of that size), so a run
 parameter's fp32 copy equals the weight saved beside it. Anything else (virtual stages, experts, other sharding modes, a layout that does
 not check out) raises :class:`Unmappable`: the caller loads the weights only.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,22 +38,28 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megalite.interop.interchange import OUTPUT, WORD, layer_names, layer_prefix, merge_tp, post_names, pre_names
 from megalite.checkpointing.layout import chunk_blocks
-from megalite.interop.megatron import qkv_from_megatron
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader
 from megalite.checkpointing.sharded import quiet_single_process
+from megalite.interop.interchange import OUTPUT, WORD, layer_names, layer_prefix, merge_tp, post_names, pre_names
+from megalite.interop.megatron import qkv_from_megatron
 from megalite.interop.megatron_buckets import TIED_COPY, Unmappable, bucket_layout, rank_order
 from megalite.interop.torch_dist import STACKED, TorchDistSource
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-_BUCKET = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
-                     r"\.bucket_idx_(\d+)\.(\w+)")
+_BUCKET = re.compile(
+    r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+    r"\.bucket_idx_(\d+)\.(\w+)"
+)
 _PARAM_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
 _SCALER = "optimizer.distributed.dp_group_idx_0.grad_scaler/shard_0_1"
 _MODEL_SPACE = "optimizer.state."  # fully_reshardable: optimizer.state.<key>.<the weight's key>
-_UNEVEN = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-           "pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage")
+_UNEVEN = (
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout",
+    "num_layers_per_virtual_pipeline_stage",
+)
 
 __all__ = ["Unmappable", "read_distributed_optimizer", "local_optimizer_state", "load_torch_dist_optimizer"]
 
@@ -81,8 +88,10 @@ def _read_object(d: str, key: str):
     try:
         obj = torch.load(io.BytesIO(planner.raw[key]), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - the weights-only unpickler's refusal or a damaged item
-        raise CheckpointError(f"refusing to load {key} of {d}: {str(e).strip().splitlines()[0][:160]}; only load "
-                              f"checkpoints you trust to be data") from None
+        raise CheckpointError(
+            f"refusing to load {key} of {d}: {str(e).strip().splitlines()[0][:160]}; only load "
+            f"checkpoints you trust to be data"
+        ) from None
     return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj  # megatron-core saves [object]
 
 
@@ -91,8 +100,10 @@ def _check_supported(src) -> str:
     opt = src.common.get("optimizer")
     mode = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
     if mode is None:
-        raise Unmappable("it holds no distributed-optimizer state (saved with --no-save-optim or without "
-                         "--use-distributed-optimizer)")
+        raise Unmappable(
+            "it holds no distributed-optimizer state (saved with --no-save-optim or without "
+            "--use-distributed-optimizer)"
+        )
     if mode not in ("dp_reshardable", "fully_reshardable"):
         raise Unmappable(f"its optimizer state is in {mode!r} mode (dp_reshardable and fully_reshardable are read)")
     a = src.args
@@ -103,8 +114,10 @@ def _check_supported(src) -> str:
         if uneven:
             raise Unmappable(f"it was saved with --{uneven[0].replace('_', '-')}, whose stage split is not mapped")
         if getattr(a, "transformer_impl", "transformer_engine") not in ("local", "transformer_engine"):
-            raise Unmappable(f"it was saved with --transformer-impl {a.transformer_impl}, whose parameter order in "
-                             f"the optimizer's buckets is not mapped")
+            raise Unmappable(
+                f"it was saved with --transformer-impl {a.transformer_impl}, whose parameter order in "
+                f"the optimizer's buckets is not mapped"
+            )
     return mode
 
 
@@ -149,8 +162,9 @@ def _dp_reshardable(src, wanted: Optional[set]) -> Dict[str, Dict[str, torch.Ten
         for m, b, s, e in places[n].values():
             lo, hi = spans.get((m, b), (s, e))
             spans[(m, b)] = (min(lo, s), max(hi, e))
-    got = src.read_regions({keys[m][b][k]: ((lo,), (hi - lo,)) for (m, b), (lo, hi) in spans.items()
-                            for k in STATE_KEYS})
+    got = src.read_regions(
+        {keys[m][b][k]: ((lo,), (hi - lo,)) for (m, b), (lo, hi) in spans.items() for k in STATE_KEYS}
+    )
     shapes = {}
     for p in range(lay.pp):
         shapes.update({n: sh for n, sh, _ in rank_order(cfg, stages[p], p == 0, p == lay.pp - 1, rows, lay.tp, te)})
@@ -162,9 +176,8 @@ def _dp_reshardable(src, wanted: Optional[set]) -> Dict[str, Dict[str, torch.Ten
             for t in range(lay.tp):
                 m, b, s, e = places[n][t]
                 lo = spans[(m, b)][0]
-                shards.append(got[keys[m][b][k]][s - lo:e - lo].float().view(shapes[n]))
-            entry[k] = (qkv_from_megatron(cfg, torch.cat(shards)) if ".linear_qkv." in n
-                        else merge_tp(cfg, n, shards))
+                shards.append(got[keys[m][b][k]][s - lo : e - lo].float().view(shapes[n]))
+            entry[k] = qkv_from_megatron(cfg, torch.cat(shards)) if ".linear_qkv." in n else merge_tp(cfg, n, shards)
         state[n] = entry
     return state
 
@@ -191,8 +204,9 @@ def _fully_reshardable(src, wanted: Optional[set]) -> Dict[str, Dict[str, torch.
             regions.update({_MODEL_SPACE + f"{k}.{base}": ((0,) * len(shape), shape) for k in STATE_KEYS})
     for base, got in layers.items():
         lo, hi, rest = min(got), max(got) + 1, tuple(md[base].size)[1:]
-        regions.update({_MODEL_SPACE + f"{k}.{base}": ((lo,) + (0,) * len(rest), (hi - lo,) + rest)
-                        for k in STATE_KEYS})
+        regions.update(
+            {_MODEL_SPACE + f"{k}.{base}": ((lo,) + (0,) * len(rest), (hi - lo,) + rest) for k in STATE_KEYS}
+        )
     got = src.read_regions(regions)
     state = {}
     for n in names:
@@ -239,14 +253,20 @@ def _check_against_weights(src, state: Dict[str, Dict[str, torch.Tensor]], mode:
     or another megatron-core version's build order); the model's own weights can.
     """
     layers = sorted({int(n.split(".")[2]) for n in state if n.startswith("decoder.layers.")})
-    weights = {**src.pre(), **src.post(),
-               **{f"decoder.layers.{i}.{n}": t for i in layers for n, t in src.layer(i).items()}}
+    weights = {
+        **src.pre(),
+        **src.post(),
+        **{f"decoder.layers.{i}.{n}": t for i in layers for n, t in src.layer(i).items()},
+    }
     for name, entry in state.items():
         w = weights.get(name)
         if w is None or not torch.equal(entry["param"].to(w.dtype), w):
-            how = (f"bucket layout is not the one megalite rebuilds for --transformer-impl "
-                   f"{getattr(src.args, 'transformer_impl', 'transformer_engine')}" if mode == "dp_reshardable"
-                   else "state is not the model's")
+            how = (
+                f"bucket layout is not the one megalite rebuilds for --transformer-impl "
+                f"{getattr(src.args, 'transformer_impl', 'transformer_engine')}"
+                if mode == "dp_reshardable"
+                else "state is not the model's"
+            )
             raise Unmappable(f"the optimizer's fp32 copy of {name} is not the weight saved beside it, so its {how}")
 
 
@@ -275,8 +295,11 @@ def scaler_state(saved) -> Optional[dict]:
     if not isinstance(saved, dict) or not {"scale", "growth_tracker", "hysteresis_tracker"} <= set(saved):
         return None
     scale = saved["scale"]
-    return {"scale": float(scale.item() if torch.is_tensor(scale) else scale),
-            "growth_tracker": int(saved["growth_tracker"]), "hysteresis_tracker": int(saved["hysteresis_tracker"])}
+    return {
+        "scale": float(scale.item() if torch.is_tensor(scale) else scale),
+        "growth_tracker": int(saved["growth_tracker"]),
+        "hysteresis_tracker": int(saved["hysteresis_tracker"]),
+    }
 
 
 def load_torch_dist_optimizer(src: TorchDistSource, chunks: Sequence[nn.Module], optimizer) -> Optional[str]:
@@ -290,6 +313,7 @@ def load_torch_dist_optimizer(src: TorchDistSource, chunks: Sequence[nn.Module],
         return str(e)
     optimizer.load_full_state_dict(local_optimizer_state(full, chunks))
     scaler = scaler_state(full["scaler"])
-    optimizer.load_step_state({"group_steps": [full["step"] if "step" in g else None
-                                               for g in optimizer.param_groups], "scaler": scaler})
+    optimizer.load_step_state(
+        {"group_steps": [full["step"] if "step" in g else None for g in optimizer.param_groups], "scaler": scaler}
+    )
     return None

@@ -9,6 +9,7 @@ run of this model and target layout would store (vocabulary padded for its tp).
 No optimizer or RNG state: Megatron-LM loads it with ``--finetune`` (or
 ``--no-load-optim --no-load-rng``), megatron-core with ``dist_checkpointing.load``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from megalite.interop.interchange import OUTPUT, WORD, Layout, ModelSource, layer_names
-from megalite.interop.megatron import LATEST, LINEARS, args_for, megatron_name, qkv_to_megatron
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader
 from megalite.checkpointing.sharded import quiet_single_process
+from megalite.interop.interchange import OUTPUT, WORD, Layout, ModelSource, layer_names
+from megalite.interop.megatron import LATEST, LINEARS, args_for, megatron_name, qkv_to_megatron
 from megalite.interop.torch_dist import COMMON, CONFIG, STACKED
 
 # (tensor, global shape, offsets of the block) or the plain object a ShardedObject holds
@@ -35,7 +36,7 @@ Entry = Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype)
-    out[:t.shape[0]] = t
+    out[: t.shape[0]] = t
     return out
 
 
@@ -102,8 +103,14 @@ def _layer_entries(source: ModelSource, i: int, te_names: bool) -> Tuple[Dict[st
     return tensors, objects
 
 
-def save_torch_dist(source: ModelSource, out: str, layout: Layout, tokenizer: Dict[str, Optional[str]],
-                    progress: Callable[[str], None], base_args: Optional[argparse.Namespace] = None) -> None:
+def save_torch_dist(
+    source: ModelSource,
+    out: str,
+    layout: Layout,
+    tokenizer: Dict[str, Optional[str]],
+    progress: Callable[[str], None],
+    base_args: Optional[argparse.Namespace] = None,
+) -> None:
     """Write ``source`` under ``out`` as Megatron-LM's ``--ckpt-format torch_dist`` saves it (weights only)."""
     cfg, it = source.cfg, source.info.iteration
     ns = args_for(cfg, layout, tokenizer, base_args)
@@ -113,22 +120,49 @@ def save_torch_dist(source: ModelSource, out: str, layout: Layout, tokenizer: Di
     os.makedirs(d)
     merger = _Merger(d)
     pre = source.pre()
-    merger.add({k: ((_padded(t, rows) if k == WORD else t), (rows,) + tuple(t.shape[1:]) if k == WORD
-                    else tuple(t.shape), (0,) * t.dim()) for k, t in pre.items()}, {})
+    merger.add(
+        {
+            k: (
+                (_padded(t, rows) if k == WORD else t),
+                (rows,) + tuple(t.shape[1:]) if k == WORD else tuple(t.shape),
+                (0,) * t.dim(),
+            )
+            for k, t in pre.items()
+        },
+        {},
+    )
     progress("embeddings")
     for i in range(cfg.num_layers):
         # the names megatron-core's sharded state dict gives the local spec's norms (transformer_engine's)
         merger.add(*_layer_entries(source, i, te_names=True))
         progress(f"layer {i}")
     post = source.post()
-    merger.add({k: ((_padded(t, rows) if k == OUTPUT else t), (rows,) + tuple(t.shape[1:]) if k == OUTPUT
-                    else tuple(t.shape), (0,) * t.dim()) for k, t in post.items()}, {})
+    merger.add(
+        {
+            k: (
+                (_padded(t, rows) if k == OUTPUT else t),
+                (rows,) + tuple(t.shape[1:]) if k == OUTPUT else tuple(t.shape),
+                (0,) * t.dim(),
+            )
+            for k, t in post.items()
+        },
+        {},
+    )
     progress("final norm and head")
     merger.finish()
-    torch.save({"args": ns, "checkpoint_version": 3.0, "iteration": it, "num_floating_point_operations_so_far": 0},
-               os.path.join(d, COMMON))
+    torch.save(
+        {"args": ns, "checkpoint_version": 3.0, "iteration": it, "num_floating_point_operations_so_far": 0},
+        os.path.join(d, COMMON),
+    )
     with open(os.path.join(d, CONFIG), "w") as f:  # last: its presence marks the checkpoint complete
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}, f)
+        json.dump(
+            {
+                "sharded_backend": "torch_dist",
+                "sharded_backend_version": 1,
+                "common_backend": "torch",
+                "common_backend_version": 1,
+            },
+            f,
+        )
     with open(os.path.join(out, LATEST), "w") as f:
         f.write(str(it))

@@ -31,6 +31,7 @@ document); every stage receives them, since RoPE and attention act in every laye
     tokens [b, s/cp] -> emb + pos(position_ids or global index) -> [s/cp, b, h] (SP: [s/cp/tp, b, h])
                      -> layers (RoPE by position, attention over the CP group) -> logits [s/cp, b, V/tp]
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
@@ -40,27 +41,42 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.sequence import cp_token_index
+from megalite.model.kv_cache import KVCache
+from megalite.model.spec import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, ModelSpec, layer_prefix
+from megalite.model.transformer import TransformerLayer, build_norm, dropout, rotary_cos_sin
+from megalite.moe import MoELayer
+from megalite.moe.router import Router
 from megalite.parallel.state import AxisGroup, ParallelState
 from megalite.tensor_parallel.comms import reduce_scatter_to_sequence_parallel_region
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
-                                             init_vocab_rows, linear_with_tp_weight,
-                                             set_tp_attributes, vocab_range, vocab_shard)
+from megalite.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    init_vocab_rows,
+    linear_with_tp_weight,
+    set_tp_attributes,
+    vocab_range,
+    vocab_shard,
+)
 from megalite.tensor_parallel.random import RNGTracker, checkpoint, full_normal
-from megalite.model.kv_cache import KVCache
-from megalite.model.spec import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, ModelSpec, layer_prefix
-from megalite.moe import MoELayer
-from megalite.moe.router import Router
-from megalite.model.transformer import TransformerLayer, build_norm, dropout, rotary_cos_sin
 
 
 class GPTModel(nn.Module):
     """One pipeline chunk of a GPT (or the whole model when it holds every layer)."""
 
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, tracker: RNGTracker, seed: int,
-                 layers: Optional[Iterable[int]] = None, pre_process: bool = True,
-                 post_process: bool = True, sequence_parallel: bool = False, cp_comm_type: str = "p2p",
-                 moe_dispatcher: str = "allgather"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        tracker: RNGTracker,
+        seed: int,
+        layers: Optional[Iterable[int]] = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        sequence_parallel: bool = False,
+        cp_comm_type: str = "p2p",
+        moe_dispatcher: str = "allgather",
+    ):
         super().__init__()
         self.cfg, self.tp, self.tracker = cfg, ps.tp, tracker
         self.cp: AxisGroup = ps.cp
@@ -69,56 +85,85 @@ class GPTModel(nn.Module):
         self.padded_vocab = cfg.padded_vocab_size(ps.tp_size)
         self.vocab_start, _ = vocab_range(self.padded_vocab, ps.tp)
         layer_ids = list(range(cfg.num_layers) if layers is None else layers)
-        h, std = cfg.hidden_size, cfg.init_method_std
         spec = ModelSpec.of(cfg)  # what each layer holds (model/spec.py)
 
-        if pre_process:
-            self.embedding = nn.Module()
-            self.embedding.word_embeddings = VocabParallelEmbedding(
-                cfg.vocab_size, self.padded_vocab, h, ps.tp, init_std=std, seed=seed)
-            if spec.learned_positions:
-                pos = nn.Embedding(cfg.max_positions, h)
-                pos.weight.data.copy_(full_normal((cfg.max_positions, h), std, seed, POSITION_EMBEDDINGS))
-                set_tp_attributes(pos.weight, False)
-                self.embedding.position_embeddings = pos
-
+        self._build_embedding(ps, spec, seed)
         self.decoder = nn.Module()
-        def moe(i: int) -> Optional[MoELayer]:
-            return MoELayer(cfg, ps, seed, layer_prefix(i) + "mlp", self.sequence_parallel, moe_dispatcher,
-                            i, tracker=tracker) if spec.layer(i).moe is not None else None
         self.decoder.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, ps.tp, tracker, seed, i, self.sequence_parallel, ps.device,
-                                      self.cp, cp_comm_type, mlp=moe(i))
-             for i in layer_ids})
-
+            {str(i): self._build_layer(ps, spec, seed, i, cp_comm_type, moe_dispatcher) for i in layer_ids}
+        )
         self.output_weight = None
         self.split_wgrad = None  # the output GEMM's weight gradient may wait for W (enable_weight_grad_split)
         self._tied_to: list = []  # [VocabParallelEmbedding of another local chunk] (tie_output_to)
         self._output_is_local = False  # this chunk's embedding also serves a local last stage
         if post_process:
-            self.decoder.final_layernorm = build_norm(cfg, h, ps.device)
-            if not cfg.tied_embeddings:
-                self.output_layer = ColumnParallelLinear(h, self.padded_vocab, ps.tp, bias=False,
-                                                         init_std=std, seed=seed, name="output_layer",
-                                                         sequence_parallel=self.sequence_parallel)
-                self.output_layer.weight.data.copy_(init_vocab_rows(
-                    cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, OUTPUT_LAYER))
-            elif not pre_process:
-                # Last stage's copy of the tied word embedding: same initial values as the
-                # first stage's (same seed and name); gradients are summed over the
-                # embedding group every step so the copies stay equal.
-                self.output_weight = nn.Parameter(init_vocab_rows(
-                    cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, WORD_EMBEDDINGS))
-                set_tp_attributes(self.output_weight, True, 0)
-                self.output_weight.shared = True
+            self._build_output(ps, seed)
+        self._finish()
+
+    def _build_embedding(self, ps: ParallelState, spec: ModelSpec, seed: int) -> None:
+        """The first stage's word (and learned position) embeddings."""
+        if not self.pre_process:
+            return
+        cfg, h, std = self.cfg, self.cfg.hidden_size, self.cfg.init_method_std
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = VocabParallelEmbedding(
+            cfg.vocab_size, self.padded_vocab, h, ps.tp, init_std=std, seed=seed
+        )
+        if spec.learned_positions:
+            pos = nn.Embedding(cfg.max_positions, h)
+            pos.weight.data.copy_(full_normal((cfg.max_positions, h), std, seed, POSITION_EMBEDDINGS))
+            set_tp_attributes(pos.weight, False)
+            self.embedding.position_embeddings = pos
+
+    def _build_layer(
+        self, ps: ParallelState, spec: ModelSpec, seed: int, i: int, cp_comm_type: str, moe_dispatcher: str
+    ) -> TransformerLayer:
+        """Global layer ``i``, with an MoE block in place of its MLP where the spec says so."""
+        cfg, sp, tracker = self.cfg, self.sequence_parallel, self.tracker
+        moe = None
+        if spec.layer(i).moe is not None:
+            moe = MoELayer(cfg, ps, seed, layer_prefix(i) + "mlp", sp, moe_dispatcher, i, tracker=tracker)
+        return TransformerLayer(cfg, ps.tp, tracker, seed, i, sp, ps.device, self.cp, cp_comm_type, mlp=moe)
+
+    def _build_output(self, ps: ParallelState, seed: int) -> None:
+        """The last stage's final norm and output layer (or its copy of the tied word embedding)."""
+        cfg, h, std = self.cfg, self.cfg.hidden_size, self.cfg.init_method_std
+        self.decoder.final_layernorm = build_norm(cfg, h, ps.device)
+        if not cfg.tied_embeddings:
+            self.output_layer = ColumnParallelLinear(
+                h,
+                self.padded_vocab,
+                ps.tp,
+                bias=False,
+                init_std=std,
+                seed=seed,
+                name="output_layer",
+                sequence_parallel=self.sequence_parallel,
+            )
+            self.output_layer.weight.data.copy_(
+                init_vocab_rows(cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, OUTPUT_LAYER)
+            )
+        elif not self.pre_process:
+            # Last stage's copy of the tied word embedding: same initial values as the
+            # first stage's (same seed and name); gradients are summed over the
+            # embedding group every step so the copies stay equal.
+            self.output_weight = nn.Parameter(
+                init_vocab_rows(cfg.vocab_size, self.padded_vocab, h, ps.tp, std, seed, WORD_EMBEDDINGS)
+            )
+            set_tp_attributes(self.output_weight, True, 0)
+            self.output_weight.shared = True
+
+    def _finish(self) -> None:
+        """Sequence-parallel tags, the parameter dtype, fp32 routers, compiled layers."""
         for p in self.parameters():  # an expert's weights see whole tokens of their own group, never SP shards
-            p.sequence_parallel = (self.sequence_parallel and not p.tensor_parallel
-                                   and not getattr(p, "expert_parallel", False))
-        self.to(dtype=cfg.torch_dtype)
+            p.sequence_parallel = (
+                self.sequence_parallel and not p.tensor_parallel and not getattr(p, "expert_parallel", False)
+            )
+        self.to(dtype=self.cfg.torch_dtype)
         for m in self.modules():
             if isinstance(m, Router):
                 m.keep_fp32()
-        if cfg.torch_compile:
+        if self.cfg.torch_compile:
             for layer in self.decoder.layers.values():
                 layer.compile()
 
@@ -156,7 +201,7 @@ class GPTModel(nn.Module):
         for name, _ in self.named_parameters():
             src = full[WORD_EMBEDDINGS if name == "output_weight" else name]
             if name in (WORD_EMBEDDINGS, "output_weight", OUTPUT_LAYER):
-                out[name] = vocab_shard(src[:self.cfg.vocab_size], self.padded_vocab, self.tp)
+                out[name] = vocab_shard(src[: self.cfg.vocab_size], self.padded_vocab, self.tp)
                 continue
             module_name, _, pname = name.rpartition(".")
             module = self.get_submodule(module_name)
@@ -192,12 +237,15 @@ class GPTModel(nn.Module):
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":  # checkpoint the input of every group of n layers
             for i in range(0, len(layers), n):
-                group = layers[i:i + n]
+                group = layers[i : i + n]
                 x = checkpoint(lambda h, g=group: _run_all(g, h, rope, span), self.tracker, x)
             return x
         for i, layer in enumerate(layers):  # block: the first n layers of the chunk
-            x = checkpoint(lambda h, m=layer: m(h, rope, span=span), self.tracker, x) if i < n \
+            x = (
+                checkpoint(lambda h, m=layer: m(h, rope, span=span), self.tracker, x)
+                if i < n
                 else layer(x, rope, span=span)
+            )
         return x
 
     def _sequence(self, x: torch.Tensor, position_ids, segment_ids):
@@ -211,8 +259,13 @@ class GPTModel(nn.Module):
         span = (index, segment_ids) if self.cp.size > 1 or segment_ids is not None else None
         return positions, span
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: Optional[KVCache] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        segment_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Run the chunk: tokens [b,s] (first stage) or hidden [s,b,h] in; hidden or logits out.
 
         With ``kv_cache`` (inference) the input is the tokens after the cached ones. ``position_ids``
@@ -243,8 +296,13 @@ class GPTModel(nn.Module):
             weight = (self._tied_to[0] if self._tied_to else self.embedding.word_embeddings).weight
         # The chunk's own embedding also gets a gradient in B: deferring only this half would
         # accumulate it twice per micro-batch, which the overlapped DP reduction counts on not happening.
-        return linear_with_tp_weight(x, weight, self.tp, sequence_parallel=self.sequence_parallel,
-                                     split_wgrad=None if self.pre_process else self.split_wgrad)
+        return linear_with_tp_weight(
+            x,
+            weight,
+            self.tp,
+            sequence_parallel=self.sequence_parallel,
+            split_wgrad=None if self.pre_process else self.split_wgrad,
+        )
 
     def _rope(self, s: int, offset: int, positions: Optional[torch.Tensor], device):
         """cos/sin for this chunk's s tokens: [s, 1, 1, d] by position (offset.. or ``positions`` [s]),
@@ -258,15 +316,21 @@ class GPTModel(nn.Module):
             return cos[positions], sin[positions]
         return tuple(t[:, 0, 0][positions].transpose(0, 1)[:, :, None] for t in (cos, sin))
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-             num_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def loss(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        num_tokens: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Mean cross entropy over unmasked tokens; logits [s,b,V/tp], labels/mask [b,s].
 
         Under CP (``num_tokens``: the whole sequence's unmasked count) this rank's sum over its
         s/cp tokens / num_tokens x cp: averaged over the CP group it is the whole sequence's mean.
         """
-        per_token = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_start,
-                                                 self.cfg.vocab_size)  # [s, b]
+        per_token = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.tp, self.vocab_start, self.cfg.vocab_size
+        )  # [s, b]
         mask = loss_mask.t().float()
         if num_tokens is None:
             return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

@@ -13,6 +13,7 @@ Only the query groups' keys and values are stored (grouped-query attention's
 memory saving); the attention broadcasts them over the query heads. Keys are
 stored after RoPE, so a cached key never needs rotating again.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Tuple
@@ -24,8 +25,15 @@ from torch import nn
 class KVCache:
     """Per-layer key/value buffers for ``batch`` sequences of up to ``max_len`` tokens."""
 
-    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         self.shape = (batch, num_kv_heads, max_len, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.seq_len = 0  # positions already cached: the next token's position
@@ -52,11 +60,13 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; this step needs {end}")
         if layer not in self._buffers:
-            self._buffers[layer] = (torch.zeros(self.shape, dtype=self.dtype, device=self.device),
-                                    torch.zeros(self.shape, dtype=self.dtype, device=self.device))
+            self._buffers[layer] = (
+                torch.zeros(self.shape, dtype=self.dtype, device=self.device),
+                torch.zeros(self.shape, dtype=self.dtype, device=self.device),
+            )
         k_buf, v_buf = self._buffers[layer]
-        k_buf[:, :, self.seq_len:end] = k
-        v_buf[:, :, self.seq_len:end] = v
+        k_buf[:, :, self.seq_len : end] = k
+        v_buf[:, :, self.seq_len : end] = v
         return k_buf[:, :, :end], v_buf[:, :, :end]
 
     def advance(self, n: int) -> None:

@@ -40,6 +40,7 @@ files use these names, with Transformer Engine's norms fused into the next linea
 expert numbered within its EP rank; Hugging Face's GPT-2 (Conv1D: transposed), Llama (Q, K, V and
 gate, up as separate tensors), Mixtral and Qwen2-MoE classes name them their own way.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,13 +59,31 @@ DENSE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp
 
 # The ModelConfig fields a model's parameters depend on (meta.json's model_shape, in its order): a
 # checkpoint loads into a model only when they agree. Checkpoints older than a field lack it.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
-                "normalization", "swiglu", "position_embedding_type", "tied_embeddings", "add_bias_linear",
-                "max_positions", "openai_gelu")
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "query_groups",
+    "ffn_size",
+    "vocab_size",
+    "normalization",
+    "swiglu",
+    "position_embedding_type",
+    "tied_embeddings",
+    "add_bias_linear",
+    "max_positions",
+    "openai_gelu",
+)
 # recorded (and compared, a missing one read as dense) only when either side is MoE, so a dense
 # checkpoint's meta.json stays as it was
-MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-                    "moe_shared_expert_gate", "moe_router_enable_expert_bias")
+MOE_SHAPE_FIELDS = (
+    "num_experts",
+    "moe_ffn_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_router_enable_expert_bias",
+)
 
 # How tensor parallelism splits a parameter: output rows (each fused piece apart), input columns, the
 # vocabulary rows (padded to a multiple of tp), or not at all.
@@ -119,8 +138,9 @@ def split_counts(params: Sequence[ParamSpec]) -> Tuple[int, int]:
     return split, sum(p.numel for p in params if p.split == REPLICATED)
 
 
-def _linear(name: str, rows: Tuple[int, ...], cols: int, bias: bool, column: bool,
-            expert: Optional[int] = None) -> List[ParamSpec]:
+def _linear(
+    name: str, rows: Tuple[int, ...], cols: int, bias: bool, column: bool, expert: Optional[int] = None
+) -> List[ParamSpec]:
     """A Column/RowParallelLinear's weight [sum(rows), cols] (and bias): a row-parallel bias is whole."""
     out = sum(rows)
     kind, pieces = (COLUMN, rows) if column else (ROW, ())
@@ -155,8 +175,9 @@ class AttentionSpec:
 
     def params(self, prefix: str = "self_attention") -> List[ParamSpec]:
         """linear_qkv (column, [Q; K; V]) and linear_proj (row), under ``prefix``."""
-        return (_linear(f"{prefix}.linear_qkv", self.qkv_pieces, self.hidden, self.bias, True)
-                + _linear(f"{prefix}.linear_proj", (self.hidden,), self.heads * self.head_dim, self.bias, False))
+        return _linear(f"{prefix}.linear_qkv", self.qkv_pieces, self.hidden, self.bias, True) + _linear(
+            f"{prefix}.linear_proj", (self.hidden,), self.heads * self.head_dim, self.bias, False
+        )
 
 
 @dataclass(frozen=True)
@@ -186,8 +207,9 @@ class MLPSpec:
 
     def params(self, prefix: str = "mlp", expert: Optional[int] = None) -> List[ParamSpec]:
         """linear_fc1 (column) and linear_fc2 (row), under ``prefix``."""
-        return (_linear(f"{prefix}.linear_fc1", self.fc1_pieces, self.hidden, self.bias, True, expert)
-                + _linear(f"{prefix}.linear_fc2", (self.hidden,), self.ffn, self.bias, False, expert))
+        return _linear(f"{prefix}.linear_fc1", self.fc1_pieces, self.hidden, self.bias, True, expert) + _linear(
+            f"{prefix}.linear_fc2", (self.hidden,), self.ffn, self.bias, False, expert
+        )
 
 
 @dataclass(frozen=True)
@@ -264,16 +286,28 @@ class ModelSpec:
         """The spec of ``cfg``'s model (cheap: build one wherever a config is at hand)."""
         h = cfg.hidden_size
         activation = "swiglu" if cfg.swiglu else "gelu_tanh" if cfg.openai_gelu else "gelu"
-        attention = AttentionSpec(h, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim, cfg.add_bias_linear,
-                                  cfg.position_embedding_type == "rope")
+        attention = AttentionSpec(
+            h,
+            cfg.num_attention_heads,
+            cfg.query_groups,
+            cfg.head_dim,
+            cfg.add_bias_linear,
+            cfg.position_embedding_type == "rope",
+        )
         moe = None
         if cfg.is_moe:
             size = cfg.moe_shared_expert_intermediate_size
-            moe = MoESpec(h, cfg.num_experts, cfg.moe_router_topk, MLPSpec(h, cfg.moe_ffn_size, activation,
-                                                                            cfg.add_bias_linear),
-                          MLPSpec(h, size, activation, cfg.add_bias_linear) if size else None,
-                          cfg.moe_shared_expert_gate, cfg.moe_router_enable_expert_bias,
-                          cfg.moe_router_score_function, cfg.moe_router_pre_softmax)
+            moe = MoESpec(
+                h,
+                cfg.num_experts,
+                cfg.moe_router_topk,
+                MLPSpec(h, cfg.moe_ffn_size, activation, cfg.add_bias_linear),
+                MLPSpec(h, size, activation, cfg.add_bias_linear) if size else None,
+                cfg.moe_shared_expert_gate,
+                cfg.moe_router_enable_expert_bias,
+                cfg.moe_router_score_function,
+                cfg.moe_router_pre_softmax,
+            )
         return cls(cfg, attention, MLPSpec(h, cfg.ffn_size, activation, cfg.add_bias_linear), moe)
 
     # -- layers and parameters -----------------------------------------------------------------
@@ -315,8 +349,11 @@ class ModelSpec:
 
     def params(self, padded_vocab: Optional[int] = None) -> List[ParamSpec]:
         """Every parameter of the whole model under its global name, in layer order (LayerSpec.params)."""
-        layers = [replace(p, name=layer_prefix(i) + p.name)
-                  for i in range(self.cfg.num_layers) for p in self.layer(i).params()]
+        layers = [
+            replace(p, name=layer_prefix(i) + p.name)
+            for i in range(self.cfg.num_layers)
+            for p in self.layer(i).params()
+        ]
         return self.pre_params(padded_vocab) + layers + self.post_params(padded_vocab)
 
     def num_params(self, padded_vocab: Optional[int] = None) -> int:
@@ -392,8 +429,7 @@ class ModelSpec:
         """(projections, core attention, MLP) forward+backward FLOPs per token of one layer (an MoE model's
         MLP term: the mean over its layers); ``causal`` False: the core attention over the whole square."""
         proj = 6.0 * self.attention.matmul_weights
-        core = 6.0 * self.cfg.seq_length * (self.attention.heads * self.attention.head_dim) * (
-            1.0 if causal else 2.0)
+        core = 6.0 * self.cfg.seq_length * (self.attention.heads * self.attention.head_dim) * (1.0 if causal else 2.0)
         if self.moe is not None:
             return proj, core, self.mlp_flops_per_token() / self.cfg.num_layers
         return proj, core, 6.0 * self.mlp.matmul_weights
@@ -409,13 +445,18 @@ class ModelSpec:
     def layer_macs_per_token(self) -> int:
         """A dense layer's forward multiply-adds per token: its matmul weights and the causal core attention
         (s x q): the FLOPs above / 6."""
-        return (self.attention.matmul_weights + self.mlp.matmul_weights
-                + self.cfg.seq_length * self.attention.heads * self.attention.head_dim)
+        return (
+            self.attention.matmul_weights
+            + self.mlp.matmul_weights
+            + self.cfg.seq_length * self.attention.heads * self.attention.head_dim
+        )
 
 
 # -- Megatron-LM's names ------------------------------------------------------------------------------
-_TE_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+_TE_NORMS = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
 
 
 def megatron_name(rel: str, te: bool, experts_per_rank: int = 0) -> str:
@@ -425,7 +466,7 @@ def megatron_name(rel: str, te: bool, experts_per_rank: int = 0) -> str:
     if te:
         for local, fused in _TE_NORMS:
             if rel.startswith(local) and not (experts_per_rank and local == "pre_mlp_layernorm."):
-                return fused + rel[len(local):]
+                return fused + rel[len(local) :]
     g = expert_of(rel)
     if g is not None:
         head, tail = rel.split(f".local_experts.{g}.", 1)
@@ -438,11 +479,20 @@ GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 MIXTRAL, QWEN2_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM"
 HF_MOE_ARCHS = (MIXTRAL, QWEN2_MOE)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-_GPT2_LAYER = {"input_layernorm": "ln_1", "self_attention.linear_qkv": "attn.c_attn",
-               "self_attention.linear_proj": "attn.c_proj", "pre_mlp_layernorm": "ln_2",
-               "mlp.linear_fc1": "mlp.c_fc", "mlp.linear_fc2": "mlp.c_proj"}
-_LLAMA_LAYER = {"input_layernorm": "input_layernorm", "self_attention.linear_proj": "self_attn.o_proj",
-                "pre_mlp_layernorm": "post_attention_layernorm", "mlp.linear_fc2": "mlp.down_proj"}
+_GPT2_LAYER = {
+    "input_layernorm": "ln_1",
+    "self_attention.linear_qkv": "attn.c_attn",
+    "self_attention.linear_proj": "attn.c_proj",
+    "pre_mlp_layernorm": "ln_2",
+    "mlp.linear_fc1": "mlp.c_fc",
+    "mlp.linear_fc2": "mlp.c_proj",
+}
+_LLAMA_LAYER = {
+    "input_layernorm": "input_layernorm",
+    "self_attention.linear_proj": "self_attn.o_proj",
+    "pre_mlp_layernorm": "post_attention_layernorm",
+    "mlp.linear_fc2": "mlp.down_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -462,15 +512,21 @@ def hf_architecture(spec: ModelSpec) -> str:
     if spec.moe is not None:
         return _hf_moe_architecture(spec)
     att = spec.attention
-    if (spec.norm == "LayerNorm" and not spec.mlp.gated and spec.learned_positions and att.bias
-            and att.groups == att.heads):
+    if (
+        spec.norm == "LayerNorm"
+        and not spec.mlp.gated
+        and spec.learned_positions
+        and att.bias
+        and att.groups == att.heads
+    ):
         return GPT2
     if spec.norm == "RMSNorm" and spec.mlp.gated and att.rope:
         return LLAMA
     raise SpecError(
         f"this model ({spec.norm}, {'SwiGLU' if spec.mlp.gated else 'GELU'}, {spec.cfg.position_embedding_type} "
         f"positions, biases {'on' if att.bias else 'off'}, {att.groups} query groups) is neither "
-        f"GPT-2 style (LayerNorm, GELU, learned positions, biases, no GQA) nor Llama style (RMSNorm, SwiGLU, RoPE)")
+        f"GPT-2 style (LayerNorm, GELU, learned positions, biases, no GQA) nor Llama style (RMSNorm, SwiGLU, RoPE)"
+    )
 
 
 def _hf_moe_architecture(spec: ModelSpec) -> str:
@@ -496,15 +552,21 @@ def _hf_moe_architecture(spec: ModelSpec) -> str:
             common.append("dense layers without a shared expert (every Mixtral layer is MoE)")
         if not common:
             return MIXTRAL
-    raise SpecError(f"this mixture-of-experts model has {', '.join(common)}, which neither {MIXTRAL} nor "
-                    f"{QWEN2_MOE} (gated shared expert) can hold")
+    raise SpecError(
+        f"this mixture-of-experts model has {', '.join(common)}, which neither {MIXTRAL} nor "
+        f"{QWEN2_MOE} (gated shared expert) can hold"
+    )
 
 
 def hf_top_map(spec: ModelSpec, arch: str) -> Dict[str, str]:
     """megalite's embedding, final norm and output names -> the HF class's (every one the model may have)."""
     if arch == GPT2:
-        m = {WORD_EMBEDDINGS: "transformer.wte.weight", POSITION_EMBEDDINGS: "transformer.wpe.weight",
-             f"{FINAL_NORM}.weight": "transformer.ln_f.weight", f"{FINAL_NORM}.bias": "transformer.ln_f.bias"}
+        m = {
+            WORD_EMBEDDINGS: "transformer.wte.weight",
+            POSITION_EMBEDDINGS: "transformer.wpe.weight",
+            f"{FINAL_NORM}.weight": "transformer.ln_f.weight",
+            f"{FINAL_NORM}.bias": "transformer.ln_f.bias",
+        }
     else:
         m = {WORD_EMBEDDINGS: "model.embed_tokens.weight", f"{FINAL_NORM}.weight": "model.norm.weight"}
     m[OUTPUT_LAYER] = "lm_head.weight"
@@ -516,17 +578,28 @@ def hf_layer_map(spec: ModelSpec, arch: str, i: int) -> List[NameMap]:
     layer = spec.layer(i)
     names = [p.name for p in layer.params()]
     if arch == GPT2:
-        return [NameMap(n, (t,), transpose=t.endswith(_CONV1D)) for n, t in _renamed(names, f"transformer.h.{i}.",
-                                                                                         _GPT2_LAYER)]
+        return [
+            NameMap(n, (t,), transpose=t.endswith(_CONV1D))
+            for n, t in _renamed(names, f"transformer.h.{i}.", _GPT2_LAYER)
+        ]
     p = f"model.layers.{i}."
     out = [NameMap(n, (t,)) for n, t in _renamed(names, p, _LLAMA_LAYER)]
     for param in ("weight", "bias") if spec.attention.bias else ("weight",):
-        out.append(NameMap(f"self_attention.linear_qkv.{param}",
-                           tuple(f"{p}self_attn.{n}.{param}" for n in ("q_proj", "k_proj", "v_proj")),
-                           spec.attention.qkv_pieces))
+        out.append(
+            NameMap(
+                f"self_attention.linear_qkv.{param}",
+                tuple(f"{p}self_attn.{n}.{param}" for n in ("q_proj", "k_proj", "v_proj")),
+                spec.attention.qkv_pieces,
+            )
+        )
         if layer.moe is None:
-            out.append(NameMap(f"mlp.linear_fc1.{param}", (f"{p}mlp.gate_proj.{param}", f"{p}mlp.up_proj.{param}"),
-                               spec.mlp.fc1_pieces))
+            out.append(
+                NameMap(
+                    f"mlp.linear_fc1.{param}",
+                    (f"{p}mlp.gate_proj.{param}", f"{p}mlp.up_proj.{param}"),
+                    spec.mlp.fc1_pieces,
+                )
+            )
     return out + (_hf_moe_map(layer.moe, arch, i) if layer.moe is not None else [])
 
 
@@ -558,13 +631,15 @@ def _hf_moe_map(moe: MoESpec, arch: str, i: int) -> List[NameMap]:
     out = [NameMap("mlp.router.weight", (f"{b}gate.weight",))]
     for e in range(moe.num_experts):
         x, theirs = f"mlp.{EXPERTS}.{e}.", f"{b}experts.{e}."
-        out += [NameMap(x + "linear_fc1.weight", (f"{theirs}{gate}.weight", f"{theirs}{up}.weight"),
-                        moe.expert.fc1_pieces),
-                NameMap(x + "linear_fc2.weight", (f"{theirs}{down}.weight",))]
+        out += [
+            NameMap(x + "linear_fc1.weight", (f"{theirs}{gate}.weight", f"{theirs}{up}.weight"), moe.expert.fc1_pieces),
+            NameMap(x + "linear_fc2.weight", (f"{theirs}{down}.weight",)),
+        ]
     if arch == QWEN2_MOE:
         s, x = f"{b}shared_expert.", f"mlp.{SHARED_EXPERTS}."
-        out += [NameMap(x + "linear_fc1.weight", (s + "gate_proj.weight", s + "up_proj.weight"),
-                        moe.shared.fc1_pieces),
-                NameMap(x + "linear_fc2.weight", (s + "down_proj.weight",)),
-                NameMap(x + "gate_weight", (f"{b}shared_expert_gate.weight",))]
+        out += [
+            NameMap(x + "linear_fc1.weight", (s + "gate_proj.weight", s + "up_proj.weight"), moe.shared.fc1_pieces),
+            NameMap(x + "linear_fc2.weight", (s + "down_proj.weight",)),
+            NameMap(x + "gate_weight", (f"{b}shared_expert_gate.weight",)),
+        ]
     return out

@@ -30,6 +30,7 @@ Generation passes a ``KVCache`` (kv_cache.py): each attention layer appends its
 new keys and values and attends over every cached position; queries then
 start at the cache's offset, so the causal mask is aligned to the bottom right.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,11 +63,17 @@ def build_norm(cfg: ModelConfig, dim: int, device: Optional[torch.device] = None
     """LayerNorm or RMSNorm (apex fused kernels when importable and the run is on GPU)."""
     use_apex = device is not None and device.type == "cuda"
     if cfg.normalization == "LayerNorm":
-        norm = (_ApexLayerNorm(dim, eps=cfg.layernorm_epsilon) if use_apex and _ApexLayerNorm
-                else nn.LayerNorm(dim, eps=cfg.layernorm_epsilon))
+        norm = (
+            _ApexLayerNorm(dim, eps=cfg.layernorm_epsilon)
+            if use_apex and _ApexLayerNorm
+            else nn.LayerNorm(dim, eps=cfg.layernorm_epsilon)
+        )
     elif cfg.normalization == "RMSNorm":
-        norm = (_ApexRMSNorm(dim, eps=cfg.layernorm_epsilon) if use_apex and _ApexRMSNorm
-                else nn.RMSNorm(dim, eps=cfg.layernorm_epsilon))
+        norm = (
+            _ApexRMSNorm(dim, eps=cfg.layernorm_epsilon)
+            if use_apex and _ApexRMSNorm
+            else nn.RMSNorm(dim, eps=cfg.layernorm_epsilon)
+        )
     else:
         raise ValueError(f"unknown --normalization {cfg.normalization!r}; use LayerNorm or RMSNorm")
     for p in norm.parameters():
@@ -108,8 +115,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal self-attention with heads (and query groups) split across the TP group."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, prefix: str,
-                 sequence_parallel: bool = False, cp: Optional[AxisGroup] = None, cp_comm_type: str = "p2p"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        tracker: RNGTracker,
+        seed: int,
+        prefix: str,
+        sequence_parallel: bool = False,
+        cp: Optional[AxisGroup] = None,
+        cp_comm_type: str = "p2p",
+    ):
         super().__init__()
         d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         self.cfg, self.tracker = cfg, tracker
@@ -118,13 +134,25 @@ class Attention(nn.Module):
         self.unfused = cfg.attention_backend in ("unfused", "local")
         self.recompute = cfg.recompute_granularity == "selective"
         self.linear_qkv = ColumnParallelLinear(
-            cfg.hidden_size, list(ModelSpec.of(cfg).attention.qkv_pieces), tp, bias=cfg.add_bias_linear,
-            init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_qkv",
-            sequence_parallel=sequence_parallel)
+            cfg.hidden_size,
+            list(ModelSpec.of(cfg).attention.qkv_pieces),
+            tp,
+            bias=cfg.add_bias_linear,
+            init_std=cfg.init_method_std,
+            seed=seed,
+            name=f"{prefix}.linear_qkv",
+            sequence_parallel=sequence_parallel,
+        )
         self.linear_proj = RowParallelLinear(
-            nq * d, cfg.hidden_size, tp, bias=cfg.add_bias_linear,
-            init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers), seed=seed,
-            name=f"{prefix}.linear_proj", sequence_parallel=sequence_parallel)
+            nq * d,
+            cfg.hidden_size,
+            tp,
+            bias=cfg.add_bias_linear,
+            init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
+            seed=seed,
+            name=f"{prefix}.linear_proj",
+            sequence_parallel=sequence_parallel,
+        )
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v over this rank's heads; q [b,nq,s,d], k/v [b,nkv,sk,d].
@@ -144,8 +172,9 @@ class Attention(nn.Module):
                 if _SDPA_GQA:  # query groups passed natively: no copies of k and v
                     return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=True, **causal)
                 rep = self.nq_local // self.nkv_local
-                return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1),
-                                                      v.repeat_interleave(rep, dim=1), dropout_p=p, **causal)
+                return F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), dropout_p=p, **causal
+                )
             # Explicit path (Megatron's unfused attention): groups by broadcasting, not copies.
             b, nq, s, d = q.shape
             rep = nq // k.shape[1]
@@ -159,16 +188,28 @@ class Attention(nn.Module):
             probs = dropout(probs, p, self.training)
             return torch.matmul(probs, v.unsqueeze(2)).view(b, nq, s, d)
 
-    def span_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor,
-                       segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def span_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_index: torch.Tensor,
+        segment_ids: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         """Attention over the whole sequence split across the CP group, and/or within documents:
         query at global index i attends key j iff j <= i (and both lie in one segment)."""
         p = self.cfg.attention_dropout if self.training else 0.0  # its dropout draws from the "tp" stream
-        return context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, q_index, segment_ids,
-                                          dropout_p=p, tracker=self.tracker)
+        return context_parallel_attention(
+            q, k, v, self.cp, self.cp_comm_type, q_index, segment_ids, dropout_p=p, tracker=self.tracker
+        )
 
-    def forward(self, x: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, span: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Tuple[torch.Tensor, torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        span: Optional[tuple] = None,
+    ) -> torch.Tensor:
         """``span`` = (q_index [s], segment_ids [b, s_full] or None): this rank's tokens' global
         indices and the documents of the whole sequence (CP and/or packed documents)."""
         d = self.cfg.head_dim
@@ -195,21 +236,40 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP or SwiGLU (gate and up fused in one column-parallel matmul)."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, seed: int, prefix: str, sequence_parallel: bool = False,
-                 ffn: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        seed: int,
+        prefix: str,
+        sequence_parallel: bool = False,
+        ffn: Optional[int] = None,
+    ):
         super().__init__()
         spec = ModelSpec.of(cfg).mlp_of_size(ffn or cfg.ffn_size)
         ffn, self.swiglu = spec.ffn, spec.gated
         # "tanh": Megatron-LM's fused bias-GeLU and HF GPT-2's "gelu_new" (README, conversion)
         self.gelu_approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         self.linear_fc1 = ColumnParallelLinear(
-            cfg.hidden_size, list(spec.fc1_pieces), tp, bias=cfg.add_bias_linear,
-            init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_fc1",
-            sequence_parallel=sequence_parallel)
+            cfg.hidden_size,
+            list(spec.fc1_pieces),
+            tp,
+            bias=cfg.add_bias_linear,
+            init_std=cfg.init_method_std,
+            seed=seed,
+            name=f"{prefix}.linear_fc1",
+            sequence_parallel=sequence_parallel,
+        )
         self.linear_fc2 = RowParallelLinear(
-            ffn, cfg.hidden_size, tp, bias=cfg.add_bias_linear,
-            init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers), seed=seed,
-            name=f"{prefix}.linear_fc2", sequence_parallel=sequence_parallel)
+            ffn,
+            cfg.hidden_size,
+            tp,
+            bias=cfg.add_bias_linear,
+            init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
+            seed=seed,
+            name=f"{prefix}.linear_fc2",
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
@@ -225,16 +285,27 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))); ``mlp`` may be given (an MoE
     block, megalite.moe, built by the model)."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, tracker: RNGTracker, seed: int, layer: int,
-                 sequence_parallel: bool = False, device: Optional[torch.device] = None,
-                 cp: Optional[AxisGroup] = None, cp_comm_type: str = "p2p", mlp: Optional[nn.Module] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        tracker: RNGTracker,
+        seed: int,
+        layer: int,
+        sequence_parallel: bool = False,
+        device: Optional[torch.device] = None,
+        cp: Optional[AxisGroup] = None,
+        cp_comm_type: str = "p2p",
+        mlp: Optional[nn.Module] = None,
+    ):
         super().__init__()
         prefix = layer_prefix(layer)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.input_layernorm = build_norm(cfg, cfg.hidden_size, device)
-        self.self_attention = Attention(cfg, tp, tracker, seed, f"{prefix}self_attention", sequence_parallel,
-                                        cp, cp_comm_type)
+        self.self_attention = Attention(
+            cfg, tp, tracker, seed, f"{prefix}self_attention", sequence_parallel, cp, cp_comm_type
+        )
         self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size, device)
         self.mlp = mlp if mlp is not None else MLP(cfg, tp, seed, f"{prefix}mlp", sequence_parallel)  # or MoE
 
@@ -244,7 +315,8 @@ class TransformerLayer(nn.Module):
                 return dropout(x, self.p, self.training)
         return dropout(x, self.p, self.training)
 
-    def forward(self, x: torch.Tensor, rope=None, kv_cache: Optional[KVCache] = None,
-                span: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope=None, kv_cache: Optional[KVCache] = None, span: Optional[tuple] = None
+    ) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, kv_cache, span))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

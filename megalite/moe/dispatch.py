@@ -21,6 +21,7 @@ Backward mirrors both (the collectives are autograd functions; gather <-> reduce
 all-to-all <-> the all-to-all with splits swapped). With --moe-pad-expert-input-to-capacity each
 expert runs on a fixed number of rows (its capacity x the ranks that send to it).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -30,8 +31,11 @@ import torch.distributed as dist
 
 from megalite.moe.experts import LocalExperts
 from megalite.parallel.state import AxisGroup
-from megalite.tensor_parallel.comms import (all_gather_first, gather_from_sequence_parallel_region,
-                                            reduce_scatter_to_sequence_parallel_region)
+from megalite.tensor_parallel.comms import (
+    all_gather_first,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -63,14 +67,15 @@ class AllGatherDispatcher:
     def __init__(self, group: AxisGroup, experts: LocalExperts):
         self.group, self.experts = group, experts
 
-    def __call__(self, x: torch.Tensor, routing: torch.Tensor, probs: torch.Tensor,
-                 pad_to: Optional[int] = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, routing: torch.Tensor, probs: torch.Tensor, pad_to: Optional[int] = None
+    ) -> torch.Tensor:
         g = self.group
         xs = gather_from_sequence_parallel_region(x, g)
         ps = gather_from_sequence_parallel_region(probs, g)
         rs = all_gather_first(routing, g)
         ex = self.experts
-        local = rs[:, ex.first:ex.first + ex.num_local]
+        local = rs[:, ex.first : ex.first + ex.num_local]
         e_idx, t_idx = local.t().nonzero(as_tuple=True)  # sorted by local expert, then token
         counts = torch.bincount(e_idx, minlength=ex.num_local).tolist()
         y = ex(xs.index_select(0, t_idx), counts, None if pad_to is None else pad_to * g.size)
@@ -94,8 +99,9 @@ class AllToAllDispatcher:
         ep = g.size // self.etp
         by_ep = per_expert.view(ep, ex.num_local)  # [EP, local experts]
         send_counts = by_ep.repeat_interleave(self.etp, dim=0)  # [G, local]: dest j = etp + ep * ETP
-        recv_counts = all_to_all(send_counts.reshape(-1), g, [ex.num_local] * g.size,
-                                 [ex.num_local] * g.size).view(g.size, ex.num_local)
+        recv_counts = all_to_all(send_counts.reshape(-1), g, [ex.num_local] * g.size, [ex.num_local] * g.size).view(
+            g.size, ex.num_local
+        )
         starts = torch.cat([per_expert.new_zeros(1), per_expert.cumsum(0)])
         spans = [(int(starts[e * ex.num_local]), int(starts[(e + 1) * ex.num_local])) for e in range(ep)]
         order = torch.cat([torch.arange(*spans[j // self.etp], device=routing.device) for j in range(g.size)])
@@ -103,15 +109,18 @@ class AllToAllDispatcher:
         recv = recv_counts.sum(dim=1).tolist()
         return t_idx[order], e_idx[order], send, recv, recv_counts
 
-    def __call__(self, x: torch.Tensor, routing: torch.Tensor, probs: torch.Tensor,
-                 pad_to: Optional[int] = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, routing: torch.Tensor, probs: torch.Tensor, pad_to: Optional[int] = None
+    ) -> torch.Tensor:
         g, ex = self.group, self.experts
         t_send, e_send, send, recv, recv_counts = self._plan(routing)
         tokens = x.index_select(0, t_send)
         received = _AllToAll.apply(tokens, g, send, recv) if g.size > 1 else tokens
         # received: per source rank, its rows for local expert 0, 1, ...: regroup by expert
-        key = (torch.arange(ex.num_local, device=x.device)[None, :] * g.size
-               + torch.arange(g.size, device=x.device)[:, None])  # block (source, expert) -> expert-major order
+        key = (
+            torch.arange(ex.num_local, device=x.device)[None, :] * g.size
+            + torch.arange(g.size, device=x.device)[:, None]
+        )  # block (source, expert) -> expert-major order
         regroup = torch.argsort(torch.repeat_interleave(key.reshape(-1), recv_counts.reshape(-1)), stable=True)
         counts = recv_counts.sum(dim=0).tolist()
         y = ex(received.index_select(0, regroup), counts, None if pad_to is None else pad_to * g.size)

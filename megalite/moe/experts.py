@@ -16,6 +16,7 @@ no split backward), otherwise a loop over the local experts. The loop's matmuls 
 splittable linear of tensor_parallel.layers, so under a zero-bubble schedule the expert weight
 GEMMs wait for W as the dense ones do.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel.state import AxisGroup
 from megalite.model.spec import MLPSpec, ModelSpec
 from megalite.model.transformer import MLP
+from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, _matmul, set_tp_attributes
 from megalite.tensor_parallel.random import full_normal
 
@@ -63,11 +64,24 @@ class Expert(nn.Module):
         super().__init__()
         self.spec = ModelSpec.of(cfg).moe.expert  # the expert's shape and activation (model/spec.py)
         ffn, h = self.spec.ffn, cfg.hidden_size
-        self.linear_fc1 = ColumnParallelLinear(h, list(self.spec.fc1_pieces), etp, bias=cfg.add_bias_linear,
-                                               init_std=cfg.init_method_std, seed=seed, name=f"{prefix}.linear_fc1")
-        self.linear_fc2 = RowParallelLinear(ffn, h, etp, bias=cfg.add_bias_linear,
-                                            init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
-                                            seed=seed, name=f"{prefix}.linear_fc2")
+        self.linear_fc1 = ColumnParallelLinear(
+            h,
+            list(self.spec.fc1_pieces),
+            etp,
+            bias=cfg.add_bias_linear,
+            init_std=cfg.init_method_std,
+            seed=seed,
+            name=f"{prefix}.linear_fc1",
+        )
+        self.linear_fc2 = RowParallelLinear(
+            ffn,
+            h,
+            etp,
+            bias=cfg.add_bias_linear,
+            init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
+            seed=seed,
+            name=f"{prefix}.linear_fc2",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, h] -> this shard's part of the output [n, h] (summed over ETP by the dispatcher)."""
@@ -89,9 +103,12 @@ class LocalExperts(nn.Module):
         self.cfg = cfg
         self.num_local = cfg.num_experts // ep.size
         self.first = ep.rank * self.num_local
-        self.local_experts = nn.ModuleDict({
-            str(e): Expert(cfg, etp, seed, f"{prefix}.local_experts.{e}")
-            for e in range(self.first, self.first + self.num_local)})
+        self.local_experts = nn.ModuleDict(
+            {
+                str(e): Expert(cfg, etp, seed, f"{prefix}.local_experts.{e}")
+                for e in range(self.first, self.first + self.num_local)
+            }
+        )
         for p in self.parameters():
             p.expert_parallel = True
             p.first_of_etp = etp.rank == 0  # a copy replicated over ETP (fc2's bias) is counted there only
@@ -111,10 +128,16 @@ class LocalExperts(nn.Module):
         return torch.cat(outs) if outs else x[:0]
 
     def _grouped(self, x: torch.Tensor) -> bool:
-        return (_GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and not self.cfg.add_bias_linear
-                and torch.cuda.get_device_capability(x.device)[0] >= 9  # its kernels: Hopper and later
-                and x.shape[1] % 8 == 0 and self.local_experts[str(self.first)].linear_fc2.weight.shape[1] % 8 == 0
-                and not any(e.linear_fc1.split_wgrad for e in self.local_experts.values()))
+        return (
+            _GROUPED_MM is not None
+            and x.is_cuda
+            and x.dtype == torch.bfloat16
+            and not self.cfg.add_bias_linear
+            and torch.cuda.get_device_capability(x.device)[0] >= 9  # its kernels: Hopper and later
+            and x.shape[1] % 8 == 0
+            and self.local_experts[str(self.first)].linear_fc2.weight.shape[1] % 8 == 0
+            and not any(e.linear_fc1.split_wgrad for e in self.local_experts.values())
+        )
 
     def _grouped_forward(self, x: torch.Tensor, counts: List[int], experts: List[Expert]) -> torch.Tensor:
         """One grouped GEMM per linear; each expert's rows padded to a multiple of 8 (the kernels' alignment)."""
@@ -137,8 +160,9 @@ class SharedExpert(MLP):
         super().__init__(cfg, tp, seed, prefix, sequence_parallel, ffn=cfg.moe_shared_expert_intermediate_size)
         self.gate_weight = None
         if cfg.moe_shared_expert_gate:
-            self.gate_weight = nn.Parameter(full_normal((1, cfg.hidden_size), cfg.init_method_std, seed,
-                                                        f"{prefix}.gate_weight"))
+            self.gate_weight = nn.Parameter(
+                full_normal((1, cfg.hidden_size), cfg.init_method_std, seed, f"{prefix}.gate_weight")
+            )
             set_tp_attributes(self.gate_weight, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ Statistics of the iteration (for the log line) accumulate in ``stats`` until ``r
 tp x cp add up), ``tokens_per_expert`` [E] (this rank's routed tokens, summed). A checkpoint's
 recomputation runs the forward again without counting (its RNGTracker's ``recomputing``).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -32,18 +33,34 @@ class MoELayer(nn.Module):
     """Router + experts (+ shared expert) of one layer; parameter names ``mlp.router.*``,
     ``mlp.experts.local_experts.<e>.*``, ``mlp.shared_experts.*`` (megatron-core's)."""
 
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, seed: int, prefix: str, sequence_parallel: bool,
-                 dispatcher: str = "allgather", layer: int = 0, *, tracker: RNGTracker):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        seed: int,
+        prefix: str,
+        sequence_parallel: bool,
+        dispatcher: str = "allgather",
+        layer: int = 0,
+        *,
+        tracker: RNGTracker,
+    ):
         super().__init__()
         self.cfg, self.layer_number = cfg, layer
         self.tracker = tracker  # the chunk's: its checkpoints mark their recomputation there
         self.router = Router(cfg, seed, f"{prefix}.router", ps.tp_cp)
         self.experts = LocalExperts(cfg, ps.ep, ps.etp, seed, f"{prefix}.experts")
-        self.shared_experts = (SharedExpert(cfg, ps.tp, seed, f"{prefix}.shared_experts", sequence_parallel)
-                               if cfg.moe_shared_expert_intermediate_size else None)
+        self.shared_experts = (
+            SharedExpert(cfg, ps.tp, seed, f"{prefix}.shared_experts", sequence_parallel)
+            if cfg.moe_shared_expert_intermediate_size
+            else None
+        )
         self.dispatcher_type = dispatcher
-        self.dispatch = (AllToAllDispatcher(ps.expert_mp, self.experts, ps.etp_size) if dispatcher == "alltoall"
-                         else AllGatherDispatcher(ps.expert_mp, self.experts))
+        self.dispatch = (
+            AllToAllDispatcher(ps.expert_mp, self.experts, ps.etp_size)
+            if dispatcher == "alltoall"
+            else AllGatherDispatcher(ps.expert_mp, self.experts)
+        )
         self.stats: Dict[str, torch.Tensor] = {}
 
     def reset_stats(self) -> None:
@@ -60,8 +77,9 @@ class MoELayer(nn.Module):
         routing, probs = self.router(tokens, (s, b), record)
         pad_to = None
         if self.cfg.moe_pad_expert_input_to_capacity:
-            pad_to = capacity(s * b, self.cfg.moe_router_topk, self.cfg.num_experts,
-                              self.cfg.moe_expert_capacity_factor)
+            pad_to = capacity(
+                s * b, self.cfg.moe_router_topk, self.cfg.num_experts, self.cfg.moe_expert_capacity_factor
+            )
         out = self.dispatch(tokens, routing, probs, pad_to).view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -80,6 +98,7 @@ def update_expert_bias(chunks, ps: ParallelState, rate: Optional[float] = None) 
     if not layers:
         return
     import torch.distributed as dist
+
     loads = torch.stack([m.router.local_tokens_per_expert.to(ps.device).float() for m in layers])
     if ps.stage.size > 1:
         dist.all_reduce(loads, group=ps.stage.group)

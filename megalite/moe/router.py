@@ -21,6 +21,7 @@ passes unchanged, and in backward the loss gets the gradient the LM loss of one 
 gets: its router's ``aux_loss_scale``, which the executor sets every step (``set_aux_loss_scale``:
 loss scale / micro-batches, x cp).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,6 +36,7 @@ from megalite.config import ModelConfig
 from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.layers import set_tp_attributes
 from megalite.tensor_parallel.random import full_normal
+
 
 class AuxLossScaler(torch.autograd.Function):
     """Identity on ``x``; in backward the attached ``loss`` gets d/dloss = ``router.aux_loss_scale``
@@ -72,8 +74,9 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.tp_cp = cfg, tp_cp
         self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
-        self.weight = nn.Parameter(full_normal((cfg.num_experts, cfg.hidden_size), cfg.init_method_std, seed,
-                                               f"{prefix}.weight"))
+        self.weight = nn.Parameter(
+            full_normal((cfg.num_experts, cfg.hidden_size), cfg.init_method_std, seed, f"{prefix}.weight")
+        )
         set_tp_attributes(self.weight, False)
         self.expert_bias = None
         if cfg.moe_router_enable_expert_bias:  # not trained by the optimizer: moved by update_expert_bias
@@ -138,13 +141,20 @@ class Router(nn.Module):
         counts = routing.sum(dim=0)  # after dropping: what the experts compute
         if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0:
             # the loads the loss sees are the unbiased choices (megatron-core's): the expert bias only steers
-            aux = self._aux_loss(aux_scores, torch.topk(aux_scores, self.topk, dim=-1).indices
-                                 if self.expert_bias is not None else idx, seq_batch)
+            aux = self._aux_loss(
+                aux_scores,
+                torch.topk(aux_scores, self.topk, dim=-1).indices if self.expert_bias is not None else idx,
+                seq_batch,
+            )
             if torch.is_grad_enabled():
                 probs = AuxLossScaler.apply(probs, aux * cfg.moe_aux_loss_coeff, self)
             if record is not None:  # megatron-core's names for the two kinds
-                record("load_balancing_loss" if cfg.moe_router_load_balancing_type == "aux_loss"
-                       else "seq_load_balancing_loss", aux.detach())
+                record(
+                    "load_balancing_loss"
+                    if cfg.moe_router_load_balancing_type == "aux_loss"
+                    else "seq_load_balancing_loss",
+                    aux.detach(),
+                )
         if record is not None:
             record("tokens_per_expert", counts.detach().float())
             if self.expert_bias is not None and self.training:

@@ -21,6 +21,7 @@ than the neighbour's schedule receives (sends). One sentence says it, e.g.::
 Used at runtime (megalite.observability.hang_watch) and offline on the dumped files (tools/diagnose.py): the same
 function, so both say the same.
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,7 +40,7 @@ def rank_list(ranks: Sequence[int]) -> str:
         j = i
         while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
             j += 1
-        out.extend([f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]])
+        out.extend([f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i : j + 1]])
         i = j + 1
     return ", ".join(out)
 
@@ -51,15 +52,23 @@ def _ranks_word(ranks: Sequence[int]) -> str:
 class Diagnosis:
     """The analysis of one set of snapshots (``snaps``: rank -> snapshot; absent: silent)."""
 
-    def __init__(self, snaps: Dict[int, dict], world_size: int, silent_detail: Optional[Dict[int, str]] = None,
-                 min_wait_s: float = 0.0):
+    def __init__(
+        self,
+        snaps: Dict[int, dict],
+        world_size: int,
+        silent_detail: Optional[Dict[int, str]] = None,
+        min_wait_s: float = 0.0,
+    ):
         self.snaps, self.world = snaps, world_size
         self.silent = [r for r in range(world_size) if r not in snaps]
         self.silent_detail = silent_detail or {}
         any_snap = next(iter(snaps.values()), {})
         self.grid = any_snap.get("grid", {"tp": 1, "cp": 1, "dp": world_size, "pp": 1})
-        self.blocked = {r: e for r, e in ((r, blocked_in(s)) for r, s in snaps.items())
-                        if e is not None and snaps[r].get("time", 0.0) - e["start"] >= min_wait_s}
+        self.blocked = {
+            r: e
+            for r, e in ((r, blocked_in(s)) for r, s in snaps.items())
+            if e is not None and snaps[r].get("time", 0.0) - e["start"] >= min_wait_s
+        }
         self.edges = {r: self._waits_for(r, e) for r, e in self.blocked.items()}
         for r in [r for r, q in self.edges.items() if not q]:  # everyone it needs has arrived: in flight, not stuck
             del self.blocked[r], self.edges[r]
@@ -86,8 +95,11 @@ class Diagnosis:
             return [p] if posted <= e.get("n", 0) else []  # the peer posted its side: the transfer is in flight
         if e.get("on") == "coll":
             members = self.snaps[rank].get("groups", {}).get(e.get("group"), [])
-            return [q for q in members if q != rank and
-                    (q not in self.snaps or self.snaps[q].get("seq", {}).get(e["group"], 0) < e["seq"])]
+            return [
+                q
+                for q in members
+                if q != rank and (q not in self.snaps or self.snaps[q].get("seq", {}).get(e["group"], 0) < e["seq"])
+            ]
         return []
 
     def _reachable(self, start: int) -> List[int]:
@@ -118,8 +130,12 @@ class Diagnosis:
         if self.blocked:
             return self._deadlock()
         if self.silent:
-            return "; also ".join(f"{self.who(r)} stopped progressing: it does not answer{self._silent_note(r)}"
-                                  for r in self.silent) + "; no rank waits for it yet"
+            return (
+                "; also ".join(
+                    f"{self.who(r)} stopped progressing: it does not answer{self._silent_note(r)}" for r in self.silent
+                )
+                + "; no rank waits for it yet"
+            )
         doing = ", ".join(f"rank {r} {activity(s)[0]}" for r, s in sorted(self.snaps.items())[:8])
         more = ", ..." if self.world > 8 else ""
         return f"no hang: all {self.world} ranks answered and none is waiting ({doing}{more})"
@@ -131,8 +147,10 @@ class Diagnosis:
     def _culprit(self, c: int) -> str:
         if c in self.snaps:
             what, busy = activity(self.snaps[c])
-            head = (f"{self.who(c)} stopped progressing {what} (busy in it for {busy:.0f} s and still answering: "
-                    f"a long or endless computation or loop)")
+            head = (
+                f"{self.who(c)} stopped progressing {what} (busy in it for {busy:.0f} s and still answering: "
+                f"a long or endless computation or loop)"
+            )
         else:
             head = f"{self.who(c)} stopped progressing: it does not answer{self._silent_note(c)}"
         return head + self._waiters(c)
@@ -153,31 +171,38 @@ class Diagnosis:
     def _deadlock(self) -> str:
         groups = _by_label(sorted(self.blocked), self.blocked)
         verb = ("waits in " if len(groups[0][1]) == 1 else "wait in ") if groups else ""
-        waits = ", ".join(f"{_ranks_word(ranks)} {verb if i == 0 else 'in '}{label}"
-                          for i, (label, ranks) in enumerate(groups))
+        waits = ", ".join(
+            f"{_ranks_word(ranks)} {verb if i == 0 else 'in '}{label}" for i, (label, ranks) in enumerate(groups)
+        )
         for r in sorted(self.blocked):
             for p in self.edges[r]:
                 found = self._plan_mismatch(r, p) or self._plan_mismatch(p, r)
                 if found:
                     return f"{found}; {waits}"
-        return (f"deadlock: every rank that answered waits and none is busy or silent ({waits}); the ranks issued "
-                f"their transfers or collectives in orders that do not match")
+        return (
+            f"deadlock: every rank that answered waits and none is busy or silent ({waits}); the ranks issued "
+            f"their transfers or collectives in orders that do not match"
+        )
 
     def _plan_mismatch(self, a: int, b: int) -> Optional[str]:
         """Rank a's schedule (this run) against rank b's: a send of a's that b never receives, or the reverse."""
         sa, sb = self.snaps.get(a), self.snaps.get(b)
         if sa is None or sb is None or sa.get("run") != sb.get("run"):
             return None
-        for mine, theirs, verb, peer_verb in (("send", "recv", "send", "receives"), ("recv", "send", "receive",
-                                                                                      "sends")):
+        for mine, theirs, verb, peer_verb in (
+            ("send", "recv", "send", "receives"),
+            ("recv", "send", "receive", "sends"),
+        ):
             have = Counter(tuple(k) for k in sa.get("plan", {}).get(mine, {}).get(str(b), []))
             need = Counter(tuple(k) for k in sb.get("plan", {}).get(theirs, {}).get(str(a), []))
             missing = need - have
             if missing:
                 kind, mb, _ = sorted(missing)[0]
-                return (f"{self.who(a)} deadlocked the job through its schedule: it has no {verb} of {kind} "
-                        f"micro-batch {mb} {'to' if verb == 'send' else 'from'} rank {b}, which rank {b}'s "
-                        f"schedule {peer_verb} in the same step")
+                return (
+                    f"{self.who(a)} deadlocked the job through its schedule: it has no {verb} of {kind} "
+                    f"micro-batch {mb} {'to' if verb == 'send' else 'from'} rank {b}, which rank {b}'s "
+                    f"schedule {peer_verb} in the same step"
+                )
         return None
 
 
@@ -218,8 +243,9 @@ def _by_label(ranks: Sequence[int], blocked: Dict[int, dict]) -> List[Tuple[str,
     return sorted(groups.items(), key=lambda kv: kv[1][0])
 
 
-def diagnose(snaps: Dict[int, dict], world_size: int, silent_detail: Optional[Dict[int, str]] = None,
-             min_wait_s: float = 0.0) -> str:
+def diagnose(
+    snaps: Dict[int, dict], world_size: int, silent_detail: Optional[Dict[int, str]] = None, min_wait_s: float = 0.0
+) -> str:
     """The one-sentence diagnosis of a job from its ranks' snapshots (a rank absent from ``snaps`` is silent;
     waits shorter than ``min_wait_s`` count as progress)."""
     return Diagnosis(snaps, world_size, silent_detail, min_wait_s).sentence()
@@ -234,8 +260,11 @@ def rank_table(snaps: Dict[int, dict], world_size: int, last: int = 3) -> List[s
             lines.append(f"  {d.who(r)}: no record")
             continue
         e = d.blocked.get(r)
-        state = (f"waits in {wait_label(e)} for {s['time'] - e['start']:.1f} s" if e is not None
-                 else "running, {} ({:.1f} s)".format(*activity(s)))
+        state = (
+            f"waits in {wait_label(e)} for {s['time'] - e['start']:.1f} s"
+            if e is not None
+            else "running, {} ({:.1f} s)".format(*activity(s))
+        )
         recent = " ".join(_short(ev) for ev in s.get("events", [])[-last:])
         lines.append(f"  {d.who(r)}: {state}; last events: {recent}")
     return lines

@@ -24,6 +24,7 @@ the GIL and checked against their id).
 Each rank's recorder is held by its ParallelState (``ps.recorder``), which whoever talks on the
 rank's groups already receives; start_hang_watch sizes it from --flight-recorder-size.
 """
+
 from __future__ import annotations
 
 import time
@@ -93,8 +94,9 @@ class FlightRecorder:
         eid = self.collective(getattr(fn, "__name__", "collective"), name, is_async)
         if is_async:
             return _RecordedWork(fn(*args, **kwargs), self, eid)
-        w = self._wait = self.record("wait", on="coll", op=getattr(fn, "__name__", "collective"), group=name,
-                                     seq=self.seq[name])
+        w = self._wait = self.record(
+            "wait", on="coll", op=getattr(fn, "__name__", "collective"), group=name, seq=self.seq[name]
+        )
         out = fn(*args, **kwargs)
         self.done(w)
         self.done(eid)
@@ -173,13 +175,19 @@ class FlightRecorder:
         evs = self.events()
         open_events = [e for e in evs if e["end"] is None and e["kind"] != "phase"]
         phases = ([self._top] if self._top is not None else []) + list(self._nested)
-        return {"time": time.time(), "recorded": self._next, "capacity": self.capacity,
-                "phases": [{"id": i, "name": name, "start": t} for i, name, t in phases],
-                "open": open_events[-32:], "events": evs if recent is None else evs[-recent:],
-                "seq": dict(self.seq), "sent": {str(p): n for p, n in dict(self.sent).items()},
-                "received": {str(p): n for p, n in dict(self.received).items()},
-                "run": self.run, "plan": {d: {str(p): [list(k) for k in keys] for p, keys in by.items()}
-                                          for d, by in self.plan.items()}}
+        return {
+            "time": time.time(),
+            "recorded": self._next,
+            "capacity": self.capacity,
+            "phases": [{"id": i, "name": name, "start": t} for i, name, t in phases],
+            "open": open_events[-32:],
+            "events": evs if recent is None else evs[-recent:],
+            "seq": dict(self.seq),
+            "sent": {str(p): n for p, n in dict(self.sent).items()},
+            "received": {str(p): n for p, n in dict(self.received).items()},
+            "run": self.run,
+            "plan": {d: {str(p): [list(k) for k in keys] for p, keys in by.items()} for d, by in self.plan.items()},
+        }
 
 
 class _RecordedWork:
@@ -199,4 +207,3 @@ class _RecordedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
-

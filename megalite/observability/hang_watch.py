@@ -22,6 +22,7 @@ answers for a few seconds, and the first rank to claim the printing prints the d
 
 Without a store to reach (the test harness' in-process runs) each rank still writes its own file.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,10 +63,14 @@ def _side_store(world_size: int) -> Optional["dist.Store"]:
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return None  # the test harness' own rendezvous: no side channel (each rank still writes its file)
     # torchrun's agent store (or rank 0's, under env://): it lives outside the process groups
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=10))
-    return dist.PrefixStore(f"megalite_diag/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/round_"
-                            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=10)
+    )
+    return dist.PrefixStore(
+        f"megalite_diag/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/round_"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+        base,
+    )
 
 
 def _stderr(line: str) -> None:
@@ -75,8 +80,15 @@ def _stderr(line: str) -> None:
 class HangWatch:
     """One rank's watch thread, its side channel and its flight-recorder files."""
 
-    def __init__(self, ps: ParallelState, recorder: FlightRecorder, debug_dir: str, timeout_s: float,
-                 exit_on_signal: Optional[Callable[[int], None]] = None, save_on_signal: bool = False):
+    def __init__(
+        self,
+        ps: ParallelState,
+        recorder: FlightRecorder,
+        debug_dir: str,
+        timeout_s: float,
+        exit_on_signal: Optional[Callable[[int], None]] = None,
+        save_on_signal: bool = False,
+    ):
         self.ps, self.rec, self.debug_dir, self.timeout_s = ps, recorder, debug_dir, timeout_s
         self.exit_on_signal, self.save_on_signal = exit_on_signal, save_on_signal
         self.store = None
@@ -90,8 +102,9 @@ class HangWatch:
         self._wake_r = self._wake_w = None
         self._prev_wakeup, self._prev_usr1 = None, None
         self._timed_out_event = -1
-        self.job = os.environ.get("TORCHELASTIC_RUN_ID", "local") + "/" + os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT", "0")
+        self.job = (
+            os.environ.get("TORCHELASTIC_RUN_ID", "local") + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        )
 
     # -- setup ----------------------------------------------------------------------------------
     def start(self) -> "HangWatch":
@@ -134,8 +147,15 @@ class HangWatch:
         grid = {"tp": ps.tp_size, "cp": getattr(ps, "cp_size", 1), "dp": ps.dp_size, "pp": ps.pp_size}
         groups = {name: list(axis.ranks) for name, axis in ps.axes.items()}
         groups["world"] = list(range(ps.world_size))
-        return {"rank": ps.rank, "world_size": ps.world_size, "grid": grid, "groups": groups, "job": self.job,
-                "host": socket.gethostname(), "pid": os.getpid()}
+        return {
+            "rank": ps.rank,
+            "world_size": ps.world_size,
+            "grid": grid,
+            "groups": groups,
+            "job": self.job,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
 
     # -- the thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -227,11 +247,15 @@ class HangWatch:
         if store is None and self.ps.world_size > 1:
             self.dump(reason, gen, final)
             return None  # no side channel: the other ranks' files tell the rest (tools/diagnose.py)
-        d = Diagnosis(snaps, self.ps.world_size, self._silent_detail([r for r in range(self.ps.world_size)
-                                                                     if r not in snaps]))
+        d = Diagnosis(
+            snaps, self.ps.world_size, self._silent_detail([r for r in range(self.ps.world_size) if r not in snaps])
+        )
         stuck = min(STUCK_S, self.timeout_s / 2)
-        problem = (fatal and not only_if_problem) or bool(d.silent) or any(
-            snaps[r]["time"] - e["start"] >= stuck for r, e in d.blocked.items())
+        problem = (
+            (fatal and not only_if_problem)
+            or bool(d.silent)
+            or any(snaps[r]["time"] - e["start"] >= stuck for r, e in d.blocked.items())
+        )
         if not problem:  # a wait of a few milliseconds is progress, not a hang
             d = Diagnosis(snaps, self.ps.world_size, min_wait_s=stuck)
         sentence = d.sentence()
@@ -241,8 +265,10 @@ class HangWatch:
         if self._claim(fatal):
             where = os.path.dirname(path) if path else self.debug_dir
             _stderr(f"hang diagnosis: {sentence}")
-            _stderr(f"hang diagnosis ({reason}): flight records of the ranks that answered are in {where} "
-                    f"(python tools/diagnose.py {where})")
+            _stderr(
+                f"hang diagnosis ({reason}): flight records of the ranks that answered are in {where} "
+                f"(python tools/diagnose.py {where})"
+            )
         return sentence
 
     def _collect(self, gen: int) -> Dict[int, dict]:
@@ -290,8 +316,12 @@ class HangWatch:
                     state = f.read().rsplit(")", 1)[1].split()[0]
             except OSError:
                 state = "gone"
-            out[r] = {"T": "its process is stopped", "t": "its process is stopped", "Z": "its process has exited",
-                      "gone": "its process has exited"}.get(state, f"its process is alive (state {state}) but silent")
+            out[r] = {
+                "T": "its process is stopped",
+                "t": "its process is stopped",
+                "Z": "its process has exited",
+                "gone": "its process has exited",
+            }.get(state, f"its process is alive (state {state}) but silent")
         return out
 
     # -- exits ----------------------------------------------------------------------------------
@@ -325,10 +355,14 @@ def start_hang_watch(cfg, ps: ParallelState, signals=None) -> Optional[HangWatch
     ps.recorder.resize(par.flight_recorder_size)
     if not ps.recorder.enabled:
         return None
-    watch = HangWatch(ps, ps.recorder, par.debug_dir or default_debug_dir(cfg.checkpoint.save),
-                      60.0 * par.distributed_timeout_minutes,
-                      exit_on_signal=signals.exit_now if signals is not None else None,
-                      save_on_signal=cfg.train.exit_signal_handler)
+    watch = HangWatch(
+        ps,
+        ps.recorder,
+        par.debug_dir or default_debug_dir(cfg.checkpoint.save),
+        60.0 * par.distributed_timeout_minutes,
+        exit_on_signal=signals.exit_now if signals is not None else None,
+        save_on_signal=cfg.train.exit_signal_handler,
+    )
     if signals is not None:
         signals.watch = watch
     return watch.start()

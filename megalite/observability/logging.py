@@ -5,6 +5,7 @@ stage where the loss is known) prints the training log; other ranks report
 warnings and errors only. The log line keeps Megatron's keys and number
 formats so existing log parsers keep working, and adds tokens per second.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,26 +102,43 @@ def write_timeline(path: str, events: List[dict], ps: ParallelState, **meta) -> 
         logging.getLogger("megalite").info(f"wrote pipeline timeline of iteration {iteration} to {path}")
 
 
-def format_log_line(it: int, train_iters: int, consumed: int, ms_per_iter: float, tflops_per_gpu: float,
-                    lr: float, gbs: int, loss: Optional[float], grad_norm: Optional[float], skipped: int,
-                    nans: int, tokens_per_s: float, loss_scale: float = 1.0, after_loss: str = "") -> str:
+def format_log_line(
+    it: int,
+    train_iters: int,
+    consumed: int,
+    ms_per_iter: float,
+    tflops_per_gpu: float,
+    lr: float,
+    gbs: int,
+    loss: Optional[float],
+    grad_norm: Optional[float],
+    skipped: int,
+    nans: int,
+    tokens_per_s: float,
+    loss_scale: float = 1.0,
+    after_loss: str = "",
+) -> str:
     """Megatron's iteration line (same keys and formats) plus tokens per second; ``after_loss``: fields
     that follow the lm loss (an MoE's, :func:`format_moe_fields`), as Megatron places them."""
-    parts = [f" iteration {it:8d}/{train_iters:8d}",
-             f" consumed samples: {consumed:12d}",
-             f" elapsed time per iteration (ms): {ms_per_iter:.1f}",
-             f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f}",
-             f" learning rate: {lr:.6E}",
-             f" global batch size: {gbs:5d}"]
+    parts = [
+        f" iteration {it:8d}/{train_iters:8d}",
+        f" consumed samples: {consumed:12d}",
+        f" elapsed time per iteration (ms): {ms_per_iter:.1f}",
+        f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f}",
+        f" learning rate: {lr:.6E}",
+        f" global batch size: {gbs:5d}",
+    ]
     if loss is not None:
         parts.append(f" lm loss: {loss:.6E}")
     head = "".join(part + " |" for part in parts) + after_loss
     parts = [f" loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
-    parts += [f" number of skipped iterations: {skipped:3d}",
-              f" number of nan iterations: {nans:3d}",
-              f" tokens per second: {tokens_per_s:.1f}"]
+    parts += [
+        f" number of skipped iterations: {skipped:3d}",
+        f" number of nan iterations: {nans:3d}",
+        f" tokens per second: {tokens_per_s:.1f}",
+    ]
     return head + "".join(part + " |" for part in parts)
 
 
@@ -152,9 +170,11 @@ def moe_layer_values(values: Dict[str, float]) -> Dict[int, Dict[str, float]]:
 
 def format_moe_layers(values: Dict[str, float]) -> List[str]:
     """--moe-per-layer-logging's lines under the iteration line: one per MoE layer (0-based global index)."""
-    return [f"    moe layer {i}:" + "".join(f" {k}: {v:.6E} |" if k.endswith("loss") else f" {k}: {v:.2f} |"
-                                         for k, v in per.items())
-            for i, per in moe_layer_values(values).items()]
+    return [
+        f"    moe layer {i}:"
+        + "".join(f" {k}: {v:.6E} |" if k.endswith("loss") else f" {k}: {v:.2f} |" for k, v in per.items())
+        for i, per in moe_layer_values(values).items()
+    ]
 
 
 def moe_tensorboard(values: Dict[str, float], per_layer: bool) -> Dict[str, float]:
@@ -187,8 +207,7 @@ class TensorBoard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise RuntimeError("--tensorboard-dir needs the tensorboard package: "
-                                   "pip install tensorboard") from e
+                raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from e
             self.writer = SummaryWriter(log_dir=log_dir)
 
     def scalars(self, values: Dict[str, float], step: int) -> None:

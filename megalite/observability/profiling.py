@@ -15,6 +15,7 @@ end; on CPU it says so once and the run goes on.
 later) when no API key is configured. wandb is optional: asking for it without it installed is a
 one-line error before anything starts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,10 +65,12 @@ class Profiler:
         if not self.traced or self.prof is not None or self.written or not self.start_it <= done < self.end_it:
             return
         from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         # a schedule that always records: with one, each iteration becomes a ProfilerStep#<n> span
-        self.prof = profile(activities=activities, record_shapes=True, with_stack=False,
-                            schedule=lambda _step: ProfilerAction.RECORD)
+        self.prof = profile(
+            activities=activities, record_shapes=True, with_stack=False, schedule=lambda _step: ProfilerAction.RECORD
+        )
         self.prof.step_num = done + 1  # spans named by the iteration numbers of the log
         self.first = done + 1
         self.prof.start()
@@ -127,16 +130,22 @@ class WandbWriter:
         if not (enabled and lg.wandb_project):
             return
         wandb = require_wandb()
-        save_dir = lg.wandb_save_dir or (os.path.join(cfg.checkpoint.save, "wandb") if cfg.checkpoint.save
-                                         else "wandb")
+        save_dir = lg.wandb_save_dir or (os.path.join(cfg.checkpoint.save, "wandb") if cfg.checkpoint.save else "wandb")
         os.makedirs(save_dir, exist_ok=True)
         offline = "WANDB_MODE" not in os.environ and not _has_api_key()
         config = {f"{section}.{k}": v for section, values in asdict(cfg).items() for k, v in values.items()}
-        self.run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, dir=save_dir, config=config,
-                              mode="offline" if offline else None)
+        self.run = wandb.init(
+            project=lg.wandb_project,
+            name=lg.wandb_exp_name,
+            dir=save_dir,
+            config=config,
+            mode="offline" if offline else None,
+        )
         if offline:
-            logger.info(f"wandb: no API key, logging offline to {self.run.dir} (upload later: wandb sync "
-                        f"{os.path.dirname(self.run.dir)})")
+            logger.info(
+                f"wandb: no API key, logging offline to {self.run.dir} (upload later: wandb sync "
+                f"{os.path.dirname(self.run.dir)})"
+            )
 
     def scalars(self, values: Dict[str, Optional[float]], step: int) -> None:
         if self.run is not None:

@@ -30,6 +30,7 @@ iteration) and the largest slowdown. On CUDA the executor's action times are hos
 iterations used are the last few of each interval, which the trainer runs with a device sync around
 each action.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
-from megalite.parallel.state import ParallelState
 from megalite.observability.throughput import flops_per_iteration
+from megalite.parallel.state import ParallelState
 
 logger = logging.getLogger("megalite")
 KINDS = ("F", "B", "W")
@@ -130,8 +131,9 @@ class StragglerMonitor:
             return False
         if not self.cuda:
             return True
-        return (-iteration) % self.log_interval < _SYNCED_PER_INTERVAL or \
-            iteration > self.train_iters - _SYNCED_PER_INTERVAL
+        return (
+            -iteration
+        ) % self.log_interval < _SYNCED_PER_INTERVAL or iteration > self.train_iters - _SYNCED_PER_INTERVAL
 
     def record(self, events: Sequence[dict], iteration: int) -> None:
         """The executor's events of iteration ``iteration`` (no collective)."""
@@ -150,9 +152,20 @@ class StragglerMonitor:
         if not self.enabled:
             return None
         ps = self.ps
-        mine = torch.tensor([ps.pp_rank, ps.tp_rank, ps.dp_rank, ps.cp_rank, sum(self.fastest.values()), self.work,
-                             *self.sums.values(), self.n], dtype=torch.float64,
-                            device=ps.device if ps.backend == "nccl" else "cpu")
+        mine = torch.tensor(
+            [
+                ps.pp_rank,
+                ps.tp_rank,
+                ps.dp_rank,
+                ps.cp_rank,
+                sum(self.fastest.values()),
+                self.work,
+                *self.sums.values(),
+                self.n,
+            ],
+            dtype=torch.float64,
+            device=ps.device if ps.backend == "nccl" else "cpu",
+        )
         parts = [torch.empty_like(mine) for _ in range(ps.world_size)]
         dist.all_gather(parts, mine)
         self._reset()
@@ -167,10 +180,15 @@ class StragglerMonitor:
         r, ps = s.row, self.ps
         host = self.hosts[r.rank] if r.rank < len(self.hosts) else "?"
         where = [f"host {host}", f"stage {r.pp}"]
-        where += [f"{axis} {getattr(r, axis)}" for axis, size in (("dp", ps.dp_size), ("cp", ps.cp_size),
-                                                                   ("tp", ps.tp_size)) if size > 1]
-        return (f"straggler: rank {r.rank} ({', '.join(where)}) compute {s.ratio:.1f}x the median of {s.basis} "
-                f"({1e3 * r.value:.1f} ms vs {1e3 * s.baseline:.1f} ms per iteration)")
+        where += [
+            f"{axis} {getattr(r, axis)}"
+            for axis, size in (("dp", ps.dp_size), ("cp", ps.cp_size), ("tp", ps.tp_size))
+            if size > 1
+        ]
+        return (
+            f"straggler: rank {r.rank} ({', '.join(where)}) compute {s.ratio:.1f}x the median of {s.basis} "
+            f"({1e3 * r.value:.1f} ms vs {1e3 * s.baseline:.1f} ms per iteration)"
+        )
 
     def report(self, rows: Optional[List[RankRow]]) -> Dict[str, Optional[float]]:
         """Log the stragglers (logging rank) and return the TensorBoard spread."""
@@ -185,5 +203,9 @@ class StragglerMonitor:
         ratios = slowdowns(rows)
         if not values:
             return {}
-        return {"straggler/compute-min": values[0], "straggler/compute-median": statistics.median(values),
-                "straggler/compute-max": values[-1], "straggler/max-slowdown": max(ratios) if ratios else None}
+        return {
+            "straggler/compute-min": values[0],
+            "straggler/compute-median": statistics.median(values),
+            "straggler/compute-max": values[-1],
+            "straggler/max-slowdown": max(ratios) if ratios else None,
+        }

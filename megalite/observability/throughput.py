@@ -8,6 +8,7 @@ square, as Megatron up to core 0.15 did and as a FLOP counter sees from an unfus
 Recomputation re-runs forwards that the model count leaves out; they are added only to the *hardware*
 FLOPs, never to MFU (MFU is model FLOPs / peak, as Megatron and PaLM define it).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -53,8 +54,7 @@ def mlp_flops_per_token(cfg: ModelConfig) -> float:
     return ModelSpec.of(cfg).mlp_flops_per_token()
 
 
-def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, padded_vocab: int,
-                        causal: bool = True) -> float:
+def flops_per_iteration(cfg: ModelConfig, global_batch_size: int, padded_vocab: int, causal: bool = True) -> float:
     """Model FLOPs of one iteration (forward + backward of every sample), Megatron's count.
 
     ``causal=False``: the core attention over the whole s x s square (Megatron <= core 0.15).
@@ -76,8 +76,9 @@ def recomputed_layers(cfg: ModelConfig, num_chunks: int = 1, layers_per_chunk: O
     return cfg.num_layers
 
 
-def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, num_chunks: int = 1,
-                                  causal: bool = True) -> float:
+def recompute_flops_per_iteration(
+    cfg: ModelConfig, global_batch_size: int, num_chunks: int = 1, causal: bool = True
+) -> float:
     """Extra FLOPs recomputation costs: one more forward (a third of forward+backward) of what it re-runs.
 
     selective: the core attention of every layer; full: whole layers (recomputed_layers).
@@ -92,8 +93,15 @@ def recompute_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, num_
 class Throughput:
     """Per-iteration figures from the iteration time: tokens/s, model and hardware TFLOP/s/GPU, MFU."""
 
-    def __init__(self, cfg: ModelConfig, global_batch_size: int, padded_vocab: int, world_size: int,
-                 num_chunks: int = 1, peak_tflops: Optional[float] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        global_batch_size: int,
+        padded_vocab: int,
+        world_size: int,
+        num_chunks: int = 1,
+        peak_tflops: Optional[float] = None,
+    ):
         self.tokens = global_batch_size * cfg.seq_length
         self.model_flops = flops_per_iteration(cfg, global_batch_size, padded_vocab)
         self.hardware_flops = self.model_flops + recompute_flops_per_iteration(cfg, global_batch_size, num_chunks)
@@ -103,8 +111,12 @@ class Throughput:
         """tokens/s (whole job), TFLOP/s per device (model, hardware) and MFU (fraction; None: no peak)."""
         model = self.model_flops / sec_per_iter / 1e12 / self.world_size
         hardware = self.hardware_flops / sec_per_iter / 1e12 / self.world_size
-        return {"tokens_per_s": self.tokens / sec_per_iter, "tflops": model, "hw_tflops": hardware,
-                "mfu": model / self.peak if self.peak else None}
+        return {
+            "tokens_per_s": self.tokens / sec_per_iter,
+            "tflops": model,
+            "hw_tflops": hardware,
+            "mfu": model / self.peak if self.peak else None,
+        }
 
     def log_fields(self, figures: Dict[str, Optional[float]]) -> str:
         """The fields that follow Megatron's in the log line (hardware FLOPs only when they differ)."""
@@ -117,9 +129,12 @@ class Throughput:
 
     def tensorboard(self, figures: Dict[str, Optional[float]]) -> Dict[str, Optional[float]]:
         """TensorBoard scalars (Megatron's 'throughput' is the model TFLOP/s/GPU)."""
-        return {"throughput": figures["tflops"], "hardware-throughput": figures["hw_tflops"],
-                "tokens-per-second": figures["tokens_per_s"],
-                "mfu": figures["mfu"] if figures["mfu"] is not None else None}
+        return {
+            "throughput": figures["tflops"],
+            "hardware-throughput": figures["hw_tflops"],
+            "tokens-per-second": figures["tokens_per_s"],
+            "mfu": figures["mfu"] if figures["mfu"] is not None else None,
+        }
 
 
 # -- GPU memory per rank ------------------------------------------------------------------------------
@@ -127,18 +142,22 @@ def memory_stats(device: torch.device) -> Optional[Dict[str, float]]:
     """This rank's CUDA allocator figures in bytes (None on CPU, where torch keeps no such counters)."""
     if device.type != "cuda":
         return None
-    return {"allocated": float(torch.cuda.memory_allocated(device)),
-            "max_allocated": float(torch.cuda.max_memory_allocated(device)),
-            "reserved": float(torch.cuda.memory_reserved(device)),
-            "max_reserved": float(torch.cuda.max_memory_reserved(device))}
+    return {
+        "allocated": float(torch.cuda.memory_allocated(device)),
+        "max_allocated": float(torch.cuda.max_memory_allocated(device)),
+        "reserved": float(torch.cuda.memory_reserved(device)),
+        "max_reserved": float(torch.cuda.max_memory_reserved(device)),
+    }
 
 
 def format_memory_report(rank: int, iteration: int, stats: Dict[str, float]) -> str:
     """Megatron's memory report line (MB), printed once after the first logged iterations."""
-    mb = {k: v / 2 ** 20 for k, v in stats.items()}
-    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | allocated: {mb['allocated']:.1f} | "
-            f"max allocated: {mb['max_allocated']:.1f} | reserved: {mb['reserved']:.1f} | "
-            f"max reserved: {mb['max_reserved']:.1f}")
+    mb = {k: v / 2**20 for k, v in stats.items()}
+    return (
+        f"[Rank {rank}] (after {iteration} iterations) memory (MB) | allocated: {mb['allocated']:.1f} | "
+        f"max allocated: {mb['max_allocated']:.1f} | reserved: {mb['reserved']:.1f} | "
+        f"max reserved: {mb['max_reserved']:.1f}"
+    )
 
 
 def gather_memory_report(ps, iteration: int) -> List[str]:
@@ -151,6 +170,7 @@ def gather_memory_report(ps, iteration: int) -> List[str]:
     if stats is None:
         return []
     import torch.distributed as dist
+
     gathered: List[Optional[tuple]] = [(ps.rank, ps.dp_rank, stats)]
     if ps.world_size > 1 and dist.is_initialized():
         gathered = [None] * ps.world_size
@@ -162,5 +182,9 @@ def memory_scalars(stats: Optional[Dict[str, float]]) -> Dict[str, float]:
     """TensorBoard tags of Megatron's --log-memory-to-tensorboard for this rank's figures."""
     if stats is None:
         return {}
-    return {"mem-allocated-bytes": stats["allocated"], "mem-max-allocated-bytes": stats["max_allocated"],
-            "mem-reserved-bytes": stats["reserved"], "mem-max-reserved-bytes": stats["max_reserved"]}
+    return {
+        "mem-allocated-bytes": stats["allocated"],
+        "mem-max-allocated-bytes": stats["max_allocated"],
+        "mem-reserved-bytes": stats["reserved"],
+        "mem-max-reserved-bytes": stats["max_reserved"],
+    }

@@ -7,6 +7,7 @@ all-reduced over the model-parallel (tp x pp) group. Replicated parameters
 two stages; ``is_counted_once`` keeps one of each. Gradients are identical
 across DP ranks after reduction, so DP does not take part.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

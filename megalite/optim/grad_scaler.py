@@ -8,6 +8,7 @@ row the scale doubles and the hysteresis budget is refilled. The state is
 part of the optimizer's state dict, so a resumed run continues with the same
 scale.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -32,8 +33,15 @@ class ConstantGradScaler:
 class DynamicGradScaler:
     """Halve on overflow (after ``hysteresis`` of them), double after ``growth_interval`` clean steps."""
 
-    def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
+    def __init__(
+        self,
+        initial_scale: float,
+        min_scale: float,
+        growth_interval: int,
+        hysteresis: int,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+    ):
         self.scale = float(initial_scale)
         self.min_scale, self.growth_interval, self.hysteresis = float(min_scale), growth_interval, hysteresis
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
@@ -54,8 +62,11 @@ class DynamicGradScaler:
                 self.scale *= self.growth_factor
 
     def state_dict(self) -> Dict[str, float]:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
         self.scale = float(state["scale"])

@@ -13,6 +13,7 @@ were recorded (``num_steps`` only) loads as it always did. Two leniencies agains
 change the rate), and a longer ``--train-iters`` passes when ``--lr-decay-iters`` is given and equal
 (Megatron also compares its weight-decay increment length, which follows ``--train-iters``).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,13 @@ from megalite.checkpointing.safe_load import CheckpointError
 from megalite.config import OptimConfig
 
 # (state key, attribute, flag): the settings the schedule is made of
-SETTINGS = (("lr", "lr", "--lr"), ("min_lr", "min_lr", "--min-lr"), ("lr_warmup_iters", "warmup", "--lr-warmup-iters"),
-            ("lr_decay_iters", "decay_iters", "--lr-decay-iters"), ("lr_decay_style", "style", "--lr-decay-style"))
+SETTINGS = (
+    ("lr", "lr", "--lr"),
+    ("min_lr", "min_lr", "--min-lr"),
+    ("lr_warmup_iters", "warmup", "--lr-warmup-iters"),
+    ("lr_decay_iters", "decay_iters", "--lr-decay-iters"),
+    ("lr_decay_style", "style", "--lr-decay-style"),
+)
 
 
 class LRScheduler:
@@ -90,6 +96,8 @@ class LRScheduler:
                 implied = ", from --train-iters" if key == "lr_decay_iters" and not self.cfg.lr_decay_iters else ""
                 diffs.append(f"{flag} {getattr(self, attr)} (given{implied}) vs {saved[key]} (checkpoint)")
         if diffs:
-            raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's: {'; '.join(diffs)}; "
-                                  f"pass --override-opt_param-scheduler to use the values given or "
-                                  f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+            raise CheckpointError(
+                f"the learning-rate schedule differs from the checkpoint's: {'; '.join(diffs)}; "
+                f"pass --override-opt_param-scheduler to use the values given or "
+                f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+            )

@@ -22,6 +22,7 @@ The CP ranks of a replica see different tokens of the same samples, so their
 gradients are partial sums like other replicas' and are averaged with them; the
 distributed optimizer shards over the same group.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,8 @@ from torch import nn
 from megalite.config import OptimConfig
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.data_parallel.grad_buffers import GradBuffers
-from megalite.parallel.state import ParallelState
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.layers import is_counted_once
 
 try:
@@ -52,19 +53,18 @@ class _Piece:
 
     @property
     def model_slice(self) -> torch.Tensor:
-        return self.param.data.view(-1)[self.start:self.end]
+        return self.param.data.view(-1)[self.start : self.end]
 
     @property
     def grad_slice(self) -> torch.Tensor:
-        return self.param.main_grad.view(-1)[self.start:self.end]
+        return self.param.main_grad.view(-1)[self.start : self.end]
 
 
 def param_groups(params: Sequence[nn.Parameter], weight_decay: float) -> List[dict]:
     """Split parameters into decayed (matrices) and non-decayed (biases, norms) groups."""
     decay = [p for p in params if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in params if p.requires_grad and p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -86,9 +86,16 @@ def build_optimizer(params: Sequence[nn.Parameter], cfg: OptimConfig) -> torch.o
 class MegatronOptimizer:
     """Everything between backward and the next forward, for one rank's model chunks."""
 
-    def __init__(self, named_params: Sequence[Tuple[str, nn.Parameter]], cfg: OptimConfig, ps: ParallelState,
-                 *, shared: Sequence[nn.Parameter] = (), sequence_parallel_params: Sequence[nn.Parameter] = (),
-                 moe: bool = False):
+    def __init__(
+        self,
+        named_params: Sequence[Tuple[str, nn.Parameter]],
+        cfg: OptimConfig,
+        ps: ParallelState,
+        *,
+        shared: Sequence[nn.Parameter] = (),
+        sequence_parallel_params: Sequence[nn.Parameter] = (),
+        moe: bool = False,
+    ):
         self.cfg, self.ps = cfg, ps
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -99,24 +106,48 @@ class MegatronOptimizer:
         fp32_grads = dtype == torch.float32 or cfg.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
         experts = [p for p in self.params if getattr(p, "expert_parallel", False)]  # MoE: their own replicas
         self.has_experts = moe or bool(experts)  # the model's, not this stage's: the norm's collective differs
-        buffer = dict(grad_dtype=torch.float32 if fp32_grads else dtype, bucket_elements=cfg.ddp_bucket_size,
-                      overlap=cfg.overlap_grad_reduce)
-        parts = [GradBuffer([p for p in self.params if not getattr(p, "expert_parallel", False)], ps.dp_cp,
-                            shard=self.distributed, deferred=self.shared if ps.embedding.size > 1 else (),
-                            recorder=ps.recorder, **buffer)]
+        buffer = dict(
+            grad_dtype=torch.float32 if fp32_grads else dtype,
+            bucket_elements=cfg.ddp_bucket_size,
+            overlap=cfg.overlap_grad_reduce,
+        )
+        parts = [
+            GradBuffer(
+                [p for p in self.params if not getattr(p, "expert_parallel", False)],
+                ps.dp_cp,
+                shard=self.distributed,
+                deferred=self.shared if ps.embedding.size > 1 else (),
+                recorder=ps.recorder,
+                **buffer,
+            )
+        ]
         if experts:
-            parts.append(GradBuffer(experts, ps.edp, shard=cfg.use_distributed_optimizer and ps.edp_size > 1,
-                                    average_over=ps.dp_cp_size, recorder=ps.recorder, **buffer))
+            parts.append(
+                GradBuffer(
+                    experts,
+                    ps.edp,
+                    shard=cfg.use_distributed_optimizer and ps.edp_size > 1,
+                    average_over=ps.dp_cp_size,
+                    recorder=ps.recorder,
+                    **buffer,
+                )
+            )
         self.grads = GradBuffers(parts)
         self.pieces = self._build_pieces()
-        groups = [{"params": [pc.main for pc in self.pieces if pc.param.ndim > 1], "weight_decay": cfg.weight_decay},
-                  {"params": [pc.main for pc in self.pieces if pc.param.ndim <= 1], "weight_decay": 0.0}]
+        groups = [
+            {"params": [pc.main for pc in self.pieces if pc.param.ndim > 1], "weight_decay": cfg.weight_decay},
+            {"params": [pc.main for pc in self.pieces if pc.param.ndim <= 1], "weight_decay": 0.0},
+        ]
         self.optimizer = _adamw([g for g in groups if g["params"]], cfg)
         self.scaler = None
         if dtype == torch.float16:
-            self.scaler = (ConstantGradScaler(cfg.loss_scale) if cfg.loss_scale else
-                           DynamicGradScaler(cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window,
-                                             cfg.hysteresis))
+            self.scaler = (
+                ConstantGradScaler(cfg.loss_scale)
+                if cfg.loss_scale
+                else DynamicGradScaler(
+                    cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis
+                )
+            )
 
     def _build_pieces(self) -> List[_Piece]:
         """This rank's main parameters: whole params (plain) or its shard of every bucket (ZeRO-1)."""
@@ -168,7 +199,7 @@ class MegatronOptimizer:
             self.ps.recorder.call("tp", dist.all_reduce, flat, group=self.ps.tp_group)
             offset = 0
             for p in self.sp_params:
-                p.main_grad.view(-1).copy_(flat[offset:offset + p.numel()])
+                p.main_grad.view(-1).copy_(flat[offset : offset + p.numel()])
                 offset += p.numel()
 
     def _main_grads(self) -> List[torch.Tensor]:
@@ -258,8 +289,12 @@ class MegatronOptimizer:
     # -- state ---------------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: Adam moments plus fp32 main weights it owns."""
-        total = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        total = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
         if self.half:  # fp32 weights are their own main weights; half ones have an fp32 copy
             total += sum(pc.main.numel() * 4 for pc in self.pieces)
         return total
@@ -272,10 +307,14 @@ class MegatronOptimizer:
         group has none); ``scaler``: the fp16 loss scaler's state (None without one).
         """
         steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
-        return {"adam_step": float(steps[0]) if steps else 0.0,
-                "group_steps": [float(g["step"]) if torch.is_tensor(g.get("step")) else g.get("step")
-                                for g in self.optimizer.param_groups],
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+        return {
+            "adam_step": float(steps[0]) if steps else 0.0,
+            "group_steps": [
+                float(g["step"]) if torch.is_tensor(g.get("step")) else g.get("step")
+                for g in self.optimizer.param_groups
+            ],
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
 
     def load_step_state(self, state: Dict[str, object]) -> None:
         """Restore the group step counts and the loss scaler from :meth:`step_state`'s output.
@@ -295,12 +334,20 @@ class MegatronOptimizer:
             st = self.optimizer.state.get(pc.main, {})
             out[f"{pc.name}[{pc.start}:{pc.end}]"] = {
                 "param": pc.main.detach().view(-1).float().clone(),
-                **{k: (v.detach().view(-1).clone() if torch.is_tensor(v) and v.dim() > 0
-                      else v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}}
+                **{
+                    k: (
+                        v.detach().view(-1).clone()
+                        if torch.is_tensor(v) and v.dim() > 0
+                        else v.detach().clone()
+                        if torch.is_tensor(v)
+                        else v
+                    )
+                    for k, v in st.items()
+                },
+            }
         # apex's FusedAdam counts steps per param group rather than per parameter
         group_steps = [g.get("step") for g in self.optimizer.param_groups]
-        return {"pieces": out, "scaler": self.scaler.state_dict() if self.scaler else None,
-                "group_steps": group_steps}
+        return {"pieces": out, "scaler": self.scaler.state_dict() if self.scaler else None, "group_steps": group_steps}
 
     def load_sharded_state_dict(self, state: Dict[str, object]) -> None:
         """Inverse of :meth:`sharded_state_dict` for the same layout."""
@@ -331,8 +378,9 @@ class MegatronOptimizer:
             if k == "param":
                 continue
             if torch.is_tensor(v):  # moments shaped like the piece; a 0-dim step on the piece's device
-                st[k] = v.reshape(pc.main.shape).clone().to(pc.main.device) if v.dim() > 0 \
-                    else v.clone().to(pc.main.device)
+                st[k] = (
+                    v.reshape(pc.main.shape).clone().to(pc.main.device) if v.dim() > 0 else v.clone().to(pc.main.device)
+                )
             else:
                 st[k] = v
         if st:
@@ -340,7 +388,8 @@ class MegatronOptimizer:
 
     def _state_keys(self, include_main: bool) -> List[str]:
         return (["param"] if include_main else []) + sorted(
-            {k for s in self.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+            {k for s in self.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
+        )
 
     def _source(self, pc: _Piece, key: str) -> Optional[torch.Tensor]:
         if key == "param":
@@ -365,8 +414,14 @@ class MegatronOptimizer:
             pieces.append({k: copy(t, (i, k)) for k, t in own.items() if t is not None})
         return {"keys": keys, "pieces": pieces, "step": self._step_value()}
 
-    def full_state_dict(self, include_main: bool = True, to_cpu: bool = False, snapshot: Optional[dict] = None,
-                        group=None, expert_group=None) -> Dict[str, Dict[str, torch.Tensor]]:
+    def full_state_dict(
+        self,
+        include_main: bool = True,
+        to_cpu: bool = False,
+        snapshot: Optional[dict] = None,
+        group=None,
+        expert_group=None,
+    ) -> Dict[str, Dict[str, torch.Tensor]]:
         """Every parameter's whole fp32 main weight ("param") and Adam moments (collective over dp x cp,
         and over expert DP for an MoE's experts: ``expert_group`` is that group's gloo copy for a snapshot).
 
@@ -404,11 +459,11 @@ class MegatronOptimizer:
                 for i, pc in mine:
                     t = source(i, pc, key)
                     if t is not None:
-                        flat[offsets[pc.name] + pc.start:offsets[pc.name] + pc.end] = t.view(-1)
+                        flat[offsets[pc.name] + pc.start : offsets[pc.name] + pc.end] = t.view(-1)
                 dist.all_reduce(flat, group=groups[k] if groups[k] is not None else part.dp.group)
                 flat = flat.cpu() if to_cpu else flat
                 for n, p in named:
-                    out[n][key] = flat[offsets[n]:offsets[n] + p.numel()].view(p.shape)
+                    out[n][key] = flat[offsets[n] : offsets[n] + p.numel()].view(p.shape)
         step = snapshot["step"] if snapshot is not None else self._step_value()
         if step is not None:
             for n in out:
@@ -419,8 +474,10 @@ class MegatronOptimizer:
         """Load whole-parameter state (from :meth:`full_state_dict`, any DP size or sharding)."""
         self.finish_param_gather()
         for pc in self.pieces:
-            entry = {k: (v.reshape(-1)[pc.start:pc.end] if torch.is_tensor(v) and v.dim() > 0 else v)
-                     for k, v in full[pc.name].items()}
+            entry = {
+                k: (v.reshape(-1)[pc.start : pc.end] if torch.is_tensor(v) and v.dim() > 0 else v)
+                for k, v in full[pc.name].items()
+            }
             self._load_piece(pc, entry)
         self._sync_loaded_weights()
 
@@ -429,9 +486,18 @@ class MegatronOptimizer:
         ``keys`` ("param": the main weight itself; a moment: new and uninitialised, on the piece's
         device). Only this rank's pieces: the distributed optimizer gets its shard, nothing full-size.
         Fill every element, then :meth:`install_loaded`."""
-        return [(pc, {k: pc.main.detach().view(-1) if k == "param" else
-                      torch.empty(pc.main.numel(), dtype=torch.float32, device=pc.main.device) for k in keys})
-                for pc in self.pieces]
+        return [
+            (
+                pc,
+                {
+                    k: pc.main.detach().view(-1)
+                    if k == "param"
+                    else torch.empty(pc.main.numel(), dtype=torch.float32, device=pc.main.device)
+                    for k in keys
+                },
+            )
+            for pc in self.pieces
+        ]
 
     def install_loaded(self, targets: List[Tuple[_Piece, Dict[str, torch.Tensor]]], adam_step: float) -> None:
         """Adopt :meth:`load_targets`' filled tensors as :meth:`load_full_state_dict` would (half runs'

@@ -4,6 +4,7 @@ Stops (a non-finite loss, a signal, a bad sample, a failed dataset or checkpoint
 end every rank at once and be said once; these one-collective helpers are how the ranks agree.
 Each is a single all-reduce over the whole world (a no-op in one process).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence

@@ -13,6 +13,7 @@ Pure Python, no torch.distributed: ParallelState (state.py) declares its dense a
 with it and creates the process groups; validation, the planner and the tests read the same
 memberships without any process.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -60,16 +61,22 @@ class RankGrid:
         out = []
         for at in itertools.product(*(range(self.sizes[a]) for a in fixed)):
             base = self.rank_of(dict(zip(fixed, at)))
-            out.append(sorted(base + self.rank_of(dict(zip(along, c)))
-                              for c in itertools.product(*(range(self.sizes[a]) for a in along))))
+            out.append(
+                sorted(
+                    base + self.rank_of(dict(zip(along, c)))
+                    for c in itertools.product(*(range(self.sizes[a]) for a in along))
+                )
+            )
         return sorted(out)
 
     def group_of(self, rank: int, along: Sequence[str]) -> List[int]:
         """The ranks of ``rank``'s group along ``along`` (ascending)."""
         mine = self.coords_of(rank)
         fixed = {name: c for name, c in mine.items() if name not in along}
-        return sorted(self.rank_of({**fixed, **dict(zip(along, c))})
-                      for c in itertools.product(*(range(self.sizes[a]) for a in along)))
+        return sorted(
+            self.rank_of({**fixed, **dict(zip(along, c))})
+            for c in itertools.product(*(range(self.sizes[a]) for a in along))
+        )
 
     def __repr__(self) -> str:
         return "RankGrid(" + "-".join(f"{name}{size}" for name, size in self.axes) + ")"

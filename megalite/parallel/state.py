@@ -47,6 +47,7 @@ for the world's rank and size (a test enforces it). Everything else receives a
 ``ParallelState`` (or one of its ``AxisGroup`` members) as an argument. The state
 also holds this rank's flight recorder, so whoever talks on its groups records there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,11 +77,20 @@ EXPERT_AXES: Tuple[str, ...] = ("etp", "ep", "edp", "pp")
 # the dense ones come ``embedding`` and ``position_embedding`` (the ends of each pp group), after the
 # expert ones ``tp_cp`` (the dense grid's tp x cp).
 DENSE_GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",)),
-    ("dp_cp", ("cp", "dp")), ("mp", ("tp", "pp")))
+    ("tp", ("tp",)),
+    ("cp", ("cp",)),
+    ("dp", ("dp",)),
+    ("pp", ("pp",)),
+    ("dp_cp", ("cp", "dp")),
+    ("mp", ("tp", "pp")),
+)
 EXPERT_GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("etp", ("etp",)), ("ep", ("ep",)), ("edp", ("edp",)),
-    ("expert_mp", ("etp", "ep")), ("stage", ("etp", "ep", "edp")))
+    ("etp", ("etp",)),
+    ("ep", ("ep",)),
+    ("edp", ("edp",)),
+    ("expert_mp", ("etp", "ep")),
+    ("stage", ("etp", "ep", "edp")),
+)
 
 
 @dataclass
@@ -143,8 +153,9 @@ def grid_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, Lis
     return _dense_memberships(dense_grid(world_size, tp, pp, cp))
 
 
-def expert_grid_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
-                       etp: Optional[int] = None) -> Dict[str, List[List[int]]]:
+def expert_grid_groups(
+    world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1, etp: Optional[int] = None
+) -> Dict[str, List[List[int]]]:
     """The expert grid's groups (``etp``, ``ep``, ``edp``, ``expert_mp`` = etp x ep) and the MoE helpers
     ``tp_cp`` (tp x cp) and ``stage`` (tp x cp x dp), without creating any process group."""
     experts = expert_grid(world_size, tp, pp, cp, ep, etp)
@@ -164,10 +175,14 @@ def elastic_round_store(world_size: int, timeout: timedelta) -> Optional["dist.S
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"megalite/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/round_"
-                            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(
+        f"megalite/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/round_"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+        client,
+    )
 
 
 class ParallelState:
@@ -182,10 +197,21 @@ class ParallelState:
 
     SHADOWED = ("tp", "cp", "tp_cp", "ep", "etp", "expert_mp")  # the groups a forward's compute talks on
 
-    def __init__(self, world_size: int, rank: int, tp: int = 1, pp: int = 1,
-                 create_groups: bool = True, backend: Optional[str] = None,
-                 device: Optional[torch.device] = None, timeout: Optional[timedelta] = None,
-                 cp: int = 1, ep: int = 1, etp: Optional[int] = None, experts: bool = False):
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        tp: int = 1,
+        pp: int = 1,
+        create_groups: bool = True,
+        backend: Optional[str] = None,
+        device: Optional[torch.device] = None,
+        timeout: Optional[timedelta] = None,
+        cp: int = 1,
+        ep: int = 1,
+        etp: Optional[int] = None,
+        experts: bool = False,
+    ):
         self.world_size, self.rank = world_size, rank
         self.expert_grid = expert_grid(world_size, tp, pp, cp, ep, etp)  # validated now
         self.grid = dense_grid(world_size, tp, pp, cp)
@@ -197,8 +223,7 @@ class ParallelState:
         # receives need it passed explicitly or they wait forever.
         self.timeout = timeout
         if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                      else torch.device("cpu"))
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = device
         self.recorder = FlightRecorder()  # what this rank did (hang diagnosis); start_hang_watch sizes it
         self._distributed = create_groups and world_size > 1
@@ -212,15 +237,17 @@ class ParallelState:
         if self.has_experts:
             # an expert group with the same members as any earlier group takes its communicator
             earlier = tuple(self.memberships)
-            self._create_axes([(name, earlier + tuple(self.expert_memberships)[:i])
-                               for i, name in enumerate(self.expert_memberships)])
+            self._create_axes(
+                [(name, earlier + tuple(self.expert_memberships)[:i]) for i, name in enumerate(self.expert_memberships)]
+            )
 
     # -- group creation: the one place (every rank, every group, in the same order) --------------
     def _partition(self, name: str) -> List[List[int]]:
         return self.memberships[name] if name in self.memberships else self.expert_memberships[name]
 
-    def _new_groups(self, partition: Sequence[List[int]], backend: Optional[str] = None
-                    ) -> Optional["dist.ProcessGroup"]:
+    def _new_groups(
+        self, partition: Sequence[List[int]], backend: Optional[str] = None
+    ) -> Optional["dist.ProcessGroup"]:
         """One communicator per group of ``partition``, this rank's returned (None: its group has one
         rank, or nothing is distributed). new_group is collective over the whole world: every rank
         creates every group, members or not, in the same order."""
@@ -307,12 +334,29 @@ class ParallelState:
         """This rank's state for the run ``cfg`` describes: its parallel section's sizes, backend and
         timeout, and the expert groups when the model has experts (see :meth:`from_env`)."""
         par = cfg.parallel
-        return cls.from_env(par.tp, par.pp, par.distributed_backend, timeout_s=60.0 * par.distributed_timeout_minutes,
-                            cp=par.cp, ep=par.ep, etp=par.etp, experts=cfg.model.is_moe)
+        return cls.from_env(
+            par.tp,
+            par.pp,
+            par.distributed_backend,
+            timeout_s=60.0 * par.distributed_timeout_minutes,
+            cp=par.cp,
+            ep=par.ep,
+            etp=par.etp,
+            experts=cfg.model.is_moe,
+        )
 
     @classmethod
-    def from_env(cls, tp: int = 1, pp: int = 1, backend: Optional[str] = None, timeout_s: float = 600.0,
-                 cp: int = 1, ep: int = 1, etp: Optional[int] = None, experts: bool = False) -> "ParallelState":
+    def from_env(
+        cls,
+        tp: int = 1,
+        pp: int = 1,
+        backend: Optional[str] = None,
+        timeout_s: float = 600.0,
+        cp: int = 1,
+        ep: int = 1,
+        etp: Optional[int] = None,
+        experts: bool = False,
+    ) -> "ParallelState":
         """Initialise torch.distributed from torchrun's variables (if several ranks) and build groups.
 
         With WORLD_SIZE unset or 1 no process group is created at all, so a
@@ -330,21 +374,53 @@ class ParallelState:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                    store=elastic_round_store(world, timeout))
-        return cls(dist.get_world_size(), dist.get_rank(), tp, pp, backend=backend,
-                   timeout=timedelta(seconds=timeout_s), cp=cp, ep=ep, etp=etp, experts=experts)
+            dist.init_process_group(
+                backend, rank=rank, world_size=world, timeout=timeout, store=elastic_round_store(world, timeout)
+            )
+        return cls(
+            dist.get_world_size(),
+            dist.get_rank(),
+            tp,
+            pp,
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            cp=cp,
+            ep=ep,
+            etp=etp,
+            experts=experts,
+        )
 
     @classmethod
-    def init_for_test(cls, rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
-                      timeout_s: float = 120.0, cp: int = 1, ep: int = 1,
-                      etp: Optional[int] = None, experts: bool = False) -> "ParallelState":
+    def init_for_test(
+        cls,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        tp: int = 1,
+        pp: int = 1,
+        timeout_s: float = 120.0,
+        cp: int = 1,
+        ep: int = 1,
+        etp: Optional[int] = None,
+        experts: bool = False,
+    ) -> "ParallelState":
         """Start a gloo process group on an explicit rendezvous (used by megalite.testing.run_distributed)."""
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout_s))
-        return cls(world_size, rank, tp, pp, backend="gloo", timeout=timedelta(seconds=timeout_s), cp=cp, ep=ep,
-                   etp=etp, experts=experts)
+            dist.init_process_group(
+                "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            )
+        return cls(
+            world_size,
+            rank,
+            tp,
+            pp,
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_s),
+            cp=cp,
+            ep=ep,
+            etp=etp,
+            experts=experts,
+        )
 
     def destroy(self) -> None:
         """Tear the process group down (end of a run or test)."""
@@ -355,8 +431,10 @@ class ParallelState:
     tp = property(lambda self: self.axes["tp"])
     cp = property(lambda self: self.axes["cp"])
     dp = property(lambda self: self.axes["dp"])
-    dp_cp = property(lambda self: self.axes["dp_cp"],
-                     doc="every rank holding this rank's model shard: the group gradients are averaged over")
+    dp_cp = property(
+        lambda self: self.axes["dp_cp"],
+        doc="every rank holding this rank's model shard: the group gradients are averaged over",
+    )
     pp = property(lambda self: self.axes["pp"])
     mp = property(lambda self: self.axes["mp"])
     embedding = property(lambda self: self.axes["embedding"])
@@ -364,8 +442,10 @@ class ParallelState:
 
     def _expert_axis(self, name: str) -> AxisGroup:
         if name not in self.axes:
-            raise RuntimeError(f"this ParallelState has no expert groups ({name}): build it for a model with "
-                               "experts (ParallelState.from_config, or experts=True)")
+            raise RuntimeError(
+                f"this ParallelState has no expert groups ({name}): build it for a model with "
+                "experts (ParallelState.from_config, or experts=True)"
+            )
         return self.axes[name]
 
     ep = property(lambda self: self._expert_axis("ep"), doc="the ranks one layer's experts are split over")
@@ -426,5 +506,7 @@ class ParallelState:
             dist.barrier()
 
     def __repr__(self) -> str:
-        return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})")
+        return (
+            f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+            f"cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})"
+        )

@@ -11,6 +11,7 @@ and times them; all of them speak only these types::
     rank 0: F0.0 [sF0->1] F1.0 [sF1->1 rB0<-1] B0.0 ...
                  ^ Comm: one batch_isend_irecv, all ops waited for together
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,10 +68,7 @@ def format_action(action: Action) -> str:
     """Render one action: ``F3.1`` (forward mb 3, chunk 1) or ``[sF3->2 rB1<-0]`` (peer ranks)."""
     if isinstance(action, Compute):
         return f"{action.kind}{action.mb}.{action.chunk}"
-    parts = [
-        f"s{o.kind}{o.mb}->{o.peer}" if o.op == "send" else f"r{o.kind}{o.mb}<-{o.peer}"
-        for o in action.ops
-    ]
+    parts = [f"s{o.kind}{o.mb}->{o.peer}" if o.op == "send" else f"r{o.kind}{o.mb}<-{o.peer}" for o in action.ops]
     return "[" + " ".join(parts) + "]"
 
 

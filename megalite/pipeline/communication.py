@@ -17,6 +17,7 @@ posts each group's receives k groups earlier. megalite.analysis.simulate
 proves every registered schedule deadlock-free under this placement
 (tests/unit/test_schedules.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -65,7 +66,7 @@ def _split(actions: list[Compute], sizes: list[int]) -> list[list[Compute]]:
         raise ValueError(f"groups cover {sum(sizes)} of {len(actions)} compute actions")
     parts, start = [], 0
     for size in sizes:
-        parts.append(actions[start:start + size])
+        parts.append(actions[start : start + size])
         start += size
     return parts
 
@@ -96,14 +97,16 @@ class _ChannelOrder:
             ch = (op.peer, rank)
             upto = self.index[(ch, op.message())]
             start = self.posted.get(ch, 0)
-            out += [P2POp("recv", s.kind, s.mb, s.src_stage, s.dst_stage, op.peer)
-                    for s in self.sent[ch][start:upto + 1]]
+            out += [
+                P2POp("recv", s.kind, s.mb, s.src_stage, s.dst_stage, op.peer) for s in self.sent[ch][start : upto + 1]
+            ]
             self.posted[ch] = max(start, upto + 1)
         return out
 
 
-def _with_comms(parts: list[list[Compute]], rank: int, layout: StageLayout, order: _ChannelOrder,
-                lookahead: int = 0) -> list[Action]:
+def _with_comms(
+    parts: list[list[Compute]], rank: int, layout: StageLayout, order: _ChannelOrder, lookahead: int = 0
+) -> list[Action]:
     """One rank's actions with a Comm before the first group and after every group.
 
     The Comm after group i holds i's sends and the receives of group i+1+lookahead.
@@ -115,7 +118,7 @@ def _with_comms(parts: list[list[Compute]], rank: int, layout: StageLayout, orde
     def recvs(part: list[Compute]) -> list[P2POp]:
         return order.recvs([op for a in part for op in _recvs(a, rank, layout)], rank)
 
-    out: list[Action] = _comm([op for part in parts[:1 + lookahead] for op in recvs(part)])
+    out: list[Action] = _comm([op for part in parts[: 1 + lookahead] for op in recvs(part)])
     for i, part in enumerate(parts):
         out += part
         ahead = i + 1 + lookahead
@@ -124,8 +127,12 @@ def _with_comms(parts: list[list[Compute]], rank: int, layout: StageLayout, orde
 
 
 def add_communication(
-    compute: list[list[Compute]], pp: int, vp: int, groups: Optional[list[list[int]]] = None,
-    layout: Optional[StageLayout] = None, lookahead: int = 0,
+    compute: list[list[Compute]],
+    pp: int,
+    vp: int,
+    groups: Optional[list[list[int]]] = None,
+    layout: Optional[StageLayout] = None,
+    lookahead: int = 0,
 ) -> list[list[Action]]:
     """Insert Comm batches into per-rank compute lists.
 

@@ -30,6 +30,7 @@ Inputs and outputs of micro-batches in flight are held in dicts keyed by
 action are recorded so the caller can report forward / backward / p2p time,
 the measured bubble, and write a timeline.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,9 +42,9 @@ import torch
 from megalite.context_parallel.sequence import sequence_kwargs
 from megalite.moe import routers_of, set_aux_loss_scale
 from megalite.parallel.state import ParallelState
+from megalite.pipeline.actions import Comm, Compute
 from megalite.pipeline.p2p import P2PState
 from megalite.pipeline.pairing import paired_backward, run_pair
-from megalite.pipeline.actions import Comm, Compute
 from megalite.pipeline.stage_layout import StageLayout
 from megalite.tensor_parallel.layers import WeightGradSplit, WeightGradStore, enable_weight_grad_split
 
@@ -74,9 +75,15 @@ class StepStats:
 class PipelineExecutor:
     """Executes schedules for this rank's model chunks (one per virtual stage)."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], ps: ParallelState,
-                 activation_shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
-                 sync_timing: bool = False, layout: Optional[StageLayout] = None):
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        ps: ParallelState,
+        activation_shape: Tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        sync_timing: bool = False,
+        layout: Optional[StageLayout] = None,
+    ):
         self.chunks, self.ps = list(chunks), ps
         self.layout = layout or StageLayout(ps.pp_size, len(self.chunks))
         self.pp, self.num_stages = ps.pp_size, self.layout.num_stages
@@ -93,8 +100,14 @@ class PipelineExecutor:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def run(self, actions: Sequence[object], get_batch: Callable[[int], Batch], num_microbatches: int,
-            forward_only: bool = False, loss_scale: float = 1.0) -> StepStats:
+    def run(
+        self,
+        actions: Sequence[object],
+        get_batch: Callable[[int], Batch],
+        num_microbatches: int,
+        forward_only: bool = False,
+        loss_scale: float = 1.0,
+    ) -> StepStats:
         """Run ``actions``; ``get_batch(mb)`` gives tokens/labels/loss_mask of micro-batch ``mb``.
 
         Backward starts from ``loss / num_microbatches * loss_scale`` (fp16 loss scaling). MoE
@@ -103,22 +116,10 @@ class PipelineExecutor:
         gradient average carry the same weight.
         """
         st = StepStats()
-        self.loss_scale = loss_scale
-        if not forward_only:
-            set_aux_loss_scale(self._routers, loss_scale / num_microbatches * self.ps.cp_size)
-        fault, self.fault = self.fault, None  # --inject-fault-kind hang / skip-send: this run only
-        if fault is not None:
-            actions = fault.actions(actions)
+        actions, fault = self._begin_run(actions, num_microbatches, forward_only, loss_scale)
         recorder = self.ps.recorder
-        recorder.begin_run(self._plan(actions))
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._wgrads: Optional[Dict[Tuple[int, int], "WeightGradStore | _WholeBackward"]] = None
-        if not forward_only and any(isinstance(a, Compute) and a.kind == "W" for a in actions):
-            self._wgrads = {}
-            for c, chunk in enumerate(self.chunks):  # idempotent; results are the same with or without it
-                if self._stage(c) > 0 or not self.layout.whole_first_backward:
-                    enable_weight_grad_split(chunk, self.wgrad_split)
         p2p = P2PState(self.ps.timeout if self.ps.backend == "gloo" else None, recorder)
         t0 = self._now()
         i = -1
@@ -134,7 +135,7 @@ class PipelineExecutor:
             j = paired_backward(self, actions, i, p2p) if self.pair_forward_backward and not forward_only else None
             if j is not None:  # --overlap-moe-expert-parallel-comm: F and the next B side by side (pairing.py)
                 run_pair(self, action, actions[j], get_batch, num_microbatches, inputs, outputs, p2p, st, t0)
-                for comm in actions[i + 1:j]:  # the transfers placed between them: after both
+                for comm in actions[i + 1 : j]:  # the transfers placed between them: after both
                     p2p.post(comm, self.ps, self.shape, self.dtype)
                 i = j
                 continue
@@ -145,26 +146,59 @@ class PipelineExecutor:
             if fault is not None:
                 fault.during(action)
             if action.kind == "F":
-                self._forward(action, get_batch, num_microbatches, forward_only,
-                              inputs, outputs, p2p.payloads, received, st)
+                self._forward(
+                    action, get_batch, num_microbatches, forward_only, inputs, outputs, p2p.payloads, received, st
+                )
             elif action.kind == "B":
                 self._backward(action, inputs, outputs, p2p.payloads, received)
             else:
                 self._wgrads.pop((action.mb, action.chunk)).run()
             end = self._now()
             recorder.done(event)
-            if action.kind == "F":
-                st.forward += end - start
-            else:
-                st.backward += end - start
-            st.events.append({"rank": self.ps.pp_rank, "kind": action.kind, "mb": action.mb,
-                              "chunk": action.chunk, "start": start - t0, "end": end - t0})
+            self._account(st, action, start - t0, end - t0)
         if self._wgrads:
             raise RuntimeError(f"schedule left weight gradients unrun: {sorted(self._wgrads)}")
         start = self._now()
         p2p.finish()
         st.p2p += self._now() - start
         return st
+
+    def _begin_run(
+        self, actions: Sequence[object], num_microbatches: int, forward_only: bool, loss_scale: float
+    ) -> Tuple[Sequence[object], object]:
+        """Set the step's loss scales, take this run's injected fault (it may rewrite the list), tell the
+        flight recorder the run's transfers and, when the list has W actions, split the weight GEMMs."""
+        self.loss_scale = loss_scale
+        if not forward_only:
+            set_aux_loss_scale(self._routers, loss_scale / num_microbatches * self.ps.cp_size)
+        fault, self.fault = self.fault, None  # --inject-fault-kind hang / skip-send: this run only
+        if fault is not None:
+            actions = fault.actions(actions)
+        self.ps.recorder.begin_run(self._plan(actions))
+        self._wgrads: Optional[Dict[Tuple[int, int], "WeightGradStore | _WholeBackward"]] = None
+        if not forward_only and any(isinstance(a, Compute) and a.kind == "W" for a in actions):
+            self._wgrads = {}
+            for c, chunk in enumerate(self.chunks):  # idempotent; results are the same with or without it
+                if self._stage(c) > 0 or not self.layout.whole_first_backward:
+                    enable_weight_grad_split(chunk, self.wgrad_split)
+        return actions, fault
+
+    def _account(self, st: StepStats, action: Compute, start: float, end: float) -> None:
+        """One compute action's time (seconds since the run began) into the step's totals and timeline."""
+        if action.kind == "F":
+            st.forward += end - start
+        else:
+            st.backward += end - start
+        st.events.append(
+            {
+                "rank": self.ps.pp_rank,
+                "kind": action.kind,
+                "mb": action.mb,
+                "chunk": action.chunk,
+                "start": start,
+                "end": end,
+            }
+        )
 
     def _plan(self, actions: Sequence[object]) -> Dict[str, Dict[int, list]]:
         """The run's transfers per direction and peer (global rank), in order: what the hang diagnosis
@@ -173,7 +207,7 @@ class PipelineExecutor:
         if id(actions) not in cache:
             plan: Dict[str, Dict[int, list]] = {"send": {}, "recv": {}}
             for a in actions:
-                for op in (a.ops if isinstance(a, Comm) else ()):
+                for op in a.ops if isinstance(a, Comm) else ():
                     plan[op.op].setdefault(self.ps.pp.ranks[op.peer], []).append((op.kind, op.mb, op.dst_stage))
             cache[id(actions)] = (actions, plan)  # the list is kept alive, so its id stays its own
         return cache[id(actions)][1]
@@ -195,8 +229,9 @@ class PipelineExecutor:
             return p2p.payloads.pop(key)
         return p2p.take(key)
 
-    def _forward(self, a: Compute, get_batch, m: int, forward_only: bool, inputs, outputs,
-                 payloads, received, st: StepStats) -> None:
+    def _forward(
+        self, a: Compute, get_batch, m: int, forward_only: bool, inputs, outputs, payloads, received, st: StepStats
+    ) -> None:
         stage = self._stage(a.chunk)
         model = self.chunks[a.chunk]
         batch = get_batch(a.mb)  # None on a rank that reads no data
@@ -227,7 +262,9 @@ class PipelineExecutor:
         grad = None if stage == self.num_stages - 1 else received
         if self._wgrads is None:
             torch.autograd.backward(out, grad_tensors=grad)
-        elif stage == 0 and self.layout.whole_first_backward:  # nobody waits for its input gradient: all of it waits for W
+        elif (
+            stage == 0 and self.layout.whole_first_backward
+        ):  # nobody waits for its input gradient: all of it waits for W
             self._wgrads[(a.mb, a.chunk)] = _WholeBackward(out, grad)
         else:  # input gradients now; the weight GEMMs wait for this (mb, chunk)'s W
             store = WeightGradStore()

@@ -10,6 +10,7 @@ step. That blocks strictly later than the simulator's rendezvous model
 the simulator proves deadlock-free stays deadlock-free, while a rank can run
 the forward whose input already arrived before the gradient it will need next.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -87,5 +88,6 @@ class P2PState:
             self._wait_all(works, event)
         self._sends.clear()
         if self.payloads or self._recvs:
-            raise RuntimeError(f"schedule left transfers unmatched: unsent {sorted(self.payloads)}, "
-                               f"unread {sorted(self._recvs)}")
+            raise RuntimeError(
+                f"schedule left transfers unmatched: unsent {sorted(self.payloads)}, unread {sorted(self._recvs)}"
+            )

@@ -13,6 +13,7 @@ receives are placed one compute ahead for this):
 The results equal the sequential run's (each micro-batch's arithmetic is unchanged; only the
 wall clock overlaps). Dropout must be 0: the random state is shared by the two threads.
 """
+
 from __future__ import annotations
 
 import threading
@@ -70,5 +71,14 @@ def run_pair(ex, f: Compute, b: Compute, get_batch, m: int, inputs, outputs, p2p
     st.forward += end - start  # both ran over the whole span
     st.backward += end - start
     for a in (f, b):
-        st.events.append({"rank": ex.ps.pp_rank, "kind": a.kind, "mb": a.mb, "chunk": a.chunk,
-                          "start": start - t0, "end": end - t0, "paired": True})
+        st.events.append(
+            {
+                "rank": ex.ps.pp_rank,
+                "kind": a.kind,
+                "mb": a.mb,
+                "chunk": a.chunk,
+                "start": start - t0,
+                "end": end - t0,
+                "paired": True,
+            }
+        )

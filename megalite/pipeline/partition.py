@@ -21,6 +21,7 @@ in stage order, so pp=2, vp=2 with ``3,1,2,2`` puts layers 0-2 on rank 0
 chunk 0, 3 on rank 1 chunk 0, 4-5 on rank 0 chunk 1, 6-7 on rank 1 chunk 1.
 Parameter names stay global (``decoder.layers.N``) whatever the split.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -28,8 +29,10 @@ from typing import Optional, Sequence
 _STAGES = "--pipeline-stage-layers"
 _FIRST = "--decoder-first-pipeline-num-layers"
 _LAST = "--decoder-last-pipeline-num-layers"
-_VP = ("virtual pipeline size (--virtual-pipeline-model-parallel-size, or the layers per stage / "
-       "--num-layers-per-virtual-pipeline-stage)")
+_VP = (
+    "virtual pipeline size (--virtual-pipeline-model-parallel-size, or the layers per stage / "
+    "--num-layers-per-virtual-pipeline-stage)"
+)
 
 
 def num_stages(pp: int, vp: int) -> int:
@@ -57,9 +60,7 @@ def _check_uneven(num_layers: int, pp: int, vp: int, first: Optional[int], last:
             f"{middle} layers left for {middle_ranks} middle pipeline ranks x vp={vp}"
         )
     if middle_ranks == 0 and middle != 0:
-        raise ValueError(
-            f"{_FIRST}={first} + {_LAST}={last} must equal --num-layers={num_layers} when pp=2"
-        )
+        raise ValueError(f"{_FIRST}={first} + {_LAST}={last} must equal --num-layers={num_layers} when pp=2")
     if middle_ranks > 0 and middle % (middle_ranks * vp) != 0:
         raise ValueError(
             f"--num-layers={num_layers} minus {_FIRST}/{_LAST} leaves {middle} layers, "
@@ -67,16 +68,19 @@ def _check_uneven(num_layers: int, pp: int, vp: int, first: Optional[int], last:
         )
 
 
-def _check_stage_layers(num_layers: int, pp: int, vp: int, first: Optional[int], last: Optional[int],
-                        stage_layers: Sequence[int]) -> None:
+def _check_stage_layers(
+    num_layers: int, pp: int, vp: int, first: Optional[int], last: Optional[int], stage_layers: Sequence[int]
+) -> None:
     """Validate a general per-virtual-stage split; see ``validate_partition``."""
     if first is not None or last is not None:
         raise ValueError(f"{_STAGES} and {_FIRST}/{_LAST} are exclusive; give one")
     if pp == 1:
         raise ValueError(f"{_STAGES} needs --pipeline-model-parallel-size > 1 (got 1)")
     if len(stage_layers) != pp * vp:
-        raise ValueError(f"{_STAGES} has {len(stage_layers)} entries; it needs one per virtual pipeline stage "
-                         f"(pp x vp = {pp} x {vp} = {pp * vp}), in stage order")
+        raise ValueError(
+            f"{_STAGES} has {len(stage_layers)} entries; it needs one per virtual pipeline stage "
+            f"(pp x vp = {pp} x {vp} = {pp * vp}), in stage order"
+        )
     for s, n in enumerate(stage_layers):
         if n < 1:
             raise ValueError(f"{_STAGES} gives stage {s} {n} layers; every stage needs >= 1")
@@ -85,7 +89,11 @@ def _check_stage_layers(num_layers: int, pp: int, vp: int, first: Optional[int],
 
 
 def validate_partition(
-    num_layers: int, pp: int, vp: int, first: Optional[int] = None, last: Optional[int] = None,
+    num_layers: int,
+    pp: int,
+    vp: int,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
     stage_layers: Optional[Sequence[int]] = None,
 ) -> None:
     """Raise ValueError (one line naming the flags) unless the layout is legal.
@@ -118,8 +126,9 @@ def validate_partition(
         )
 
 
-def _layers_per_chunk(num_layers: int, pp: int, vp: int, pp_rank: int,
-                      first: Optional[int], last: Optional[int]) -> int:
+def _layers_per_chunk(
+    num_layers: int, pp: int, vp: int, pp_rank: int, first: Optional[int], last: Optional[int]
+) -> int:
     """Number of layers one virtual chunk on ``pp_rank`` holds (layout already valid)."""
     if first is None and last is None:
         return num_layers // (pp * vp)

@@ -15,6 +15,7 @@ is one entry here plus its builder::
 compute order, then communication.add_communication with the entry's layout
 (and its Comm grouping, ``comm_groups``, unless p2p is overlapped).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,12 +24,27 @@ from typing import Callable, Optional
 
 from megalite.pipeline.actions import Action, Compute
 from megalite.pipeline.communication import add_communication
-from megalite.pipeline.schedules import (build_1f1b, build_forward_only, build_gpipe, build_interleaved_1f1b,
-                                         build_no_pipelining, check_gpipe, check_interleaved_1f1b,
-                                         check_no_pipelining, check_one_chunk, interleaved_groups)
+from megalite.pipeline.schedules import (
+    build_1f1b,
+    build_forward_only,
+    build_gpipe,
+    build_interleaved_1f1b,
+    build_no_pipelining,
+    check_gpipe,
+    check_interleaved_1f1b,
+    check_no_pipelining,
+    check_one_chunk,
+    interleaved_groups,
+)
 from megalite.pipeline.stage_layout import StageLayout
-from megalite.pipeline.zero_bubble import (build_dualpipev, build_zb_h1, build_zbv, check_dualpipev, check_zb_h1,
-                                           check_zbv)
+from megalite.pipeline.zero_bubble import (
+    build_dualpipev,
+    build_zb_h1,
+    build_zbv,
+    check_dualpipev,
+    check_zb_h1,
+    check_zbv,
+)
 
 Builder = Callable[[int, int, int], list[list[Compute]]]
 
@@ -60,24 +76,54 @@ def _specs(*specs: ScheduleSpec) -> dict[str, ScheduleSpec]:
 
 
 SCHEDULES: dict[str, ScheduleSpec] = _specs(  # insertion order: the order --help lists them
-    ScheduleSpec("no_pipelining", lambda pp, vp, m: build_no_pipelining(m), check_no_pipelining,
-                 "gradient accumulation on one rank: F0 B0 F1 B1 ... (pp = 1)"),
-    ScheduleSpec("gpipe", build_gpipe, check_gpipe,
-                 "all forwards, then all backwards (any pp, vp, m; holds every micro-batch's activations)"),
-    ScheduleSpec("1f1b", lambda pp, vp, m: build_1f1b(pp, m), partial(check_one_chunk, "1f1b"),
-                 "PipeDream-Flush 1F1B: warmup forwards, one forward one backward, cooldown (vp = 1)"),
-    ScheduleSpec("interleaved_1f1b", build_interleaved_1f1b, check_interleaved_1f1b,
-                 "Megatron's interleaved 1F1B over vp chunks per rank (vp > 1, m a multiple of pp)",
-                 comm_groups=interleaved_groups),
-    ScheduleSpec("zb_h1", lambda pp, vp, m: build_zb_h1(pp, m), check_zb_h1,
-                 "zero-bubble ZB-H1: 1F1B with split backward, W's held back to fill the bubble (vp = 1)",
-                 split_backward=True),
-    ScheduleSpec("zbv", lambda pp, vp, m: build_zbv(pp, m), check_zbv,
-                 "zero-bubble ZB-V: two chunks per rank in a V, split backward (pp >= 2, vp = 2)",
-                 v_shape=True, split_backward=True),
-    ScheduleSpec("dualpipev", lambda pp, vp, m: build_dualpipev(pp, m), check_dualpipev,
-                 "DeepSeek's DualPipeV: ZB-V's layout with paired forward/backward (vp = 2, m >= 2pp)",
-                 v_shape=True, split_backward=True),
+    ScheduleSpec(
+        "no_pipelining",
+        lambda pp, vp, m: build_no_pipelining(m),
+        check_no_pipelining,
+        "gradient accumulation on one rank: F0 B0 F1 B1 ... (pp = 1)",
+    ),
+    ScheduleSpec(
+        "gpipe",
+        build_gpipe,
+        check_gpipe,
+        "all forwards, then all backwards (any pp, vp, m; holds every micro-batch's activations)",
+    ),
+    ScheduleSpec(
+        "1f1b",
+        lambda pp, vp, m: build_1f1b(pp, m),
+        partial(check_one_chunk, "1f1b"),
+        "PipeDream-Flush 1F1B: warmup forwards, one forward one backward, cooldown (vp = 1)",
+    ),
+    ScheduleSpec(
+        "interleaved_1f1b",
+        build_interleaved_1f1b,
+        check_interleaved_1f1b,
+        "Megatron's interleaved 1F1B over vp chunks per rank (vp > 1, m a multiple of pp)",
+        comm_groups=interleaved_groups,
+    ),
+    ScheduleSpec(
+        "zb_h1",
+        lambda pp, vp, m: build_zb_h1(pp, m),
+        check_zb_h1,
+        "zero-bubble ZB-H1: 1F1B with split backward, W's held back to fill the bubble (vp = 1)",
+        split_backward=True,
+    ),
+    ScheduleSpec(
+        "zbv",
+        lambda pp, vp, m: build_zbv(pp, m),
+        check_zbv,
+        "zero-bubble ZB-V: two chunks per rank in a V, split backward (pp >= 2, vp = 2)",
+        v_shape=True,
+        split_backward=True,
+    ),
+    ScheduleSpec(
+        "dualpipev",
+        lambda pp, vp, m: build_dualpipev(pp, m),
+        check_dualpipev,
+        "DeepSeek's DualPipeV: ZB-V's layout with paired forward/backward (vp = 2, m >= 2pp)",
+        v_shape=True,
+        split_backward=True,
+    ),
 )
 
 
@@ -113,8 +159,9 @@ def build_compute(name: str, pp: int, vp: int, m: int) -> list[list[Compute]]:
     return spec.build(pp, vp, m)
 
 
-def build_schedule(name: str, pp: int, vp: int, m: int, forward_only: bool = False,
-                   overlap_p2p: bool = False) -> list[list[Action]]:
+def build_schedule(
+    name: str, pp: int, vp: int, m: int, forward_only: bool = False, overlap_p2p: bool = False
+) -> list[list[Action]]:
     """Return the full action list per rank (compute plus Comm) of schedule ``name``.
 
     With ``forward_only`` (evaluation) every schedule degenerates to the same

@@ -13,6 +13,7 @@ interleaved schedule), and groups each steady-state F+B pair into one Comm
 bubble, but correct). Each ``check_*`` function raises a one-line ValueError
 naming the flags for a (pp, vp, m) its schedule cannot run.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -50,8 +51,10 @@ def check_one_chunk(name: str, pp: int, vp: int, m: int) -> None:
     """1f1b and zb_h1 run one chunk per rank (vp == 1), any m >= 1 (m < pp: a large bubble)."""
     _check_interleaved_sizes(pp, vp, m)
     if vp != 1:
-        raise ValueError(f"--pipeline-schedule {name} needs one chunk per rank (got "
-                         f"--virtual-pipeline-model-parallel-size {vp}); use interleaved_1f1b or zbv (vp=2)")
+        raise ValueError(
+            f"--pipeline-schedule {name} needs one chunk per rank (got "
+            f"--virtual-pipeline-model-parallel-size {vp}); use interleaved_1f1b or zbv (vp=2)"
+        )
 
 
 def check_interleaved_1f1b(pp: int, vp: int, m: int) -> None:

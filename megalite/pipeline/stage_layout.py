@@ -19,6 +19,7 @@ conversion all ask a ``StageLayout`` rather than computing ``chunk * pp +
 rank`` themselves: it is the only stage <-> rank mapping. Which layout a
 schedule runs on is its registry entry's ``v_shape`` (registry.layout_for).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +72,15 @@ class StageLayout:
         """Local chunk index of global ``stage`` on its rank."""
         return stage // self.pp
 
-    def layers(self, num_layers: int, rank: int, chunk: int, first: Optional[int] = None,
-               last: Optional[int] = None, stage_layers: Optional[Sequence[int]] = None) -> range:
+    def layers(
+        self,
+        num_layers: int,
+        rank: int,
+        chunk: int,
+        first: Optional[int] = None,
+        last: Optional[int] = None,
+        stage_layers: Optional[Sequence[int]] = None,
+    ) -> range:
         """Global layer indices of (rank, chunk): the layers partition.py gives its global stage.
 
         partition.py numbers stages chunk-major (stage s at rank s % pp, chunk s // pp); the
@@ -82,7 +90,8 @@ class StageLayout:
         """
         s = self.stage(rank, chunk)
         if self.v_shape and (first is not None or last is not None):
-            raise ValueError("--decoder-first/last-pipeline-num-layers are not supported with the V-shaped "
-                             "schedules zbv and dualpipev; drop them or use --pipeline-stage-layers")
+            raise ValueError(
+                "--decoder-first/last-pipeline-num-layers are not supported with the V-shaped "
+                "schedules zbv and dualpipev; drop them or use --pipeline-stage-layers"
+            )
         return layers_of_stage(num_layers, self.pp, self.vp, s, first, last, stage_layers)
-

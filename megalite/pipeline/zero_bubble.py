@@ -71,6 +71,7 @@ torch.distributed.pipelining's ScheduleDualPipeV.
 Both V schedules need pp >= 2 and vp == 2 (``check_zbv``, ``check_dualpipev``);
 registry.py names the three builders with their layout and constraints.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -91,11 +92,14 @@ def _check_v(name: str, pp: int, vp: int, m: int) -> None:
     """A V needs two ranks or more and exactly its two arms per rank."""
     check_sizes(pp, vp, m)
     if pp < 2:
-        raise ValueError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 "
-                         "(on one rank use no_pipelining)")
+        raise ValueError(
+            f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 (on one rank use no_pipelining)"
+        )
     if vp != 2:
-        raise ValueError(f"--pipeline-schedule {name} runs two chunks per rank in a V: it needs "
-                         f"--virtual-pipeline-model-parallel-size 2 (got vp={vp})")
+        raise ValueError(
+            f"--pipeline-schedule {name} runs two chunks per rank in a V: it needs "
+            f"--virtual-pipeline-model-parallel-size 2 (got vp={vp})"
+        )
 
 
 def check_zbv(pp: int, vp: int, m: int) -> None:
@@ -107,8 +111,10 @@ def check_dualpipev(pp: int, vp: int, m: int) -> None:
     """dualpipev: as zbv, and m >= 2pp (its phases pair forwards with backwards from the start)."""
     _check_v("dualpipev", pp, vp, m)
     if m < 2 * pp:
-        raise ValueError(f"--pipeline-schedule dualpipev needs at least 2 x pp = {2 * pp} micro-batches per "
-                         f"step (got {m}); raise --global-batch-size or use zbv")
+        raise ValueError(
+            f"--pipeline-schedule dualpipev needs at least 2 x pp = {2 * pp} micro-batches per "
+            f"step (got {m}); raise --global-batch-size or use zbv"
+        )
 
 
 def build_zb_h1(pp: int, m: int) -> list[list[Compute]]:
@@ -133,8 +139,9 @@ def build_zb_h1(pp: int, m: int) -> list[list[Compute]]:
     return schedule
 
 
-def build_zbv(pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
-              max_alive: Optional[int] = None) -> list[list[Compute]]:
+def build_zbv(
+    pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0), max_alive: Optional[int] = None
+) -> list[list[Compute]]:
     """ZB-V: two chunks per rank in a V; the paper's phase order, or the greedy one where that
     is faster (module docstring).
 
@@ -149,8 +156,9 @@ def build_zbv(pp: int, m: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.
     return phases if step_time(phases, layout, costs, cap) <= step_time(greedy, layout, costs, cap) else greedy
 
 
-def step_time(order: list[list[Compute]], layout: StageLayout, costs: tuple[float, float, float],
-              max_alive: int) -> float:
+def step_time(
+    order: list[list[Compute]], layout: StageLayout, costs: tuple[float, float, float], max_alive: int
+) -> float:
     """Step time of a split-backward compute order under the executor's semantics (inf: over ``max_alive``).
 
     The executor posts every Comm without blocking and a compute waits only for the receive it
@@ -299,8 +307,9 @@ class _DualPipeVRank(_VRank):
         return self.actions
 
 
-def greedy_schedule(layout: StageLayout, m: int, costs: tuple[float, float, float],
-                    max_alive: int) -> list[list[Compute]]:
+def greedy_schedule(
+    layout: StageLayout, m: int, costs: tuple[float, float, float], max_alive: int
+) -> list[list[Compute]]:
     """List-schedule F, B, W of every (micro-batch, stage) with unit-free ``costs``; see the module doc.
 
     Stages take micro-batches in order (F and B of stage s: 0, 1, ..., m-1). Transfers cost 0
@@ -317,8 +326,9 @@ def greedy_schedule(layout: StageLayout, m: int, costs: tuple[float, float, floa
     while todo:
         best = None
         for rank in range(pp):
-            pick = _next_action(rank, layout, m, f_end, b_end, next_f, next_b, pending_w[rank],
-                                alive[rank] < max_alive, free[rank])
+            pick = _next_action(
+                rank, layout, m, f_end, b_end, next_f, next_b, pending_w[rank], alive[rank] < max_alive, free[rank]
+            )
             if pick is not None and (best is None or pick[0] < best[0]):
                 best = (pick[0], rank, pick[1])
         if best is None:
@@ -340,8 +350,18 @@ def greedy_schedule(layout: StageLayout, m: int, costs: tuple[float, float, floa
     return orders
 
 
-def _next_action(rank: int, layout: StageLayout, m: int, f_end: dict, b_end: dict, next_f: list,
-                 next_b: list, pending_w: deque, may_forward: bool, free: float):
+def _next_action(
+    rank: int,
+    layout: StageLayout,
+    m: int,
+    f_end: dict,
+    b_end: dict,
+    next_f: list,
+    next_b: list,
+    pending_w: deque,
+    may_forward: bool,
+    free: float,
+):
     """(start time, action) of what ``rank`` runs next, or None when it has nothing left.
 
     Candidates are the next F and B of each local stage and the oldest pending W, each

@@ -16,6 +16,7 @@ the region are split along the sequence (dim 0) and the pair becomes::
  With a group of size 1 every function is the
 identity, so the single-process model runs the same code.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ Rank r holds logits[..., V_r] for its slice V_r of the (padded) vocabulary::
 Padding rows (ids >= the real vocabulary size) are excluded from the softmax,
 so the loss does not depend on how much padding a TP size needs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         pad_from = vocab_size - vocab_start  # local index where padding starts
         if pad_from < local_v:
             logits = logits.clone()
-            logits[..., max(pad_from, 0):] = float("-inf")
+            logits[..., max(pad_from, 0) :] = float("-inf")
         logits_max = _all_reduce(logits.max(dim=-1).values, g, dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
@@ -60,8 +61,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: AxisGroup,
-                                 vocab_start: int, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, tp: AxisGroup, vocab_start: int, vocab_size: int
+) -> torch.Tensor:
     """Per-token loss [...] from logits [..., V/tp] sharded over ``tp`` (fp32 math).
 
     ``vocab_start`` is the first vocabulary id held by this rank and

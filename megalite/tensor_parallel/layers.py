@@ -20,6 +20,7 @@ distributed optimizer can treat them correctly without knowing the layer.
 Weights are initialised from the full, layout-independent matrix
 (``random.full_normal``) and sliced, so every TP size builds the same model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,10 +31,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel.state import AxisGroup
-from megalite.tensor_parallel.comms import (all_gather_first, copy_to_tp_region, gather_from_tp_region,
-                                            reduce_from_tp_region, reduce_scatter_first,
-                                            reduce_scatter_to_sequence_parallel_region,
-                                            scatter_to_tp_region)
+from megalite.tensor_parallel.comms import (
+    all_gather_first,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_first,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
 from megalite.tensor_parallel.random import full_normal
 
 
@@ -156,17 +162,27 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            group: Optional[AxisGroup], split_wgrad: Optional[WeightGradSplit]) -> torch.Tensor:
+def _matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group: Optional[AxisGroup],
+    split_wgrad: Optional[WeightGradSplit],
+) -> torch.Tensor:
     """x W^T + b through ``_Linear`` (splittable through ``split_wgrad`` when given)."""
     if split_wgrad:
         return _Linear.apply(x, weight.detach(), bias, group, (weight, split_wgrad))
     return _Linear.apply(x, weight, bias, group, None)
 
 
-def linear_with_input_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             tp: AxisGroup, sequence_parallel: bool,
-                             split_wgrad: Optional[WeightGradSplit] = None) -> torch.Tensor:
+def linear_with_input_gather(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    tp: AxisGroup,
+    sequence_parallel: bool,
+    split_wgrad: Optional[WeightGradSplit] = None,
+) -> torch.Tensor:
     """Column-parallel matmul: enter the TP region by copy (plain) or sequence all-gather (SP).
 
     ``split_wgrad`` routes the matmul through ``_Linear`` so a split backward can defer its
@@ -196,18 +212,31 @@ class ColumnParallelLinear(nn.Module):
     local output the same way whatever the TP size.
     """
 
-    def __init__(self, input_size: int, output_sizes: Union[int, Sequence[int]], tp: AxisGroup, *,
-                 bias: bool = True, gather_output: bool = False, init_std: float = 0.02,
-                 seed: int = 0, name: str = "linear", dtype: torch.dtype = torch.float32,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Union[int, Sequence[int]],
+        tp: AxisGroup,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        seed: int = 0,
+        name: str = "linear",
+        dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         sizes: List[int] = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp, self.gather_output, self.output_sizes = tp, gather_output, sizes
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.local_sizes = [_divide(o, tp.size, f"{name} output size") for o in sizes]
-        pieces = [_shard_rows(full_normal((o, input_size), init_std, seed,
-                                          f"{name}.weight" + (f".{i}" if len(sizes) > 1 else "")), tp)
-                  for i, o in enumerate(sizes)]
+        pieces = [
+            _shard_rows(
+                full_normal((o, input_size), init_std, seed, f"{name}.weight" + (f".{i}" if len(sizes) > 1 else "")), tp
+            )
+            for i, o in enumerate(sizes)
+        ]
         self.weight = nn.Parameter(torch.cat(pieces, dim=0).to(dtype))  # [out/tp, in]
         set_tp_attributes(self.weight, True, 0)
         self.bias = nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype)) if bias else None
@@ -217,21 +246,34 @@ class ColumnParallelLinear(nn.Module):
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full ``weight``/``bias`` (each fused piece split separately)."""
-        return torch.cat([piece.chunk(self.tp.size, dim=0)[self.tp.rank]
-                          for piece in full.split(self.output_sizes, dim=0)], dim=0)
+        return torch.cat(
+            [piece.chunk(self.tp.size, dim=0)[self.tp.rank] for piece in full.split(self.output_sizes, dim=0)], dim=0
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_with_input_gather(x, self.weight, self.bias, self.tp, self.sequence_parallel,
-                                     self.split_wgrad)  # [.., out/tp]
+        y = linear_with_input_gather(
+            x, self.weight, self.bias, self.tp, self.sequence_parallel, self.split_wgrad
+        )  # [.., out/tp]
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """Linear layer whose input features are split across the TP group; output summed."""
 
-    def __init__(self, input_size: int, output_size: int, tp: AxisGroup, *, bias: bool = True,
-                 input_is_parallel: bool = True, init_std: float = 0.02, seed: int = 0,
-                 name: str = "linear", dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: AxisGroup,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_std: float = 0.02,
+        seed: int = 0,
+        name: str = "linear",
+        dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         _divide(input_size, tp.size, f"{name} input size")
         self.tp, self.input_is_parallel = tp, input_is_parallel
@@ -260,8 +302,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
         y = self._linear(x, None)
-        y = (reduce_scatter_to_sequence_parallel_region(y, self.tp) if self.sequence_parallel
-             else reduce_from_tp_region(y, self.tp))
+        y = (
+            reduce_scatter_to_sequence_parallel_region(y, self.tp)
+            if self.sequence_parallel
+            else reduce_from_tp_region(y, self.tp)
+        )
         return y + self.bias if self.bias is not None else y
 
 
@@ -276,12 +321,13 @@ def vocab_shard(real_rows: torch.Tensor, padded_vocab: int, tp: AxisGroup) -> to
     start, end = vocab_range(padded_vocab, tp)
     out = torch.zeros(end - start, real_rows.shape[1], dtype=real_rows.dtype)
     if start < real_rows.shape[0]:
-        out[:min(end, real_rows.shape[0]) - start] = real_rows[start:end]
+        out[: min(end, real_rows.shape[0]) - start] = real_rows[start:end]
     return out
 
 
-def init_vocab_rows(vocab_size: int, padded_vocab: int, dim: int, tp: AxisGroup, std: float,
-                    seed: int, name: str) -> torch.Tensor:
+def init_vocab_rows(
+    vocab_size: int, padded_vocab: int, dim: int, tp: AxisGroup, std: float, seed: int, name: str
+) -> torch.Tensor:
     """This rank's rows of a [padded_vocab, dim] table: real rows from the full draw, padding zero."""
     return vocab_shard(full_normal((vocab_size, dim), std, seed, name), padded_vocab, tp)
 
@@ -289,9 +335,18 @@ def init_vocab_rows(vocab_size: int, padded_vocab: int, dim: int, tp: AxisGroup,
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary across the TP group."""
 
-    def __init__(self, vocab_size: int, padded_vocab: int, dim: int, tp: AxisGroup, *,
-                 init_std: float = 0.02, seed: int = 0, name: str = "embedding.word_embeddings",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_vocab: int,
+        dim: int,
+        tp: AxisGroup,
+        *,
+        init_std: float = 0.02,
+        seed: int = 0,
+        name: str = "embedding.word_embeddings",
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.tp = tp
         self.start, self.end = vocab_range(padded_vocab, tp)
@@ -309,9 +364,14 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp_region(out, self.tp) if reduce else out
 
 
-def linear_with_tp_weight(x: torch.Tensor, weight: torch.Tensor, tp: AxisGroup,
-                          bias: Optional[torch.Tensor] = None, sequence_parallel: bool = False,
-                          split_wgrad: Optional[WeightGradSplit] = None) -> torch.Tensor:
+def linear_with_tp_weight(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tp: AxisGroup,
+    bias: Optional[torch.Tensor] = None,
+    sequence_parallel: bool = False,
+    split_wgrad: Optional[WeightGradSplit] = None,
+) -> torch.Tensor:
     """Column-parallel matmul against a weight owned elsewhere (the tied output layer)."""
     return linear_with_input_gather(x, weight, bias, tp, sequence_parallel, split_wgrad)
 

@@ -12,6 +12,7 @@ Two concerns live here:
   ``RNGTracker`` keeps a separate generator state for the TP region and swaps
   it in with ``tracker.fork()`` (Megatron's CudaRNGStatesTracker, on any device).
 """
+
 from __future__ import annotations
 
 import contextlib

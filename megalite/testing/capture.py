@@ -22,6 +22,7 @@ chunks at their positions, a vocab shard at its rows (padding dropped). Paramete
 sharded checkpoint cuts them (checkpointing.layout.param_blocks, for_write) and written by the
 first replica (dp x cp rank 0): every element is written by exactly one rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,15 +32,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.agreement import flag_on_any_rank
 from megalite.checkpointing.layout import param_blocks
+from megalite.config.checks import check_perturb_found
 from megalite.context_parallel.sequence import cp_token_index
 from megalite.data.samplers import PretrainingSampler
+from megalite.parallel.agreement import flag_on_any_rank
 from megalite.pipeline.actions import Compute
 from megalite.tensor_parallel.random import full_normal
 from megalite.training.mock import MockFeed
 from megalite.training.trainer import Trainer
-from megalite.config.checks import check_perturb_found
 
 CAPTURE_VERSION = 1
 
@@ -56,18 +57,21 @@ class _Recorder:
         self.gbs, self.s, self.vocab = t.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size
         consumed = trainer.state.consumed_samples
         sampler = PretrainingSampler(consumed + self.gbs, consumed, t.micro_batch_size, ps.dp_rank, ps.dp_size)
-        self.sample_offset = [mb[0] - consumed for mb in sampler][:trainer.m]  # micro-batch -> first sample
+        self.sample_offset = [mb[0] - consumed for mb in sampler][: trainer.m]  # micro-batch -> first sample
         self.tp_rank = ps.tp_rank
         cp = getattr(ps, "cp", None)  # global position of each local token (CP: chunks r and 2CP-1-r)
-        self.positions = (cp_token_index(self.s, cp.size, cp.rank) if cp is not None and cp.size > 1
-                          else torch.arange(self.s)).tolist()
+        self.positions = (
+            cp_token_index(self.s, cp.size, cp.rank) if cp is not None and cp.size > 1 else torch.arange(self.s)
+        ).tolist()
         layout, actions = trainer.executor.layout, trainer.actions
         has_w = any(isinstance(a, Compute) and a.kind == "W" for a in actions)
         self.forward_order, self.backward_order = [], []
         for c in range(len(trainer.chunks)):
             whole_in_w = has_w and layout.stage(ps.pp_rank, c) == 0 and layout.whole_first_backward
-            mbs = lambda kind: [a.mb for a in actions if isinstance(a, Compute) and a.kind == kind  # noqa: E731
-                                and a.chunk == c]
+
+            def mbs(kind: str, c: int = c) -> list:
+                return [a.mb for a in actions if isinstance(a, Compute) and a.kind == kind and a.chunk == c]
+
             self.forward_order.append(mbs("F"))
             self.backward_order.append(mbs("W" if whole_in_w else "B"))
         self.mb: Dict[int, Optional[int]] = {}  # chunk -> micro-batch whose forward runs now (None: outside)
@@ -99,20 +103,28 @@ class _Recorder:
 
             chunk.embed = embed_and_record  # an instance attribute: ``restore`` deletes it
         for idx, layer in chunk.decoder.layers.items():
-            self.handles.append(layer.register_forward_hook(
-                lambda _m, _a, out, name=f"decoder.layers.{idx}": self._activation(c, name, out, seq_sharded=sp)))
+            self.handles.append(
+                layer.register_forward_hook(
+                    lambda _m, _a, out, name=f"decoder.layers.{idx}": self._activation(c, name, out, seq_sharded=sp)
+                )
+            )
         if chunk.post_process:
-            self.handles.append(chunk.decoder.final_layernorm.register_forward_hook(
-                lambda _m, _a, out: self._activation(c, "decoder.final_layernorm", out, seq_sharded=sp)))
+            self.handles.append(
+                chunk.decoder.final_layernorm.register_forward_hook(
+                    lambda _m, _a, out: self._activation(c, "decoder.final_layernorm", out, seq_sharded=sp)
+                )
+            )
 
     def _activation(self, c: int, name: str, x: torch.Tensor, seq_sharded: bool, vocab_sharded: bool = False):
         mb = self.mb.get(c)
         if mb is None:  # a recomputation in backward: the value was kept in the forward; hook its gradient
             if x.requires_grad:
+
                 def on_grad(g, name=name):
                     mb_b = self.backward_order[c][self.recomputed_grads[name]]
                     self.recomputed_grads[name] += 1
                     self._box("act_grad", name, g, mb_b, seq_sharded, vocab_sharded)
+
                 x.register_hook(on_grad)
             return
         self._box("activation", name, x, mb, seq_sharded, vocab_sharded)
@@ -133,12 +145,20 @@ class _Recorder:
                 return
             data, shape[2], cols = data[:, :, :real], self.vocab, [start]
         n = x.shape[0]
-        positions = self.positions[n * self.tp_rank:n * (self.tp_rank + 1)] if seq_sharded else self.positions
+        positions = self.positions[n * self.tp_rank : n * (self.tp_rank + 1)] if seq_sharded else self.positions
         for first, lo, length in _runs(positions[:n]):  # CP: this rank's two chunks of the sequence
             offsets = [first, self.sample_offset[mb]] + cols
             offsets += [0] * (len(shape) - len(offsets))
-            self.pieces.append({"kind": kind, "name": name, "shape": tuple(shape), "offsets": tuple(offsets),
-                                "data": data[lo:lo + length].cpu().clone(), "index": 0})
+            self.pieces.append(
+                {
+                    "kind": kind,
+                    "name": name,
+                    "shape": tuple(shape),
+                    "offsets": tuple(offsets),
+                    "data": data[lo : lo + length].cpu().clone(),
+                    "index": 0,
+                }
+            )
 
     def restore(self) -> None:
         for h in self.handles:
@@ -166,8 +186,16 @@ def _param_pieces(trainer, kind: str, values: Dict[int, torch.Tensor]) -> List[d
             index += 1
             for b in param_blocks(chunk, name, p, for_write=True):
                 data = b.local(values[id(p)]).detach().float().cpu().clone()
-                out.append({"kind": kind, "name": b.name, "shape": b.global_shape, "offsets": b.offsets,
-                            "data": data.reshape(b.sizes), "index": index})
+                out.append(
+                    {
+                        "kind": kind,
+                        "name": b.name,
+                        "shape": b.global_shape,
+                        "offsets": b.offsets,
+                        "data": data.reshape(b.sizes),
+                        "index": index,
+                    }
+                )
     return out
 
 
@@ -180,7 +208,7 @@ def _full_main_grads(trainer) -> Dict[int, torch.Tensor]:
     if opt.distributed:
         flat = torch.zeros_like(grads.grad_data)
         for b in grads.buckets:
-            flat[b.shard[0]:b.shard[1]] = grads.grad_data[b.shard[0]:b.shard[1]]
+            flat[b.shard[0] : b.shard[1]] = grads.grad_data[b.shard[0] : b.shard[1]]
         dist.all_reduce(flat, group=grads.dp.group)
     scale = opt.loss_scale
     return {id(p): flat[a:e].view_as(p).float() / scale for p, (a, e) in grads.index.items()}
@@ -204,8 +232,9 @@ def perturb_parameter(trainer, name: str, eps: float) -> bool:
     return found
 
 
-def capture_step(trainer, batches: list, out_dir: str, perturb: Optional[Tuple[str, float]] = None,
-                 argv: Optional[List[str]] = None) -> Optional[float]:
+def capture_step(
+    trainer, batches: list, out_dir: str, perturb: Optional[Tuple[str, float]] = None, argv: Optional[List[str]] = None
+) -> Optional[float]:
     """Run one iteration of ``trainer`` on ``batches`` (this rank's micro-batch dicts) and write this
     rank's ``rank_<R>.pt`` under ``out_dir``. Collective: every rank calls it. Returns the loss
     (last stage; None elsewhere). ``perturb`` = (name, eps) alters that parameter first."""
@@ -222,8 +251,9 @@ def capture_step(trainer, batches: list, out_dir: str, perturb: Optional[Tuple[s
         for c in trainer.chunks:
             c.train()
         trainer.optimizer.zero_grad(trainer.m)
-        stats = trainer.executor.run(trainer.actions, lambda mb: batches[mb], trainer.m,
-                                     loss_scale=trainer.optimizer.loss_scale)
+        stats = trainer.executor.run(
+            trainer.actions, lambda mb: batches[mb], trainer.m, loss_scale=trainer.optimizer.loss_scale
+        )
         trainer.optimizer.finalize_grads()
     finally:
         recorder.restore()
@@ -234,14 +264,34 @@ def capture_step(trainer, batches: list, out_dir: str, perturb: Optional[Tuple[s
         pieces += _param_pieces(trainer, "grad", main_grads)
     holds_head = any(c.post_process for c in trainer.chunks)
     if loss is not None and holds_head and ps.tp_rank == 0 and write_dp:
-        pieces.append({"kind": "activation", "name": "loss", "shape": (1,), "offsets": (0,),
-                       "data": torch.tensor([float(loss)]), "index": 0})
-    meta = {"version": CAPTURE_VERSION, "rank": ps.rank, "world": ps.world_size, "tp": ps.tp_size,
-            "cp": getattr(par, "cp", 1), "pp": ps.pp_size, "dp": ps.dp_size, "vp": par.vp, "sequence_parallel": bool(par.sequence_parallel),
-            "dtype": str(cfg.model.torch_dtype).replace("torch.", ""), "num_layers": cfg.model.num_layers,
-            "micro_batches": trainer.m, "global_batch_size": cfg.train.global_batch_size,
-            "schedule": trainer.schedule_name, "argv": list(argv or []),
-            "perturb": list(perturb) if perturb else None}
+        pieces.append(
+            {
+                "kind": "activation",
+                "name": "loss",
+                "shape": (1,),
+                "offsets": (0,),
+                "data": torch.tensor([float(loss)]),
+                "index": 0,
+            }
+        )
+    meta = {
+        "version": CAPTURE_VERSION,
+        "rank": ps.rank,
+        "world": ps.world_size,
+        "tp": ps.tp_size,
+        "cp": getattr(par, "cp", 1),
+        "pp": ps.pp_size,
+        "dp": ps.dp_size,
+        "vp": par.vp,
+        "sequence_parallel": bool(par.sequence_parallel),
+        "dtype": str(cfg.model.torch_dtype).replace("torch.", ""),
+        "num_layers": cfg.model.num_layers,
+        "micro_batches": trainer.m,
+        "global_batch_size": cfg.train.global_batch_size,
+        "schedule": trainer.schedule_name,
+        "argv": list(argv or []),
+        "perturb": list(perturb) if perturb else None,
+    }
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"rank_{ps.rank:05d}.pt")
     torch.save({"meta": meta, "pieces": pieces}, path + ".tmp")

@@ -8,6 +8,7 @@ it receives (ps, *args) and its return value comes back, one per rank.
 It lives in the package, not under tests/, because the benchmarks (run as plain
 scripts) use it too; it imports no test framework.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -27,8 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Callable, args: tuple,
-            queue, experts: Optional[dict] = None) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    experts: Optional[dict] = None,
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
@@ -36,8 +47,7 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Cal
         torch.set_num_threads(1)
         from megalite.parallel.state import ParallelState
 
-        ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp,
-                                          cp=cp, **(experts or {}))
+        ps = ParallelState.init_for_test(rank, world, f"tcp://127.0.0.1:{port}", tp=tp, pp=pp, cp=cp, **(experts or {}))
         result = fn(ps, *args)
         ps.destroy()
         queue.put((rank, "ok", result))
@@ -45,9 +55,18 @@ def _worker(rank: int, world: int, port: int, tp: int, pp: int, cp: int, fn: Cal
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int = 1,
-                    timeout: float = 300.0, cp: int = 1, ep: int = 1, etp: Optional[int] = None,
-                    experts: bool = False) -> List[Any]:
+def run_distributed(
+    fn: Callable,
+    world: int,
+    *args: Any,
+    tp: int = 1,
+    pp: int = 1,
+    timeout: float = 300.0,
+    cp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    experts: bool = False,
+) -> List[Any]:
     """Run ``fn(ps, *args)`` on ``world`` ranks; return the results ordered by rank.
 
     Each rank is a forked process with one thread and a gloo ParallelState of the given tp, pp and
@@ -60,8 +79,10 @@ def run_distributed(fn: Callable, world: int, *args: Any, tp: int = 1, pp: int =
     queue = _CTX.Queue()
     moe = experts or (ep, etp) != (1, None)
     experts_kw = {"ep": ep, "etp": etp, "experts": True} if moe else None  # dense: the old signature
-    procs = [_CTX.Process(target=_worker, args=(r, world, port, tp, pp, cp, fn, args, queue, experts_kw))
-             for r in range(world)]
+    procs = [
+        _CTX.Process(target=_worker, args=(r, world, port, tp, pp, cp, fn, args, queue, experts_kw))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict = {}

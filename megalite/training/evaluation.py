@@ -6,6 +6,7 @@ the evaluations before its checkpoint read); a completed run evaluates once more
 when its last iteration was off the interval, then once on the test split, from its start.
 The forward-only schedule runs on the training executor, so every layout evaluates alike.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,16 @@ class Evaluator:
     rank's micro-batch losses; ``reduce(losses)`` turns them into the logged loss.
     """
 
-    def __init__(self, cfg: Config, ps: ParallelState, chunks: List[torch.nn.Module], m: int, needs_data: bool,
-                 run_forward: Callable[[list], list], reduce: Callable[[list], Optional[float]]):
+    def __init__(
+        self,
+        cfg: Config,
+        ps: ParallelState,
+        chunks: List[torch.nn.Module],
+        m: int,
+        needs_data: bool,
+        run_forward: Callable[[list], list],
+        reduce: Callable[[list], Optional[float]],
+    ):
         self.cfg, self.ps, self.chunks, self.m, self.needs_data = cfg, ps, chunks, m, needs_data
         self.run_forward, self.reduce = run_forward, reduce
         t = cfg.train
@@ -60,8 +69,11 @@ class Evaluator:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             batches = data.next() if data is not None else [None] * self.m
-            where = f"iteration {iteration + 1}" if data is not None and data.name == "train" else \
-                f"evaluation at iteration {iteration}"  # tools/evaluate.py --split-name train reads training batches
+            where = (
+                f"iteration {iteration + 1}"
+                if data is not None and data.name == "train"
+                else f"evaluation at iteration {iteration}"
+            )  # tools/evaluate.py --split-name train reads training batches
             check_tokens(data, batches, self.cfg.model.vocab_size, self.ps, where)
             losses += self.run_forward(batches)
         return self.reduce(losses)
@@ -82,5 +94,17 @@ class Evaluator:
 
     def _batches(self, ds, start: int, name: str) -> Optional[MicroBatches]:
         t = self.cfg.train
-        return MicroBatches(ds, start, t.micro_batch_size, self.m, self.ps, self.cfg.data.num_workers,
-                            name=name, sequence=self.sequence) if self.needs_data else None
+        return (
+            MicroBatches(
+                ds,
+                start,
+                t.micro_batch_size,
+                self.m,
+                self.ps,
+                self.cfg.data.num_workers,
+                name=name,
+                sequence=self.sequence,
+            )
+            if self.needs_data
+            else None
+        )

@@ -25,6 +25,7 @@ its process group on keys of its own (parallel_state.elastic_round_store) and re
     hang         its first forward of the iteration computes without end (it still answers the watch)
     skip-send    its schedule for the iteration lacks its first send: a deadlock through a bad schedule
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,6 @@ from typing import Optional, Sequence
 import torch
 
 from megalite.pipeline.actions import Comm
-
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SAME_REQUEST_S = 2.0  # a second signal within this is the first one delivered twice
@@ -87,9 +87,11 @@ class ExitSignals:
             # a repeat within a moment is the same request, not an order to exit at once.
             if self.received is None:
                 self.received, self._first_at = signum, now
-                _say(f"pretrain_gpt.py: received {name}: saving a checkpoint at the end of this iteration, "
-                     f"then exiting (send it again to exit at once; torchrun kills ranks 30 s after it "
-                     f"forwards a signal)")
+                _say(
+                    f"pretrain_gpt.py: received {name}: saving a checkpoint at the end of this iteration, "
+                    f"then exiting (send it again to exit at once; torchrun kills ranks 30 s after it "
+                    f"forwards a signal)"
+                )
             return
         if self.watch is not None and self.watch.busy_here():
             return  # this thread is diagnosing a failure (a peer died): it ends the process when done
@@ -107,8 +109,10 @@ class ExitSignals:
                 pass
             if self.watch is not None:
                 self.watch.before_exit(signum)
-            _say(f"pretrain_gpt.py: received {name}: exiting without saving"
-                 + ("" if self.save_on_signal else " (--exit-signal-handler saves a checkpoint first)"))
+            _say(
+                f"pretrain_gpt.py: received {name}: exiting without saving"
+                + ("" if self.save_on_signal else " (--exit-signal-handler saves a checkpoint first)")
+            )
         finally:
             os._exit(128 + signum)
 
@@ -130,8 +134,10 @@ class LauncherWatch:
     def say_gone(self) -> None:
         """The one line for a dead launcher; every rank of the node sees it, so local rank 0 says it."""
         if os.environ.get("LOCAL_RANK", "0") == "0" and self._said.acquire(blocking=False):
-            _stderr(f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {self.launcher_pid}) "
-                    f"is gone; exiting (and so do the node's other ranks)")
+            _stderr(
+                f"pretrain_gpt.py: rank {os.environ.get('RANK', '?')}: its launcher (pid {self.launcher_pid}) "
+                f"is gone; exiting (and so do the node's other ranks)"
+            )
 
     def _watch(self) -> None:
         while True:
@@ -154,8 +160,9 @@ def watch_launcher(poll_s: float = 0.5) -> Optional[LauncherWatch]:
 class ExitConditions:
     """Per-iteration stop requests other than the iteration count: a signal or the time limit."""
 
-    def __init__(self, signals: Optional[ExitSignals], duration_mins: Optional[float],
-                 start_time: Optional[float] = None):
+    def __init__(
+        self, signals: Optional[ExitSignals], duration_mins: Optional[float], start_time: Optional[float] = None
+    ):
         self.signals, self.duration_mins = signals, duration_mins
         self.start_time = time.time() if start_time is None else start_time
 
@@ -197,16 +204,20 @@ class ScheduleFault:
             sends = [op for op in a.ops if op.op == "send"] if isinstance(a, Comm) and self.kind == "skip-send" else []
             if sends:
                 out[i] = Comm(tuple(op for op in a.ops if op is not sends[0]))
-                _stderr(f"pretrain_gpt.py: {self.what}: this rank's schedule drops its send of {sends[0].kind} "
-                        f"micro-batch {sends[0].mb} to pipeline rank {sends[0].peer}")
+                _stderr(
+                    f"pretrain_gpt.py: {self.what}: this rank's schedule drops its send of {sends[0].kind} "
+                    f"micro-batch {sends[0].mb} to pipeline rank {sends[0].peer}"
+                )
                 break
         return out
 
     def during(self, action) -> None:
         """hang: the first forward of the run computes without end (as a stuck kernel or loop would)."""
         if self.kind == "hang" and action.kind == "F":
-            _stderr(f"pretrain_gpt.py: {self.what}: this rank computes without end in F micro-batch {action.mb} "
-                    f"chunk {action.chunk}")
+            _stderr(
+                f"pretrain_gpt.py: {self.what}: this rank computes without end in F micro-batch {action.mb} "
+                f"chunk {action.chunk}"
+            )
             x = torch.full((64, 64), 0.01)
             while True:
                 x = torch.tanh(x @ x + 0.01)
@@ -215,8 +226,7 @@ class ScheduleFault:
 def inject_fault(train_cfg, iteration: int, rank: int, executor=None) -> None:
     """Fail this rank in ``iteration`` when the --inject-fault-* flags say so (round 0 only): kill and
     exception now, hang and skip-send inside ``executor``'s next run."""
-    if (train_cfg.inject_fault_at_iteration != iteration or train_cfg.inject_fault_rank != rank
-            or restart_round() != 0):
+    if train_cfg.inject_fault_at_iteration != iteration or train_cfg.inject_fault_rank != rank or restart_round() != 0:
         return
     kind = train_cfg.inject_fault_kind
     what = f"rank {rank}: --inject-fault-kind {kind} at iteration {iteration}"

@@ -4,6 +4,7 @@
 batch for a seed and iteration whatever the layout), as this rank's micro-batches; ranks
 that hold neither the first nor the last stage read nothing and get ``[None] * m``.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -20,17 +21,24 @@ from megalite.training.trainer import Trainer
 class MockFeed:
     """Global batches of mock samples for ``trainer``: ``global_batches`` of them from sample ``consumed``."""
 
-    def __init__(self, trainer: Trainer, global_batches: int, consumed: int = 0, seed: Optional[int] = None,
-                 dataset=None):
+    def __init__(
+        self, trainer: Trainer, global_batches: int, consumed: int = 0, seed: Optional[int] = None, dataset=None
+    ):
         cfg = trainer.cfg
         t = cfg.train
         self.m = trainer.m
         if dataset is None:
-            dataset = MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed if seed is None else seed,
-                                     consumed + global_batches * t.global_batch_size)
-        self.data = MicroBatches(dataset, consumed, t.micro_batch_size, trainer.m, trainer.ps,
-                                 sequence=trainer.sequence) \
-            if trainer.needs_data else None
+            dataset = MockGPTDataset(
+                cfg.model.seq_length,
+                cfg.model.vocab_size,
+                t.seed if seed is None else seed,
+                consumed + global_batches * t.global_batch_size,
+            )
+        self.data = (
+            MicroBatches(dataset, consumed, t.micro_batch_size, trainer.m, trainer.ps, sequence=trainer.sequence)
+            if trainer.needs_data
+            else None
+        )
 
     def next(self) -> List[Optional[Dict[str, torch.Tensor]]]:
         """The next global batch: this rank's m micro-batch dicts (or m Nones where no data is read)."""

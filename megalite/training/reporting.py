@@ -10,6 +10,7 @@ mean over MoE layers) and the routed tokens per expert. Their statistics restart
 every rank reduces them every iteration (``reduce_moe_stats``, one all-reduce over the world) and the
 log line shows their mean over the interval, as Megatron's total_loss_dict does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,38 +23,70 @@ import torch
 
 from megalite.config import Config
 from megalite.data.builder import default_cache_dir
-from megalite.observability.logging import (TensorBoard, format_duration, format_log_line, format_moe_fields, format_moe_layers,
-                              format_timers, mean_over_pipeline, moe_tensorboard)
 from megalite.moe import moe_layers
 from megalite.moe.metrics import reduce_moe_stats
-from megalite.parallel.state import ParallelState
+from megalite.observability.logging import (
+    TensorBoard,
+    format_duration,
+    format_log_line,
+    format_moe_fields,
+    format_moe_layers,
+    format_timers,
+    mean_over_pipeline,
+    moe_tensorboard,
+)
 from megalite.observability.profiling import Profiler, WandbWriter, trace_dir
 from megalite.observability.stragglers import StragglerMonitor, rank_work
-from megalite.observability.throughput import Throughput, device_peak_tflops, gather_memory_report, memory_scalars, memory_stats
+from megalite.observability.throughput import (
+    Throughput,
+    device_peak_tflops,
+    gather_memory_report,
+    memory_scalars,
+    memory_stats,
+)
+from megalite.parallel.state import ParallelState
 from megalite.training.evaluation import EvalResult
 from megalite.training.state import TrainState
 
 logger = logging.getLogger("megalite")
-_TIMERS = (("forward", "forward-compute"), ("backward", "backward-compute"), ("p2p", "p2p-wait"),
-           ("grads_sync", "grads-all-reduce"), ("optimizer", "optimizer"))
+_TIMERS = (
+    ("forward", "forward-compute"),
+    ("backward", "backward-compute"),
+    ("p2p", "p2p-wait"),
+    ("grads_sync", "grads-all-reduce"),
+    ("optimizer", "optimizer"),
+)
 
 
 class Reporter:
     """Collects each iteration's scalars and logs them every --log-interval (and at the last iteration)."""
 
-    def __init__(self, cfg: Config, ps: ParallelState, state: TrainState, padded_vocab: int, has_scaler: bool,
-                 chunks: Sequence[torch.nn.Module] = ()):
+    def __init__(
+        self,
+        cfg: Config,
+        ps: ParallelState,
+        state: TrainState,
+        padded_vocab: int,
+        has_scaler: bool,
+        chunks: Sequence[torch.nn.Module] = (),
+    ):
         self.cfg, self.ps, self.state, self.has_scaler = cfg, ps, state, has_scaler
         t, lg = cfg.train, cfg.logging
         self.tb = TensorBoard(lg.tensorboard_dir if ps.is_logging_rank else None)
         self.wandb = WandbWriter(cfg, ps.is_logging_rank)
         self.profiler = Profiler(lg, ps)
         # a collective (hostnames) when on: built at the same point on every rank
-        self.stragglers = StragglerMonitor(lg.straggler_threshold, ps, rank_work(chunks, cfg.model) if chunks else 0.0,
-                                           lg.log_interval, t.train_iters)
-        self.flops = Throughput(cfg.model, t.global_batch_size, padded_vocab, ps.world_size,
-                                num_chunks=ps.pp_size * cfg.parallel.vp,
-                                peak_tflops=device_peak_tflops(ps.device, cfg.logging.peak_tflops))
+        self.stragglers = StragglerMonitor(
+            lg.straggler_threshold, ps, rank_work(chunks, cfg.model) if chunks else 0.0, lg.log_interval, t.train_iters
+        )
+        self.flops = Throughput(
+            cfg.model,
+            t.global_batch_size,
+            padded_vocab,
+            ps.world_size,
+            num_chunks=ps.pp_size * cfg.parallel.vp,
+            peak_tflops=device_peak_tflops(ps.device, cfg.logging.peak_tflops),
+        )
         # MoE: this rank's layers (possibly none: the reduction is over the world, every rank joins it)
         self.moe = moe_layers(chunks) if cfg.model.is_moe and chunks else None
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
@@ -113,12 +146,26 @@ class Reporter:
         moe = self._moe_means()
         run_time = time.perf_counter() - self.run_start
         eta = run_time / (it - self.first_iteration) * (t.train_iters - it)
-        logger.info(format_log_line(it, t.train_iters, self.state.consumed_samples, sec_per_iter * 1e3,
-                                    figures["tflops"], last["lr"], t.global_batch_size, loss, last["grad_norm"],
-                                    self.state.skipped_iters, self.state.nan_iters, figures["tokens_per_s"],
-                                    last["loss_scale"], format_moe_fields(moe) if moe else "")
-                    + self.flops.log_fields(figures)
-                    + f" elapsed: {format_duration(run_time)} | ETA: {format_duration(eta)} |")
+        logger.info(
+            format_log_line(
+                it,
+                t.train_iters,
+                self.state.consumed_samples,
+                sec_per_iter * 1e3,
+                figures["tflops"],
+                last["lr"],
+                t.global_batch_size,
+                loss,
+                last["grad_norm"],
+                self.state.skipped_iters,
+                self.state.nan_iters,
+                figures["tokens_per_s"],
+                last["loss_scale"],
+                format_moe_fields(moe) if moe else "",
+            )
+            + self.flops.log_fields(figures)
+            + f" elapsed: {format_duration(run_time)} | ETA: {format_duration(eta)} |"
+        )
         if moe and self.cfg.logging.moe_per_layer_logging:
             logger.info("\n".join(format_moe_layers(moe)))
         for line in memory_lines:
@@ -128,10 +175,21 @@ class Reporter:
             logger.info(format_timers(times) + f" | pipeline bubble: {100 * float(bubble):.1f}%")
         spread = self.stragglers.report(rows)  # names the stragglers
         scalars = {"loss-scale": last["loss_scale"]} if self.has_scaler else {}
-        self._scalars({**scalars, "lm loss": loss, "learning-rate": last["lr"], "grad-norm": last["grad_norm"],
-                       "batch-size": t.global_batch_size, "iteration-time": sec_per_iter,
-                       **self.flops.tensorboard(figures), **memory_scalars(memory_stats(self.ps.device)), **spread,
-                       **(moe_tensorboard(moe, self.cfg.logging.moe_per_layer_logging) if moe else {})}, it)
+        self._scalars(
+            {
+                **scalars,
+                "lm loss": loss,
+                "learning-rate": last["lr"],
+                "grad-norm": last["grad_norm"],
+                "batch-size": t.global_batch_size,
+                "iteration-time": sec_per_iter,
+                **self.flops.tensorboard(figures),
+                **memory_scalars(memory_stats(self.ps.device)),
+                **spread,
+                **(moe_tensorboard(moe, self.cfg.logging.moe_per_layer_logging) if moe else {}),
+            },
+            it,
+        )
 
     def _moe_means(self) -> Dict[str, float]:
         """Each MoE figure's mean over the interval's iterations ({} for a dense model)."""
@@ -171,16 +229,17 @@ class Reporter:
         iters = it - self.first_iteration
         # the number the last log line printed; iterations after it (an early stop) are averaged instead
         logged_at, logged = self.last_logged
-        unlogged = self.history[len(self.history) - (it - logged_at):] if logged_at < it else []
+        unlogged = self.history[len(self.history) - (it - logged_at) :] if logged_at < it else []
         losses = [h["loss"] for h in unlogged if h["loss"] is not None] or ([logged] if logged is not None else [])
         tokens = iters * t.global_batch_size * cfg.model.seq_length
-        status = ("skipped (--skip-train)" if t.skip_train else
-                  f"stopped ({stop_reason})" if stop_reason else "done")
-        lines = [f"training {status}: {iters} iterations ({it} in all), {tokens:,} tokens in "
-                 f"{format_duration(time.perf_counter() - self.run_start)}"
-                 + (f"; final lm loss {sum(losses) / len(losses):.4f}" if losses else "")
-                 + (f", validation lm loss {self.valid_loss:.4f}" if self.valid_loss is not None else "")
-                 + (f", test lm loss {self.test_loss:.4f}" if self.test_loss is not None else "")]
+        status = "skipped (--skip-train)" if t.skip_train else f"stopped ({stop_reason})" if stop_reason else "done"
+        lines = [
+            f"training {status}: {iters} iterations ({it} in all), {tokens:,} tokens in "
+            f"{format_duration(time.perf_counter() - self.run_start)}"
+            + (f"; final lm loss {sum(losses) / len(losses):.4f}" if losses else "")
+            + (f", validation lm loss {self.valid_loss:.4f}" if self.valid_loss is not None else "")
+            + (f", test lm loss {self.test_loss:.4f}" if self.test_loss is not None else "")
+        ]
         if cfg.checkpoint.save and saved_at is not None:
             lines.append(f"  checkpoint: {cfg.checkpoint.save} (iteration {saved_at})")
         if cfg.logging.tensorboard_dir:
@@ -195,9 +254,11 @@ class Reporter:
         lg = self.cfg.logging
         lines = []
         if lg.profile and self.first_iteration < lg.profile_step_end and self.state.iteration > lg.profile_step_start:
-            lines.append(f"  profiler traces: {trace_dir(lg)} (ranks {', '.join(map(str, lg.profile_ranks))}, "
-                         f"iterations {max(lg.profile_step_start, self.first_iteration) + 1}-"
-                         f"{min(lg.profile_step_end, self.state.iteration)})")
+            lines.append(
+                f"  profiler traces: {trace_dir(lg)} (ranks {', '.join(map(str, lg.profile_ranks))}, "
+                f"iterations {max(lg.profile_step_start, self.first_iteration) + 1}-"
+                f"{min(lg.profile_step_end, self.state.iteration)})"
+            )
         if lg.record_memory_history and self.ps.device.type == "cuda":
             lines.append(f"  memory snapshot: {lg.memory_snapshot_path}")
         return lines

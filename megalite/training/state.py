@@ -1,4 +1,5 @@
 """The run's counters: what a checkpoint stores besides weights, optimizer, schedule and random states."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -3,15 +3,16 @@
 Every rule ends every rank at the same iteration: a problem found on one rank is agreed on
 in one all-reduce (``megalite.parallel.agreement``), and exactly one rank reports it.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Optional
 
-from megalite.parallel.agreement import flags_on_any_rank, lowest_rank_with
 from megalite.config import TrainConfig
-from megalite.training.faults import ExitConditions
+from megalite.parallel.agreement import flags_on_any_rank, lowest_rank_with
 from megalite.parallel.state import ParallelState
+from megalite.training.faults import ExitConditions
 from megalite.training.state import TrainState
 
 
@@ -55,7 +56,8 @@ class StopRules:
         """
         t = self.t
         bad = t.check_for_nan_in_loss_and_grad and any(
-            v is not None and not math.isfinite(v) for v in (out["loss"], out["grad_norm"]))
+            v is not None and not math.isfinite(v) for v in (out["loss"], out["grad_norm"])
+        )
         reason = self.exits.local_reason() if self.exits is not None and self.exits.active else None
         stop_bad, stop_asked = flags_on_any_rank([bad, reason is not None], self.ps)
         if stop_bad:
@@ -63,7 +65,9 @@ class StopRules:
                 f"iteration {state.iteration}: the loss or gradient norm is not finite (lm loss {out['loss']}, "
                 f"grad norm {out['grad_norm']} on this rank); stopping, with the weights of iteration "
                 f"{state.iteration - 1}. Lower --lr or check the data; --no-check-for-nan-in-loss-and-grad "
-                f"counts such steps and skips their updates instead", report=self.ps.is_logging_rank)
+                f"counts such steps and skips their updates instead",
+                report=self.ps.is_logging_rank,
+            )
         if t.exit_interval and state.iteration % t.exit_interval == 0:
             return f"--exit-interval {t.exit_interval} reached"
         if stop_asked:

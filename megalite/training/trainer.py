@@ -21,6 +21,7 @@ the next save and the end of the run (``_finish``, whatever stopped it) wait for
 The Trainer only sequences: each component owns its own interval rule, the
 collectives live in the optimizer layer, logging.py and agreement.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,26 +37,26 @@ from megalite.analysis.plan_check import PlanCheck, timeline_meta
 from megalite.checkpointing.manager import Checkpointer
 from megalite.checkpointing.run import RunParts
 from megalite.checkpointing.run_state import saved_stage_layers
-from megalite.interop import checkpoint_formats
 from megalite.config import Config
+from megalite.config.checks import check_layout_matches, check_overlap_device
+from megalite.config.settings import RunSettings, resolve_settings
 from megalite.data.batches import MicroBatches, sequence_options
-from megalite.training.faults import ExitConditions, inject_fault
-from megalite.observability.logging import logged_loss, write_timeline
+from megalite.interop import checkpoint_formats
 from megalite.model.gpt import GPTModel
 from megalite.moe import update_expert_bias
+from megalite.observability.logging import logged_loss, write_timeline
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.registry import build_schedule
 from megalite.pipeline.stage_layout import StageLayout
-from megalite.config.settings import RunSettings, resolve_settings
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.evaluation import Evaluator
+from megalite.training.faults import ExitConditions, inject_fault
 from megalite.training.reporting import Reporter
 from megalite.training.state import TrainState
 from megalite.training.stops import StopRules, TrainingStopped, check_tokens
-from megalite.config.checks import check_layout_matches, check_overlap_device
 
 logger = logging.getLogger("megalite")
 __all__ = ["Trainer", "TrainingStopped", "build_model_chunks"]
@@ -67,13 +68,28 @@ def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker, layo
     par, chunks = cfg.parallel, []
     for c in range(par.vp):
         stage = layout.stage(ps.pp_rank, c)
-        layers = layout.layers(cfg.model.num_layers, ps.pp_rank, c, par.decoder_first_pipeline_num_layers,
-                               par.decoder_last_pipeline_num_layers, par.pipeline_stage_layers)
-        chunks.append(GPTModel(cfg.model, ps, tracker, cfg.train.seed, layers,
-                               pre_process=stage == 0, post_process=stage == layout.num_stages - 1,
-                               sequence_parallel=par.sequence_parallel,
-                               cp_comm_type=par.cp_comm_type, moe_dispatcher=par.moe_token_dispatcher_type)
-                      .to(ps.device))
+        layers = layout.layers(
+            cfg.model.num_layers,
+            ps.pp_rank,
+            c,
+            par.decoder_first_pipeline_num_layers,
+            par.decoder_last_pipeline_num_layers,
+            par.pipeline_stage_layers,
+        )
+        chunks.append(
+            GPTModel(
+                cfg.model,
+                ps,
+                tracker,
+                cfg.train.seed,
+                layers,
+                pre_process=stage == 0,
+                post_process=stage == layout.num_stages - 1,
+                sequence_parallel=par.sequence_parallel,
+                cp_comm_type=par.cp_comm_type,
+                moe_dispatcher=par.moe_token_dispatcher_type,
+            ).to(ps.device)
+        )
     first = [c for c in chunks if c.pre_process]
     last = [c for c in chunks if c.post_process and not c.pre_process]
     if cfg.model.tied_embeddings and first and last:  # first and last stage on this rank (a V)
@@ -106,8 +122,14 @@ class Trainer:
     def __init__(self, cfg: Config, ps: ParallelState):
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
-        check_layout_matches(cfg, ps.tp_size, ps.pp_size, ps.cp_size, ps.ep_size if cfg.model.is_moe else 1,
-                             ps.etp_size if cfg.model.is_moe else 1)
+        check_layout_matches(
+            cfg,
+            ps.tp_size,
+            ps.pp_size,
+            ps.cp_size,
+            ps.ep_size if cfg.model.is_moe else 1,
+            ps.etp_size if cfg.model.is_moe else 1,
+        )
         settings = resolve_settings(cfg, ps.world_size)
         balanced = resolve_stage_split(cfg, ps, settings)
         if balanced is not cfg:
@@ -120,26 +142,41 @@ class Trainer:
         self.params = [p for _, p in named]
         shared = [w for w in (c.shared_embedding_weight() for c in self.chunks) if w is not None]
         self.optimizer = MegatronOptimizer(
-            named, cfg.optim, ps, shared=shared,
+            named,
+            cfg.optim,
+            ps,
+            shared=shared,
             sequence_parallel_params=[p for p in self.params if getattr(p, "sequence_parallel", False)],
-            moe=cfg.model.is_moe)
+            moe=cfg.model.is_moe,
+        )
         self.optimizer.install_param_gather_hooks(self.chunks)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)
         self.actions, self.eval_actions = (
-            build_schedule(self.schedule_name, ps.pp_size, par.vp, self.m, forward_only=fwd,
-                           overlap_p2p=par.overlap_p2p_comm or par.overlap_moe_expert_parallel_comm)[ps.pp_rank]
-            for fwd in (False, True))
+            build_schedule(
+                self.schedule_name,
+                ps.pp_size,
+                par.vp,
+                self.m,
+                forward_only=fwd,
+                overlap_p2p=par.overlap_p2p_comm or par.overlap_moe_expert_parallel_comm,
+            )[ps.pp_rank]
+            for fwd in (False, True)
+        )
         s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if par.sequence_parallel else 1)  # p2p shape
-        self.executor = PipelineExecutor(self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size),
-                                         dtype=cfg.model.torch_dtype, layout=layout)
+        self.executor = PipelineExecutor(
+            self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size), dtype=cfg.model.torch_dtype, layout=layout
+        )
         if par.overlap_moe_expert_parallel_comm:  # DualPipeV's F/B pairs side by side (executor.py)
             check_overlap_device(cfg, ps.device.type)
             ps.init_shadow_groups()
             self.executor.pair_forward_backward = True
         # packed documents: every stage's attention (and RoPE) reads the micro-batch's segments (positions)
         d = cfg.data
-        self.needs_data = any(c.pre_process or c.post_process for c in self.chunks) or d.reset_attention_mask or (
-            d.reset_position_ids and cfg.model.position_embedding_type == "rope")
+        self.needs_data = (
+            any(c.pre_process or c.post_process for c in self.chunks)
+            or d.reset_attention_mask
+            or (d.reset_position_ids and cfg.model.position_embedding_type == "rope")
+        )
         self.sequence = sequence_options(cfg, ps)  # packed documents / CP chunks of each micro-batch
         self.state = TrainState()
         self.last_stats: Optional[StepStats] = None
@@ -155,8 +192,7 @@ class Trainer:
             c.train()
         self.optimizer.zero_grad(self.m)
         self.ps.recorder.enter_phase("schedule")  # the flight recorder's phases (hang diagnosis)
-        stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m,
-                                  loss_scale=self.optimizer.loss_scale)
+        stats = self.executor.run(self.actions, lambda mb: batches[mb], self.m, loss_scale=self.optimizer.loss_scale)
         t0 = time.perf_counter()
         self.ps.recorder.enter_phase("grad reduce")
         self.optimizer.finalize_grads()
@@ -174,9 +210,18 @@ class Trainer:
         loss = self._loss(stats.losses)
         if loss is not None and not math.isfinite(loss):
             self.state.nan_iters += 1
-        return {"loss": loss, "grad_norm": grad_norm, "forward": stats.forward, "backward": stats.backward,
-                "p2p": stats.p2p, "grads_sync": t1 - t0, "optimizer": t2 - t1,
-                "bubble": stats.bubble, "loss_scale": self.optimizer.loss_scale, "updated": updated}
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "forward": stats.forward,
+            "backward": stats.backward,
+            "p2p": stats.p2p,
+            "grads_sync": t1 - t0,
+            "optimizer": t2 - t1,
+            "bubble": stats.bubble,
+            "loss_scale": self.optimizer.loss_scale,
+            "updated": updated,
+        }
 
     def _forward_only(self, batches: list) -> list:
         return self.executor.run(self.eval_actions, lambda mb: batches[mb], self.m, forward_only=True).losses
@@ -189,8 +234,7 @@ class Trainer:
         return self.evaluator.evaluate(data, self.state.iteration)
 
     # -- the loop -------------------------------------------------------------------------------
-    def train(self, train_ds, valid_ds, exits: Optional[ExitConditions] = None,
-              test_ds=None) -> List[Dict[str, float]]:
+    def train(self, train_ds, valid_ds, exits: Optional[ExitConditions] = None, test_ds=None) -> List[Dict[str, float]]:
         """Run up to ``train_iters`` iterations with logging, evaluation and saving; return per-iteration scalars.
 
         Stops early, after saving, at --exit-interval or when ``exits`` asks (a signal under
@@ -200,12 +244,23 @@ class Trainer:
         """
         t, state = self.cfg.train, self.state
         training = not t.skip_train and state.iteration < t.train_iters
-        data = MicroBatches(train_ds, state.consumed_samples, t.micro_batch_size, self.m, self.ps,
-                            self.cfg.data.num_workers, sequence=self.sequence) \
-            if self.needs_data and training else None
+        data = (
+            MicroBatches(
+                train_ds,
+                state.consumed_samples,
+                t.micro_batch_size,
+                self.m,
+                self.ps,
+                self.cfg.data.num_workers,
+                sequence=self.sequence,
+            )
+            if self.needs_data and training
+            else None
+        )
         self.evaluator.warn_if_missing(valid_ds)
-        report = Reporter(self.cfg, self.ps, state, self.chunks[0].padded_vocab, self.optimizer.scaler is not None,
-                          chunks=self.chunks)
+        report = Reporter(
+            self.cfg, self.ps, state, self.chunks[0].padded_vocab, self.optimizer.scaler is not None, chunks=self.chunks
+        )
         stops, stop = StopRules(t, self.ps, exits), None
         try:
             while training and state.iteration < t.train_iters and stop is None:
@@ -255,6 +310,13 @@ class Trainer:
 
     def write_timeline(self, path: str) -> None:
         """Gather the last iteration's measured events of this pipeline and write the timeline JSON."""
-        write_timeline(path, self.last_stats.events, self.ps, schedule=self.schedule_name,
-                       vp=self.cfg.parallel.vp, m=self.m, iteration=self.state.iteration, **timeline_meta(self))
-
+        write_timeline(
+            path,
+            self.last_stats.events,
+            self.ps,
+            schedule=self.schedule_name,
+            vp=self.cfg.parallel.vp,
+            m=self.m,
+            iteration=self.state.iteration,
+            **timeline_meta(self),
+        )

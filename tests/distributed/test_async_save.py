@@ -9,6 +9,7 @@ only once every rank has written.
   the torch format's writer raising) stops the run with one CheckpointError line on every rank, and
   ``latest`` stays at the previous checkpoint; the same failure in a synchronous save likewise.
 """
+
 import errno
 import os
 
@@ -56,12 +57,15 @@ def _fail_second_save_on_rank_1(ps, fmt):
         def write_torch_state(tmp, ps_, state):
             disk_full(tmp)
             real(tmp, ps_, state)
+
         run_formats.write_torch_state = write_torch_state
     else:
+
         class FullDisk(dcp.FileSystemWriter):
             def write_data(self, plan, planner):
                 disk_full(str(self.path))
                 return super().write_data(plan, planner)
+
         dcp.FileSystemWriter = FullDisk
 
 
@@ -70,14 +74,16 @@ def _failing_run(ps, cfg, root, fmt, background):
     try:
         train_losses(ps, cfg, save=root, fmt=fmt, save_interval=1, async_save=background)
     except CheckpointError as e:
-        return {"error": str(e), "latest": read_latest(root),
-                "second": os.path.isdir(iteration_dir(root, 2))}
+        return {"error": str(e), "latest": read_latest(root), "second": os.path.isdir(iteration_dir(root, 2))}
     return {"error": None}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,background", [("sharded", True), ("torch", True), ("sharded", False)],
-                         ids=["sharded-async", "torch-async", "sharded-sync"])
+@pytest.mark.parametrize(
+    "fmt,background",
+    [("sharded", True), ("torch", True), ("sharded", False)],
+    ids=["sharded-async", "torch-async", "sharded-sync"],
+)
 def test_failed_write_stops_every_rank_and_keeps_latest(tmp_path, fmt, background, run_distributed):
     root = str(tmp_path / "ckpt")
     res = run_distributed(_failing_run, 2, _cfg(dp=2, use_distributed_optimizer=True), root, fmt, background)

@@ -6,31 +6,42 @@
 * a sharded checkpoint saved with one split loads into another and training goes on as if
   uninterrupted; a torch-format one (per-rank files) is refused with the split named.
 """
+
 from dataclasses import replace
 
 import pytest
 
 from megalite.checkpointing import CheckpointError
 from megalite.config import CheckpointConfig
-from megalite.training.mock import MockFeed
 from megalite.training import Trainer
-from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, reference_run, run_steps,
-                                  tiny_config)
-
+from megalite.training.mock import MockFeed
+from tests.helpers.parity import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    _train,
+    assert_close_run,
+    reference_run,
+    run_steps,
+    tiny_config,
+)
 
 STEPS = 3
 
 
 def _cfg(style, pp, vp, m, split=None, balance="even", layers=8):
-    cfg = tiny_config(style, gbs=m, mbs=1, num_layers=layers, pp=pp, vp=vp,
-                      schedule="interleaved_1f1b" if vp > 1 else "1f1b")
+    cfg = tiny_config(
+        style, gbs=m, mbs=1, num_layers=layers, pp=pp, vp=vp, schedule="interleaved_1f1b" if vp > 1 else "1f1b"
+    )
     return cfg.with_(parallel=replace(cfg.parallel, pipeline_stage_layers=split, pipeline_balance=balance))
 
 
-@pytest.mark.parametrize("style, pp, vp, m, split", [
-    ("untied", 2, 2, 4, (3, 1, 2, 2)),  # interleaved: chunk sizes differ on one rank
-    ("tied", 4, 1, 4, (3, 2, 2, 1)),
-])
+@pytest.mark.parametrize(
+    "style, pp, vp, m, split",
+    [
+        ("untied", 2, 2, 4, (3, 1, 2, 2)),  # interleaved: chunk sizes differ on one rank
+        ("tied", 4, 1, 4, (3, 2, 2, 1)),
+    ],
+)
 def test_given_split_matches_single_process(style, pp, vp, m, split, run_distributed):
     model = GPT2_STYLE if style == "tied" else LLAMA_STYLE
     cfg = _cfg(model, pp, vp, m, split)
@@ -42,8 +53,10 @@ def test_given_split_matches_single_process(style, pp, vp, m, split, run_distrib
 
 
 def _split_of(trainer):
-    return {"split": trainer.cfg.parallel.pipeline_stage_layers,
-            "layers": [list(c.decoder.layers.keys()) for c in trainer.chunks]}
+    return {
+        "split": trainer.cfg.parallel.pipeline_stage_layers,
+        "layers": [list(c.decoder.layers.keys()) for c in trainer.chunks],
+    }
 
 
 def test_measured_split_is_agreed_and_matches_single_process(run_distributed):

@@ -10,17 +10,18 @@
 
 (Crash-safe saving, safe loading and retention in one process: tests/unit/test_checkpointing.py.)
 """
+
 from dataclasses import replace
 
 import pytest
 
 from megalite.checkpointing import CheckpointError
 from megalite.config import CheckpointConfig
+from megalite.data.batches import MicroBatches
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel.state import ParallelState
-from megalite.data.batches import MicroBatches
-from megalite.training.mock import MockFeed
 from megalite.training import Trainer
+from megalite.training.mock import MockFeed
 from tests.helpers.checkpointing import STEPS, _cfg, _trainer
 from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, train_losses
 
@@ -38,13 +39,19 @@ RESUME_CASES = [  # (style, tp, pp, vp, dp, optim overrides, dtype, format)
     ("llama", 2, 2, 1, 1, {}, "float32", "sharded"),
     ("gpt2", 1, 2, 2, 2, {"use_distributed_optimizer": True}, "float32", "sharded"),
     ("gpt2", 1, 2, 1, 2, {"use_distributed_optimizer": True}, "float32", "torch"),
-    ("gpt2", 1, 2, 1, 2, {"initial_loss_scale": 2.0 ** 20}, "float16", "sharded"),
+    ("gpt2", 1, 2, 1, 2, {"initial_loss_scale": 2.0**20}, "float16", "sharded"),
 ]
 
 
-@pytest.mark.parametrize("style,tp,pp,vp,dp,optim,dtype,fmt", RESUME_CASES,
-                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-{c[6]}-{c[7]}"
-                              + ("-distopt" if c[5].get("use_distributed_optimizer") else "") for c in RESUME_CASES])
+@pytest.mark.parametrize(
+    "style,tp,pp,vp,dp,optim,dtype,fmt",
+    RESUME_CASES,
+    ids=[
+        f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-{c[6]}-{c[7]}"
+        + ("-distopt" if c[5].get("use_distributed_optimizer") else "")
+        for c in RESUME_CASES
+    ],
+)
 def test_resume_is_exact(tmp_path, style, tp, pp, vp, dp, optim, dtype, fmt, run_distributed):
     cfg = _cfg(GPT2_STYLE if style == "gpt2" else LLAMA_STYLE, tp, pp, vp, dp, **optim)
     cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
@@ -130,8 +137,9 @@ def test_llama_gqa_uneven_stages_load_into_one_process(tmp_path, run_distributed
     train_losses(ParallelState.single(), base, save=ref_root, exit_at=STEPS // 2)
     ref = _eval_and_continue(ParallelState.single(), base, ref_root)
     src = _cfg(LLAMA_STYLE, tp=2, pp=2, dropout=0.0)
-    src = src.with_(parallel=replace(src.parallel, decoder_first_pipeline_num_layers=1,
-                                     decoder_last_pipeline_num_layers=3))
+    src = src.with_(
+        parallel=replace(src.parallel, decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=3)
+    )
     run_distributed(_save_after, 4, src, root, tp=2, pp=2)
     got = _eval_and_continue(ParallelState.single(), base, root)
     assert _close([got["eval"]], [ref["eval"]]) and _close(got["losses"], ref["losses"]), (got, ref)

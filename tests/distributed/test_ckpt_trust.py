@@ -8,6 +8,7 @@
 The one-process cases (damaged files, full disk, the lock's rules, learning-rate settings) are in
 tests/unit/test_ckpt_trust.py.
 """
+
 import os
 import socket
 from dataclasses import replace
@@ -25,8 +26,9 @@ from tests.helpers.parity import tiny_config
 
 def _trainer(ps, save, load=None):
     cfg = tiny_config(gbs=4, mbs=2)
-    cfg = cfg.with_(checkpoint=CheckpointConfig(save=save, load=load, save_interval=1),
-                    train=replace(cfg.train, train_iters=2))
+    cfg = cfg.with_(
+        checkpoint=CheckpointConfig(save=save, load=load, save_interval=1), train=replace(cfg.train, train_iters=2)
+    )
     return Trainer(cfg, ps), cfg
 
 
@@ -47,13 +49,23 @@ def test_nodes_that_do_not_share_save_are_refused_at_the_first_save(tmp_path, ru
     errors = run_distributed(_save_into, 2, [a, b])
     host = socket.gethostname()
     assert errors == [
-        (f"rank 1 does not see the files rank 0 wrote into {a}/iter_0000001.tmp: --save {a} must be one directory "
-         f"shared by every node (a shared file system); nothing was saved", True),
-        (f"rank 1 ({host}) does not see the files rank 0 wrote into {b}/iter_0000001.tmp: --save {b} must be one "
-         f"directory shared by every node (a shared file system); nothing was saved", True)]
+        (
+            f"rank 1 does not see the files rank 0 wrote into {a}/iter_0000001.tmp: --save {a} must be one directory "
+            f"shared by every node (a shared file system); nothing was saved",
+            True,
+        ),
+        (
+            f"rank 1 ({host}) does not see the files rank 0 wrote into {b}/iter_0000001.tmp: --save {b} must be one "
+            f"directory shared by every node (a shared file system); nothing was saved",
+            True,
+        ),
+    ]
     for root in (a, b):
-        assert not any(name.startswith("iter_0000001") and not name.endswith(".tmp") for name in os.listdir(root)) \
-            if os.path.isdir(root) else True
+        assert (
+            not any(name.startswith("iter_0000001") and not name.endswith(".tmp") for name in os.listdir(root))
+            if os.path.isdir(root)
+            else True
+        )
         assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
     # one shared directory: the same run saves (and the check costs nothing visible)
     assert run_distributed(_save_into, 2, [a, a]) == [None, None]
@@ -79,8 +91,9 @@ def test_a_second_run_is_refused_on_every_rank_and_a_stale_lock_taken_over(tmp_p
         (r0, report0), (r1, report1) = run_distributed(_load_refused, 2, root)
     finally:
         release_save_locks()
-    assert report0 and r0.startswith(f"--save {root} is in use by another run (host {socket.gethostname()}, "
-                                      f"pid {os.getpid()}, started ")
+    assert report0 and r0.startswith(
+        f"--save {root} is in use by another run (host {socket.gethostname()}, pid {os.getpid()}, started "
+    )
     assert not report1 and r1 == f"rank 0 could not lock --save {root} (its error is printed above)"
     # the ranks of that run are gone (their lock file stays): the next run takes it over
     assert run_distributed(_save_into, 2, [root, root]) == [None, None]

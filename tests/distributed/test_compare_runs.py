@@ -2,6 +2,7 @@
 cp 2, dp 2 with the distributed optimizer) put back together equal the one-process capture within the fp32
 band; a weight perturbed on a tensor-parallel run is named where it first shows; the command itself
 under torchrun."""
+
 import sys
 from dataclasses import replace
 
@@ -17,8 +18,9 @@ FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 
 
 def _cfg(**parallel):
-    cfg = tiny_config(LLAMA_STYLE, num_layers=4, tp=parallel.pop("tp", 1), pp=parallel.pop("pp", 1),
-                      vp=parallel.pop("vp", 1))
+    cfg = tiny_config(
+        LLAMA_STYLE, num_layers=4, tp=parallel.pop("tp", 1), pp=parallel.pop("pp", 1), vp=parallel.pop("vp", 1)
+    )
     return cfg.with_(parallel=replace(cfg.parallel, **parallel))
 
 
@@ -30,11 +32,14 @@ def reference(tmp_path_factory):
     return load_capture(path)
 
 
-@pytest.mark.parametrize("name,cfg,tp,pp,cp", [
-    ("tp2-sp", _cfg(tp=2, sequence_parallel=True), 2, 1, 1),
-    ("pp2-vp2", _cfg(pp=2, vp=2), 1, 2, 1),
-    ("cp2", _cfg(cp=2), 1, 1, 2),
-])
+@pytest.mark.parametrize(
+    "name,cfg,tp,pp,cp",
+    [
+        ("tp2-sp", _cfg(tp=2, sequence_parallel=True), 2, 1, 1),
+        ("pp2-vp2", _cfg(pp=2, vp=2), 1, 2, 1),
+        ("cp2", _cfg(cp=2), 1, 1, 2),
+    ],
+)
 def test_layouts_agree_with_one_process(reference, tmp_path, name, cfg, tp, pp, cp, run_distributed):
     run_distributed(capture_mock, 2, cfg, str(tmp_path), tp=tp, pp=pp, cp=cp)
     report = compare(reference, load_capture(str(tmp_path)))
@@ -63,9 +68,24 @@ def test_perturbed_sharded_weight_is_named_first(reference, tmp_path, run_distri
 @pytest.mark.slow
 def test_command_tp1_against_tp2_under_torchrun(tmp_path, launch):
     flags = TINY_RUN + ["--train-iters", "1", "--num-threads", "1"]
-    proc = launch([sys.executable, "tools/compare_runs.py", "--b", "--tensor-model-parallel-size 2",
-                   "--nproc-b", "2", "--keep", str(tmp_path), "--"] + flags,
-                  cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = launch(
+        [
+            sys.executable,
+            "tools/compare_runs.py",
+            "--b",
+            "--tensor-model-parallel-size 2",
+            "--nproc-b",
+            "2",
+            "--keep",
+            str(tmp_path),
+            "--",
+        ]
+        + flags,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("side A: tp 1 pp 1 dp 1, float32, 4 micro-batches")

@@ -8,6 +8,7 @@ packed documents (--reset-position-ids --reset-attention-mask --eod-mask-loss) a
 middle stages of a pipeline; a checkpoint saved at cp2 resumes at cp1 and one saved at cp1 resumes
 at cp2. Cases sharing a rank grid share one launch (about 2 s to start on 2 cores).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -20,8 +21,7 @@ from megalite.config import Config
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel.state import ParallelState
 from megalite.training.mock import train_mock
-from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, param_error, tiny_config,
-                                  train_losses)
+from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, assert_close_run, param_error, tiny_config, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +46,9 @@ class PackedMock:
         return {"text": text}
 
 
-def _config(style: dict, cp: int, comm: str = "p2p", packed: bool = False, gbs: int = 4, mbs: int = 2,
-            **parallel) -> Config:
+def _config(
+    style: dict, cp: int, comm: str = "p2p", packed: bool = False, gbs: int = 4, mbs: int = 2, **parallel
+) -> Config:
     cfg = tiny_config(style, gbs=gbs, mbs=mbs, num_layers=parallel.pop("num_layers", 2))
     cfg = cfg.with_(parallel=replace(cfg.parallel, cp=cp, cp_comm_type=comm, **parallel))
     return cfg.with_(data=replace(cfg.data, **PACKED)) if packed else cfg
@@ -65,15 +66,21 @@ _REFS: Dict[str, dict] = {}
 def _reference(cfg: Config, packed: bool) -> dict:
     """The same run in one process (cached by config)."""
     # comm type, recompute and the distributed optimizer (at dp 1) change no arithmetic: one reference for all
-    one = cfg.with_(parallel=replace(cfg.parallel, tp=1, pp=1, vp=1, cp=1, cp_comm_type="p2p",
-                                     pipeline_schedule=None, sequence_parallel=False),
-                    optim=replace(cfg.optim, use_distributed_optimizer=False),
-                    model=replace(cfg.model, recompute_granularity=None))
+    one = cfg.with_(
+        parallel=replace(
+            cfg.parallel, tp=1, pp=1, vp=1, cp=1, cp_comm_type="p2p", pipeline_schedule=None, sequence_parallel=False
+        ),
+        optim=replace(cfg.optim, use_distributed_optimizer=False),
+        model=replace(cfg.model, recompute_granularity=None),
+    )
     key = repr((one, packed))
     if key not in _REFS:
         trainer, losses, norms = train_mock(one, ParallelState.single(), STEPS, dataset=_dataset(one, packed))
-        _REFS[key] = {"losses": losses, "norms": norms,
-                      "state": {k: v.detach().clone() for k, v in trainer.chunks[0].state_dict().items()}}
+        _REFS[key] = {
+            "losses": losses,
+            "norms": norms,
+            "state": {k: v.detach().clone() for k, v in trainer.chunks[0].state_dict().items()},
+        }
     return _REFS[key]
 
 
@@ -83,16 +90,29 @@ def _run_cases(ps: ParallelState, cases: List[tuple]) -> List[List[dict]]:
     for cfg, packed, state in cases:
         trainer, losses, norms = train_mock(cfg, ps, STEPS, dataset=_dataset(cfg, packed))
         trainer.optimizer.finish_param_gather()
-        out.append({"losses": losses, "norms": norms, "param_err": param_error(trainer, state), "rank": ps.rank,
-                    "last_stage": ps.is_last_stage})
+        out.append(
+            {
+                "losses": losses,
+                "norms": norms,
+                "param_err": param_error(trainer, state),
+                "rank": ps.rank,
+                "last_stage": ps.is_last_stage,
+            }
+        )
     return out
 
 
 def _check(run_distributed, world: int, cases: List[tuple], tp: int = 1, pp: int = 1, cp: int = 2) -> None:
     """Run ``cases`` [(name, cfg, packed)] in one launch of ``world`` ranks and compare each with one process."""
     refs = [_reference(cfg, packed) for _, cfg, packed in cases]
-    per_rank = run_distributed(_run_cases, world, [(cfg, packed, ref["state"]) for (_, cfg, packed), ref
-                                                   in zip(cases, refs)], tp=tp, pp=pp, cp=cp)
+    per_rank = run_distributed(
+        _run_cases,
+        world,
+        [(cfg, packed, ref["state"]) for (_, cfg, packed), ref in zip(cases, refs)],
+        tp=tp,
+        pp=pp,
+        cp=cp,
+    )
     for i, ((name, _, _), ref) in enumerate(zip(cases, refs)):
         try:
             assert_close_run([r[i] for r in per_rank], ref, rtol=1e-5, param_rtol=1e-5)
@@ -105,32 +125,50 @@ def _check(run_distributed, world: int, cases: List[tuple], tp: int = 1, pp: int
 
 def test_cp2_each_comm_type_and_packed_documents(run_distributed):
     cases = [(f"cp2 {comm}", _config(LLAMA_STYLE, 2, comm), False) for comm in ("p2p", "all_gather", "a2a")]
-    cases += [("cp2 packed rope p2p", _config(LLAMA_STYLE, 2, "p2p", packed=True), True),
-              ("cp2 packed learned all_gather", _config(GPT2_STYLE, 2, "all_gather", packed=True), True)]
+    cases += [
+        ("cp2 packed rope p2p", _config(LLAMA_STYLE, 2, "p2p", packed=True), True),
+        ("cp2 packed learned all_gather", _config(GPT2_STYLE, 2, "all_gather", packed=True), True),
+    ]
     _check(run_distributed, 2, cases)
 
 
 def test_cp4_each_comm_type(run_distributed):
-    _check(run_distributed, 4,
-           [(f"cp4 {comm}", _config(GPT2_STYLE, 4, comm), False) for comm in ("p2p", "all_gather", "a2a")], cp=4)
+    _check(
+        run_distributed,
+        4,
+        [(f"cp4 {comm}", _config(GPT2_STYLE, 4, comm), False) for comm in ("p2p", "all_gather", "a2a")],
+        cp=4,
+    )
 
 
 def test_cp2_with_tp2_sequence_parallel(run_distributed):
     recompute = _config(LLAMA_STYLE, 2, "p2p", tp=2, sequence_parallel=True)
     recompute = recompute.with_(model=replace(recompute.model, recompute_granularity="selective"))
-    _check(run_distributed, 4,
-           [("cp2 tp2 sp p2p selective recompute", recompute, False),
-            ("cp2 tp2 sp a2a packed", _config(GPT2_STYLE, 2, "a2a", packed=True, tp=2, sequence_parallel=True), True)],
-           tp=2)
+    _check(
+        run_distributed,
+        4,
+        [
+            ("cp2 tp2 sp p2p selective recompute", recompute, False),
+            ("cp2 tp2 sp a2a packed", _config(GPT2_STYLE, 2, "a2a", packed=True, tp=2, sequence_parallel=True), True),
+        ],
+        tp=2,
+    )
 
 
 def test_cp2_with_pp2_schedules(run_distributed):
-    cases = [("cp2 pp2 1f1b", _config(LLAMA_STYLE, 2, "p2p", num_layers=4, pp=2, pipeline_schedule="1f1b"),
-              False),
-             ("cp2 pp2 interleaved packed", _config(LLAMA_STYLE, 2, "p2p", packed=True, num_layers=4, pp=2, vp=2,
-                                                    pipeline_schedule="interleaved_1f1b"), True),
-             ("cp2 pp2 zero-bubble V a2a", _config(LLAMA_STYLE, 2, "a2a", num_layers=4, pp=2, vp=2,
-                                                   pipeline_schedule="zbv"), False)]
+    cases = [
+        ("cp2 pp2 1f1b", _config(LLAMA_STYLE, 2, "p2p", num_layers=4, pp=2, pipeline_schedule="1f1b"), False),
+        (
+            "cp2 pp2 interleaved packed",
+            _config(LLAMA_STYLE, 2, "p2p", packed=True, num_layers=4, pp=2, vp=2, pipeline_schedule="interleaved_1f1b"),
+            True,
+        ),
+        (
+            "cp2 pp2 zero-bubble V a2a",
+            _config(LLAMA_STYLE, 2, "a2a", num_layers=4, pp=2, vp=2, pipeline_schedule="zbv"),
+            False,
+        ),
+    ]
     _check(run_distributed, 4, cases, pp=2)
 
 

@@ -1,6 +1,7 @@
 """Context-parallel attention on 2 and 4 gloo ranks against one process: for every comm type, with and
 without packed documents, grouped-query attention, each rank's output and dq/dk/dv equal the rows of
 a full-sequence attention (float64, explicit mask) that belong to its chunks r and 2CP-1-r."""
+
 import pytest
 import torch
 
@@ -46,12 +47,17 @@ def _dropout_runs(ps, comm_type):
     q, k, v = (torch.randn(B, 4, S // ps.cp.size, D, generator=g).requires_grad_() for _ in range(3))
     idx = cp_token_index(S, ps.cp.size, ps.cp.rank)
     seg = packed_segments(B, S)
-    outs = [context_parallel_attention(q, k, v, ps.cp, comm_type, idx, seg, 0.3, RNGTracker(7, 0, 0, q.device))
-            for _ in range(2)]
+    outs = [
+        context_parallel_attention(q, k, v, ps.cp, comm_type, idx, seg, 0.3, RNGTracker(7, 0, 0, q.device))
+        for _ in range(2)
+    ]
     grads = torch.autograd.grad(outs[0].sum(), [q, k, v])
     plain = context_parallel_attention(q, k, v, ps.cp, comm_type, idx, seg)
-    return (torch.equal(outs[0], outs[1]) and all(bool(gr.isfinite().all()) for gr in grads)
-            and not torch.allclose(outs[0], plain))
+    return (
+        torch.equal(outs[0], outs[1])
+        and all(bool(gr.isfinite().all()) for gr in grads)
+        and not torch.allclose(outs[0], plain)
+    )
 
 
 def _all_cases(ps, cases):

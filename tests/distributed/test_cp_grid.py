@@ -17,10 +17,10 @@ loss share by cp, as the GPT path does:
 * the real Trainer's checkpoint saved at cp 2 x dp 2 resumes in one process with the losses of an
   uninterrupted run.
 """
+
 import glob
 import json
 import os
-
 from dataclasses import replace
 
 import pytest
@@ -30,6 +30,8 @@ from torch import nn
 
 from megalite.checkpointing.async_save import conclude, start_save
 from megalite.checkpointing.manager import load_checkpoint, save_checkpoint
+from megalite.checkpointing.run import RunParts
+from megalite.checkpointing.run_formats import RUN_FORMATS
 from megalite.config import Config, OptimConfig, ParallelConfig
 from megalite.data.samplers import PretrainingSampler
 from megalite.observability.logging import mean_over_data_parallel
@@ -38,8 +40,6 @@ from megalite.optim.optimizer import MegatronOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.state import TrainState
-from megalite.checkpointing.run import RunParts
-from megalite.checkpointing.run_formats import RUN_FORMATS
 from tests.helpers.parity import GPT2_STYLE, tiny_config, train_losses
 
 SEQ, VOCAB, HIDDEN = 16, 64, 32
@@ -71,15 +71,24 @@ def _data():
 def _local_index(cp_size, cp_rank):
     """Chunks r and 2CP-1-r of 2CP (the load-balanced split), concatenated in that order."""
     c = SEQ // (2 * cp_size)
-    idx = list(range(cp_rank * c, (cp_rank + 1) * c)) + list(range((2 * cp_size - 1 - cp_rank) * c,
-                                                                    (2 * cp_size - cp_rank) * c))
+    idx = list(range(cp_rank * c, (cp_rank + 1) * c)) + list(
+        range((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
+    )
     return torch.tensor(idx)
 
 
 def _optim_cfg(distopt):
-    return OptimConfig(lr=0.05, min_lr=0.0, lr_warmup_iters=0, lr_decay_style="constant", clip_grad=0.5,
-                       weight_decay=0.1, use_distributed_optimizer=distopt, overlap_grad_reduce=distopt,
-                       ddp_bucket_size=1024)
+    return OptimConfig(
+        lr=0.05,
+        min_lr=0.0,
+        lr_warmup_iters=0,
+        lr_decay_style="constant",
+        clip_grad=0.5,
+        weight_decay=0.1,
+        use_distributed_optimizer=distopt,
+        overlap_grad_reduce=distopt,
+        ddp_bucket_size=1024,
+    )
 
 
 def _build(ps, distopt):
@@ -125,8 +134,10 @@ def _flat_weights(model):
 def _full_state(model, opt):
     """Weights and the whole optimizer state (collective over dp_cp), as plain tensors."""
     full = opt.full_state_dict(include_main=True, to_cpu=True)
-    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "optim": {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for n, s in full.items()}}
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optim": {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for n, s in full.items()},
+    }
 
 
 def _cfg(ps):
@@ -134,8 +145,15 @@ def _cfg(ps):
 
 
 def _save(ps, root, fmt, model, opt, background=False):
-    run = RunParts(_cfg(ps), ps, [model], opt, LRScheduler(opt, opt.cfg, STEPS),
-                   TrainState(iteration=STEPS, consumed_samples=STEPS * GBS), RNGTracker(1, 0, 0, ps.device))
+    run = RunParts(
+        _cfg(ps),
+        ps,
+        [model],
+        opt,
+        LRScheduler(opt, opt.cfg, STEPS),
+        TrainState(iteration=STEPS, consumed_samples=STEPS * GBS),
+        RNGTracker(1, 0, 0, ps.device),
+    )
     if not background:
         save_checkpoint(run, root, fmt)
         return
@@ -167,8 +185,10 @@ def _cp_run(ps, tmp):
 def _load(ps, tmp, fmt, tag):
     model, opt = _build(ps, distopt=True)
     scheduler, state = LRScheduler(opt, opt.cfg, STEPS), TrainState()
-    got = load_checkpoint(RunParts(_cfg(ps), ps, [model], opt, scheduler, state, RNGTracker(1, 0, 0, ps.device)),
-                          os.path.join(tmp, f"{fmt}_1"))
+    got = load_checkpoint(
+        RunParts(_cfg(ps), ps, [model], opt, scheduler, state, RNGTracker(1, 0, 0, ps.device)),
+        os.path.join(tmp, f"{fmt}_1"),
+    )
     assert got == STEPS and state.consumed_samples == STEPS * GBS
     full = _full_state(model, opt)
     if ps.rank == 0:
@@ -182,15 +202,19 @@ def _assert_bit_equal(got, want, where):
     for name, s in want["optim"].items():
         for k, v in s.items():
             g = got["optim"][name][k]
-            assert (torch.equal(g, v) if torch.is_tensor(v) else g == v), f"{where}: optimizer {name} {k}"
+            assert torch.equal(g, v) if torch.is_tensor(v) else g == v, f"{where}: optimizer {name} {k}"
 
 
 @pytest.mark.slow
 def test_cp2_dp2_grads_optimizer_and_checkpoints(tmp_path, run_distributed):
     tmp = str(tmp_path)
     results = run_distributed(_cp_run, 4, tmp, cp=2)
-    assert [r["grid"] for r in results] == [(0, 0, [0, 1, 2, 3]), (1, 0, [0, 1, 2, 3]), (0, 1, [0, 1, 2, 3]),
-                                            (1, 1, [0, 1, 2, 3])]  # tp-cp-dp-pp: cp before dp
+    assert [r["grid"] for r in results] == [
+        (0, 0, [0, 1, 2, 3]),
+        (1, 0, [0, 1, 2, 3]),
+        (0, 1, [0, 1, 2, 3]),
+        (1, 1, [0, 1, 2, 3]),
+    ]  # tp-cp-dp-pp: cp before dp
     single = ParallelState.single()
     for distopt in (False, True):
         model, _, losses, norms, first_grad = _train(single, distopt)
@@ -217,14 +241,18 @@ def test_cp2_dp2_grads_optimizer_and_checkpoints(tmp_path, run_distributed):
     _assert_bit_equal(torch.load(os.path.join(tmp, "loaded_sharded_dp2.pt")), saved, "sharded cp2 dp2 -> cp1 dp2")
     for fmt in ("sharded", "torch"):
         _load(single, tmp, fmt, f"{fmt}_single")
-        _assert_bit_equal(torch.load(os.path.join(tmp, f"loaded_{fmt}_single.pt")), saved,
-                          f"{fmt} cp2 dp2 -> one process")
+        _assert_bit_equal(
+            torch.load(os.path.join(tmp, f"loaded_{fmt}_single.pt")), saved, f"{fmt} cp2 dp2 -> one process"
+        )
 
 
 def _trainer_cfg(cp):
     cfg = tiny_config(GPT2_STYLE, gbs=4, mbs=1, num_layers=2)
-    return cfg.with_(parallel=replace(cfg.parallel, cp=cp), optim=replace(cfg.optim, use_distributed_optimizer=True),
-                     train=replace(cfg.train, train_iters=4))
+    return cfg.with_(
+        parallel=replace(cfg.parallel, cp=cp),
+        optim=replace(cfg.optim, use_distributed_optimizer=True),
+        train=replace(cfg.train, train_iters=4),
+    )
 
 
 @pytest.mark.slow

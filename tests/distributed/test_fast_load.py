@@ -5,6 +5,7 @@
 
 (Checksums and damaged files, in one process: tests/unit/test_fast_load.py.)
 """
+
 import io
 import json
 import os
@@ -28,8 +29,7 @@ def _load_resave(ps, cfg, src, dst):
 
 def _index(root):
     d = os.path.join(root, "iter_0000001")
-    return [e for fn in sorted(os.listdir(d)) if fn.startswith("index_")
-            for e in json.load(open(os.path.join(d, fn)))]
+    return [e for fn in sorted(os.listdir(d)) if fn.startswith("index_") for e in json.load(open(os.path.join(d, fn)))]
 
 
 @pytest.mark.slow
@@ -44,7 +44,7 @@ def test_flat_entries_load_into_other_dp_tp_pp(tmp_path, run_distributed):
     d = os.path.join(dp4, "iter_0000001")  # whole tensors from flat pieces, as the converter reads them
     whole = read_whole(d, read_index(d), list(saved["model"]))
     for n, t in whole.items():  # vocabulary tables: the real rows (padding is never saved)
-        assert torch.equal(t, saved["model"][n][:t.shape[0]]), n
+        assert torch.equal(t, saved["model"][n][: t.shape[0]]), n
     for name, world, tp, pp, cfg in [("dp2", 2, 1, 1, _cfg(distopt=True)), ("tp2pp2", 4, 2, 2, _cfg(tp=2, pp=2))]:
         out = str(tmp_path / f"dp4-{name}")
         run_distributed(_load_resave, world, cfg, dp4, out, tp=tp, pp=pp)

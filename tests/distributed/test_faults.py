@@ -3,6 +3,7 @@ a time limit. Real torchrun jobs; the slow one (a stopped rank waits out a one-m
 while the others are tried, so the file costs about two minutes. (The one-process cases, a time limit
 among them: tests/unit/test_faults.py.)
 """
+
 import os
 import re
 import signal
@@ -12,8 +13,12 @@ import pytest
 
 
 def _alive(pids):
-    return [p for p in pids if os.path.exists(f"/proc/{p}") and
-            "pretrain_gpt" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+    return [
+        p
+        for p in pids
+        if os.path.exists(f"/proc/{p}")
+        and "pretrain_gpt" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+    ]
 
 
 @pytest.mark.slow
@@ -51,8 +56,9 @@ def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path, torchrun_job):
     assert termed.wait(timeout=30) < 30
     time.sleep(1)
     assert _alive(ranks) == []
-    assert termed.our_lines() == ["pretrain_gpt.py: received SIGTERM: exiting without saving "
-                                  "(--exit-signal-handler saves a checkpoint first)"]
+    assert termed.our_lines() == [
+        "pretrain_gpt.py: received SIGTERM: exiting without saving (--exit-signal-handler saves a checkpoint first)"
+    ]
     assert termed.no_rank_traceback(), termed.err.read_text()
 
     # With --exit-signal-handler the ranks agree on an iteration, save it and exit 0.
@@ -81,5 +87,6 @@ def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path, torchrun_job):
     assert time.time() - t_stop < 120
     assert stopped.proc.returncode != 0
     lines = stopped.our_lines()
-    assert any("rank 0: lost contact with another rank (Timed out waiting 60000ms" in line for line in lines), \
+    assert any("rank 0: lost contact with another rank (Timed out waiting 60000ms" in line for line in lines), (
         stopped.err.read_text()
+    )

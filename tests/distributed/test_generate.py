@@ -4,6 +4,7 @@ exactly what the same weights generate at tp=1: the loaders place every shard wh
 Initialization does not depend on the layout (README, Architecture: design rules), so a run saved at iteration 0 at
 tp 2 x pp 2 holds the same weights as one process building the same config.
 """
+
 from dataclasses import replace
 
 import pytest
@@ -17,8 +18,9 @@ from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 
 def _cfg(style, tp=1, pp=1, vp=1):
-    cfg = tiny_config(style, gbs=4, mbs=1, num_layers=4, tp=tp, pp=pp, vp=vp,
-                      schedule="interleaved_1f1b" if vp > 1 else None)
+    cfg = tiny_config(
+        style, gbs=4, mbs=1, num_layers=4, tp=tp, pp=pp, vp=vp, schedule="interleaved_1f1b" if vp > 1 else None
+    )
     return cfg.with_(model=replace(cfg.model, init_method_std=0.3, seq_length=32))  # peaked outputs
 
 
@@ -41,8 +43,9 @@ def test_tp2_pp2_checkpoint_generates_the_single_process_tokens(tmp_path, style,
     assert it == 0 and cfg.parallel.tp == 2 and cfg.parallel.pp == 2
     loaded = build_model(cfg, full)
     for name, p in reference.named_parameters():  # every shard in its place (padding rows aside)
-        rows = min(p.shape[0], cfg.model.vocab_size) if "word_embeddings" in name or "output_layer" in name \
-            else p.shape[0]
+        rows = (
+            min(p.shape[0], cfg.model.vocab_size) if "word_embeddings" in name or "output_layer" in name else p.shape[0]
+        )
         assert torch.equal(dict(loaded.named_parameters())[name][:rows], p.detach()[:rows]), name
     reference.eval()
     prompt = [3, 14, 15, 92]

@@ -5,6 +5,7 @@ on 8 ranks. The one-process halves of these checks stay in tests/unit (test_pret
 test_bad_inputs.py, test_balance.py, test_examples.py); the flag lists and data both use are in
 tests/helpers (bad_inputs.py, pretrain_cli.py).
 """
+
 import os
 import re
 import subprocess
@@ -25,13 +26,30 @@ def data_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_torchrun_tp2_dp2_matches_single_process(launch):
     args = TINY + ["--train-iters", "3", "--eval-iters", "0"]
-    single = subprocess.run([sys.executable, "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True,
-                            text=True, timeout=300)
+    single = subprocess.run(
+        [sys.executable, "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert single.returncode == 0, single.stderr
-    multi = launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "4", "pretrain_gpt.py", "--tensor-model-parallel-size", "2",
-                    "--num-threads", "1"] + args,
-                   cwd=REPO, capture_output=True, text=True, timeout=600)
+    multi = launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "pretrain_gpt.py",
+            "--tensor-model-parallel-size",
+            "2",
+            "--num-threads",
+            "1",
+        ]
+        + args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert multi.returncode == 0, multi.stderr[-3000:]
     assert "world 4 = tp 2 x dp 2 x pp 1" in multi.stdout
     a, b = _losses(single.stdout), _losses(multi.stdout)
@@ -41,9 +59,24 @@ def test_torchrun_tp2_dp2_matches_single_process(launch):
 
 
 def _torchrun(launch, nproc, argv):
-    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(nproc), "pretrain_gpt.py", "--num-threads", "1"] + argv,
-                  cwd=REPO, capture_output=True, text=True, timeout=300)
+    return launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "pretrain_gpt.py",
+            "--num-threads",
+            "1",
+        ]
+        + argv,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_bad_flag_under_torchrun_is_said_once(launch):
@@ -65,13 +98,49 @@ def test_out_of_vocabulary_ids_stop_every_rank_the_same_way_at_tp2(data_dir, lau
 
 def test_pretrain_gpt_measured_balance_on_two_pipeline_ranks_prints_the_split_and_trains(launch):
     # vocabulary 8000 at hidden 32: the output layer + loss cost well over a layer
-    args = ["--mock-data", "--vocab-size", "8000", "--num-layers", "4", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "1", "--log-interval", "1",
-            "--train-iters", "3", "--eval-iters", "0", "--num-threads", "1",
-            "--pipeline-model-parallel-size", "2", "--pipeline-balance", "measured"]
-    proc = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    args = [
+        "--mock-data",
+        "--vocab-size",
+        "8000",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--lr-warmup-iters",
+        "1",
+        "--log-interval",
+        "1",
+        "--train-iters",
+        "3",
+        "--eval-iters",
+        "0",
+        "--num-threads",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--pipeline-balance",
+        "measured",
+    ]
+    proc = launch(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py"]
+        + args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "pipeline balance: 1f1b, pp 2 x vp 1, 4 micro-batches" in out
@@ -86,8 +155,14 @@ def test_pretrain_gpt_measured_balance_on_two_pipeline_ranks_prints_the_split_an
 @pytest.mark.slow
 def test_cpu_3d_script_trains(tmp_path, launch):
     env = {**os.environ, "TRAIN_ITERS": "2"}
-    res = launch(["bash", str(REPO / "examples" / "debug_3d_cpu.sh"), "--eval-iters", "1",
-                  "--log-interval", "1"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    res = launch(
+        ["bash", str(REPO / "examples" / "debug_3d_cpu.sh"), "--eval-iters", "1", "--log-interval", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "world 8 = tp 2 x dp 2 x pp 2 (vp 2)" in res.stdout
     assert " iteration        2/       2 |" in res.stdout and "training done: 2 iterations" in res.stdout

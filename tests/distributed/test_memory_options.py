@@ -8,16 +8,24 @@
   and parameter all-gather, several buckets): equals the single-process run over 5 steps,
   global grad norm included, and each rank holds 1/dp of the optimizer state.
 """
+
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, _train, assert_close_run, full_params,
-                                  reference_run, run_steps, tiny_config)
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
-
+from tests.helpers.parity import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    _train,
+    assert_close_run,
+    full_params,
+    reference_run,
+    run_steps,
+    tiny_config,
+)
 
 RECOMPUTE_MODES = {
     "none": {},
@@ -69,8 +77,9 @@ SP_CASES = [("tied", 2, 2, 1), ("tied", 4, 2, 1), ("untied", 2, 2, 2)]  # llama 
 @pytest.mark.parametrize("emb,tp,pp,vp", SP_CASES, ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}" for c in SP_CASES])
 def test_sequence_parallel_matches_single_process(emb, tp, pp, vp, run_distributed):
     style = GPT2_STYLE if emb == "tied" else LLAMA_STYLE
-    cfg = tiny_config(style, gbs=4, mbs=2, num_layers=4, tp=tp, pp=pp, vp=vp,
-                      schedule="interleaved_1f1b" if vp > 1 else None)
+    cfg = tiny_config(
+        style, gbs=4, mbs=2, num_layers=4, tp=tp, pp=pp, vp=vp, schedule="interleaved_1f1b" if vp > 1 else None
+    )
     ref = reference_run(cfg, 3)
     cfg = cfg.with_(parallel=replace(cfg.parallel, sequence_parallel=True))
     results = run_distributed(run_steps, tp * pp, cfg, 3, ref["state"], tp=tp, pp=pp)
@@ -79,6 +88,7 @@ def test_sequence_parallel_matches_single_process(emb, tp, pp, vp, run_distribut
 
 def _optimizer_bytes(trainer):
     from megalite.training import Trainer
+
     opt = trainer.optimizer
     # the per-shard state loads into a fresh run of the same layout: same weights everywhere
     fresh = Trainer(trainer.cfg, trainer.ps)
@@ -87,9 +97,16 @@ def _optimizer_bytes(trainer):
     owned = sum(pc.end - pc.start for pc in opt.pieces)
     full = opt.full_state_dict() if trainer.ps.tp_size == 1 else {}  # numpy: no shared-memory handles
     full = {n: {k: torch.as_tensor(v).numpy() for k, v in e.items()} for n, e in full.items()}
-    return {"full_state": full,"state_bytes": opt.state_bytes(), "owned": owned, "local_numel": sum(p.numel() for p in opt.params),
-            "dp_rank": trainer.ps.dp_rank, "mp_rank": trainer.ps.mp.rank,
-            "buckets": len(opt.grads.buckets), "reloaded_equal": reloaded_equal}
+    return {
+        "full_state": full,
+        "state_bytes": opt.state_bytes(),
+        "owned": owned,
+        "local_numel": sum(p.numel() for p in opt.params),
+        "dp_rank": trainer.ps.dp_rank,
+        "mp_rank": trainer.ps.mp.rank,
+        "buckets": len(opt.grads.buckets),
+        "reloaded_equal": reloaded_equal,
+    }
 
 
 DIST_OPT_CASES = [  # (embeddings, tp, pp, dp, overlap)
@@ -98,17 +115,26 @@ DIST_OPT_CASES = [  # (embeddings, tp, pp, dp, overlap)
 ]
 
 
-@pytest.mark.parametrize("emb,tp,pp,dp,overlap", DIST_OPT_CASES,
-                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}dp{c[3]}{'-overlap' if c[4] else ''}" for c in DIST_OPT_CASES])
+@pytest.mark.parametrize(
+    "emb,tp,pp,dp,overlap",
+    DIST_OPT_CASES,
+    ids=[f"{c[0]}-tp{c[1]}pp{c[2]}dp{c[3]}{'-overlap' if c[4] else ''}" for c in DIST_OPT_CASES],
+)
 def test_distributed_optimizer_matches_single_process_and_shards_state(emb, tp, pp, dp, overlap, run_distributed):
     style = GPT2_STYLE if emb == "tied" else LLAMA_STYLE
     steps = 5
     cfg = tiny_config(style, gbs=2 * dp, mbs=1, num_layers=4, tp=tp, pp=pp)
     ref = reference_run(cfg, steps)
-    optim = replace(cfg.optim, use_distributed_optimizer=True, overlap_grad_reduce=overlap,
-                    overlap_param_gather=overlap, ddp_bucket_size=2000 if overlap else None)
-    results = run_distributed(run_steps, tp * pp * dp, cfg.with_(optim=optim), steps, ref["state"],
-                              _optimizer_bytes, tp=tp, pp=pp)
+    optim = replace(
+        cfg.optim,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        ddp_bucket_size=2000 if overlap else None,
+    )
+    results = run_distributed(
+        run_steps, tp * pp * dp, cfg.with_(optim=optim), steps, ref["state"], _optimizer_bytes, tp=tp, pp=pp
+    )
     assert_close_run(results, ref)
     assert all(r["reloaded_equal"] for r in results)
     if tp == 1:  # the shards, gathered, are the plain optimizer's state of the same run

@@ -6,6 +6,7 @@
   step (weights unchanged, LR schedule not advanced, "skipped iterations" counts it) and the
   scale halves; with hysteresis 2 the first overflow keeps the scale and the second halves it.
 """
+
 from dataclasses import replace
 
 import pytest
@@ -36,6 +37,7 @@ def _overflow_run(ps, cfg, poison_steps, steps):
     """Train with an inf written into one gradient on global rank 0 at ``poison_steps``."""
     from megalite.training import Trainer
     from megalite.training.mock import MockFeed
+
     trainer = Trainer(cfg, ps)
     feed = MockFeed(trainer, steps)
     finalize, state = trainer.optimizer.finalize_grads, {"step": 0}
@@ -44,14 +46,21 @@ def _overflow_run(ps, cfg, poison_steps, steps):
         finalize()
         if ps.rank == 0 and state["step"] in poison_steps:
             trainer.params[0].main_grad.view(-1)[0] = float("inf")
+
     trainer.optimizer.finalize_grads = poisoned
     log = []
     for step in range(steps):
         state["step"] = step
         before = full_params(trainer)
         out = trainer.train_step(feed.next())
-        log.append({"updated": out["updated"], "scale": out["loss_scale"],
-                    "changed": bool((full_params(trainer) != before).any()), "norm": out["grad_norm"]})
+        log.append(
+            {
+                "updated": out["updated"],
+                "scale": out["loss_scale"],
+                "changed": bool((full_params(trainer) != before).any()),
+                "norm": out["grad_norm"],
+            }
+        )
     return {"log": log, "skipped": trainer.state.skipped_iters, "lr_steps": trainer.scheduler.num_steps}
 
 

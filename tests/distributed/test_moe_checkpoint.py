@@ -8,6 +8,7 @@
 * torch: saved and loaded at the same ep2 x dp2 layout (directories mp_rank_00_000 / _001, one per EP
   rank, as Megatron-LM names them): resume is exact; loaded at another ep: a one-line error.
 """
+
 import json
 import os
 from dataclasses import replace
@@ -26,8 +27,11 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
 
 def _cfg(tp=1, ep=1, etp=None, sp=False, **optim):
     cfg = tiny_config(MOE, gbs=4, mbs=1, num_layers=2, tp=tp)
-    return cfg.with_(parallel=replace(cfg.parallel, ep=ep, etp=etp, sequence_parallel=sp),
-                     optim=replace(cfg.optim, **optim), train=replace(cfg.train, train_iters=STEPS))
+    return cfg.with_(
+        parallel=replace(cfg.parallel, ep=ep, etp=etp, sequence_parallel=sp),
+        optim=replace(cfg.optim, **optim),
+        train=replace(cfg.train, train_iters=STEPS),
+    )
 
 
 def _close(a, b, tol=1e-5):
@@ -56,18 +60,21 @@ def test_sharded_moe_checkpoint_loads_into_other_layouts(tmp_path, run_distribut
     assert (meta["layout"]["ep"], meta["layout"]["etp"]) == (2, 1), meta["layout"]
     assert meta["model_shape"]["num_experts"] == 4 and meta["config"]["model"]["num_experts"] == 4
     for got in _last(run_distributed(_resume, 4, _cfg(ep=4), src, ep=4)):
-        assert _close(got, whole[STEPS // 2:]), (got, whole)
+        assert _close(got, whole[STEPS // 2 :]), (got, whole)
     # tp2 with sequence parallelism x ep2 etp1 -> one process
     src = str(tmp_path / "tp2ep2")
     run_distributed(_save_after, 2, _cfg(tp=2, ep=2, etp=1, sp=True), src, tp=2, ep=2, etp=1)
     got = train_losses(ParallelState.single(), _cfg(), load=src)
-    assert _close(got, whole[STEPS // 2:]), (got, whole)
+    assert _close(got, whole[STEPS // 2 :]), (got, whole)
 
 
 def _torch_round_trip(ps, cfg, root):
     first = train_losses(ps, cfg, save=root, fmt="torch", exit_at=STEPS // 2)
-    return {"losses": first + train_losses(ps, cfg, load=root), "whole": train_losses(ps, cfg),
-            "last": ps.is_last_stage}
+    return {
+        "losses": first + train_losses(ps, cfg, load=root),
+        "whole": train_losses(ps, cfg),
+        "last": ps.is_last_stage,
+    }
 
 
 def _load_error(ps, cfg, root):
@@ -87,14 +94,18 @@ def test_torch_format_moe_round_trip_and_other_ep_error(tmp_path, run_distribute
     it = os.path.join(root, f"iter_{read_latest(root):07d}")
     assert sorted(d for d in os.listdir(it) if d.startswith("mp_rank")) == ["mp_rank_00_000", "mp_rank_00_001"]
     errors = run_distributed(_load_error, 2, _cfg(ep=1), root, experts=True)
-    assert all("ep=2 etp=1" in e and "ep=1 etp=1" in e and "--ckpt-format sharded" in e and "\n" not in e
-               for e in errors), errors
+    assert all(
+        "ep=2 etp=1" in e and "ep=1 etp=1" in e and "--ckpt-format sharded" in e and "\n" not in e for e in errors
+    ), errors
 
 
 def _async_torch_round_trip(ps, cfg, root):
     first = train_losses(ps, cfg, save=root, fmt="torch", exit_at=STEPS // 2, async_save=True)
-    return {"losses": first + train_losses(ps, cfg, load=root), "whole": train_losses(ps, cfg),
-            "last": ps.is_last_stage}
+    return {
+        "losses": first + train_losses(ps, cfg, load=root),
+        "whole": train_losses(ps, cfg),
+        "last": ps.is_last_stage,
+    }
 
 
 @pytest.mark.slow

@@ -26,19 +26,28 @@ a rank routes only seq/tp of them and its capacity is per shard, which a one-pro
 cannot reproduce, so the capacity check runs at TP = 1.) The factor 0.5 makes drops certain:
 the reference's loss must differ from the dropless run's.
 """
+
 from dataclasses import replace
 
 import pytest
 
-from tests.helpers.moe_parity import (CAPACITY, FEATURES, GPT2_STYLE, assert_matches, moe_config, reference,
-                                      train_variants)
+from tests.helpers.moe_parity import (
+    CAPACITY,
+    FEATURES,
+    GPT2_STYLE,
+    assert_matches,
+    moe_config,
+    reference,
+    train_variants,
+)
 
 
 def _run(run_distributed, world: int, cases, **grid) -> None:
     """Run the (name, layout cfg) ``cases`` on one rank grid; each against its one-process run."""
     refs = [reference(cfg) for _, cfg in cases]
-    results = run_distributed(train_variants, world, [(cfg, ref["state"]) for (_, cfg), ref in zip(cases, refs)],
-                              **grid)
+    results = run_distributed(
+        train_variants, world, [(cfg, ref["state"]) for (_, cfg), ref in zip(cases, refs)], **grid
+    )
     for i, ((name, _), ref) in enumerate(zip(cases, refs)):
         assert_matches([r[i] for r in results], ref, name)
     return results
@@ -46,9 +55,16 @@ def _run(run_distributed, world: int, cases, **grid) -> None:
 
 @pytest.mark.slow
 def test_ep2_dp2_alltoall_capacity_allgather(run_distributed):
-    _run(run_distributed, 4, [("ep2 x dp2 alltoall", moe_config(ep=2)),
-                              ("ep2 x dp2 alltoall capacity 0.5", moe_config(CAPACITY, ep=2)),
-                              ("ep2 x dp2 allgather", moe_config(ep=2, dispatcher="allgather"))], ep=2)
+    _run(
+        run_distributed,
+        4,
+        [
+            ("ep2 x dp2 alltoall", moe_config(ep=2)),
+            ("ep2 x dp2 alltoall capacity 0.5", moe_config(CAPACITY, ep=2)),
+            ("ep2 x dp2 allgather", moe_config(ep=2, dispatcher="allgather")),
+        ],
+        ep=2,
+    )
 
 
 @pytest.mark.parametrize("etp,dispatcher", [(1, "alltoall"), (2, "allgather"), (2, "alltoall")])
@@ -61,15 +77,25 @@ def test_tp2_sp_ep2(etp, dispatcher, run_distributed):
 
 @pytest.mark.slow
 def test_pp2_ep2_interleaved_and_zbv(run_distributed):
-    cases = [(f"pp2 x ep2 {s}", moe_config(layers=4, gbs=8, mbs=2, pp=2, vp=2, schedule=s, ep=2))
-             for s in ("interleaved_1f1b", "zbv")]
+    cases = [
+        (f"pp2 x ep2 {s}", moe_config(layers=4, gbs=8, mbs=2, pp=2, vp=2, schedule=s, ep=2))
+        for s in ("interleaved_1f1b", "zbv")
+    ]
     # DualPipeV with its F/B pairs side by side (the forward on its own thread and communicators)
     cfg = moe_config(layers=4, gbs=16, mbs=2, pp=2, vp=2, schedule="dualpipev", ep=2)
-    cases.append(("pp2 x ep2 dualpipev overlapped pairs",
-                  cfg.with_(parallel=replace(cfg.parallel, overlap_moe_expert_parallel_comm=True))))
+    cases.append(
+        (
+            "pp2 x ep2 dualpipev overlapped pairs",
+            cfg.with_(parallel=replace(cfg.parallel, overlap_moe_expert_parallel_comm=True)),
+        )
+    )
     # a stage without any MoE layer still joins every collective the MoE stage makes (grad norm, statistics)
-    cases.append(("pp2 x ep2 1f1b, MoE layers on the last stage only",
-                  moe_config({"moe_layer_freq": (0, 0, 1, 1)}, layers=4, gbs=8, mbs=2, pp=2, schedule="1f1b", ep=2)))
+    cases.append(
+        (
+            "pp2 x ep2 1f1b, MoE layers on the last stage only",
+            moe_config({"moe_layer_freq": (0, 0, 1, 1)}, layers=4, gbs=8, mbs=2, pp=2, schedule="1f1b", ep=2),
+        )
+    )
     results = _run(run_distributed, 4, cases, pp=2, ep=2)
     assert all(r[2]["paired"] > 0 for r in results), [r[2]["paired"] for r in results]
     assert all(r[0]["paired"] == 0 for r in results)
@@ -77,14 +103,34 @@ def test_pp2_ep2_interleaved_and_zbv(run_distributed):
 
 @pytest.mark.slow
 def test_tp2_pp2_ep2_distributed_optimizer_expert_bias_shared_experts(run_distributed):
-    cfg = moe_config(FEATURES, layers=4, gbs=8, mbs=1, tp=2, pp=2, ep=2, etp=1, schedule="1f1b",
-                     optim={"use_distributed_optimizer": True})
-    paired = moe_config(layers=4, gbs=8, mbs=1, tp=2, pp=2, vp=2, ep=2, etp=1, schedule="dualpipev",
-                        dispatcher="allgather")  # TP (SP) and EP collectives on the forward's own communicators
+    cfg = moe_config(
+        FEATURES,
+        layers=4,
+        gbs=8,
+        mbs=1,
+        tp=2,
+        pp=2,
+        ep=2,
+        etp=1,
+        schedule="1f1b",
+        optim={"use_distributed_optimizer": True},
+    )
+    paired = moe_config(
+        layers=4, gbs=8, mbs=1, tp=2, pp=2, vp=2, ep=2, etp=1, schedule="dualpipev", dispatcher="allgather"
+    )  # TP (SP) and EP collectives on the forward's own communicators
     paired = paired.with_(parallel=replace(paired.parallel, overlap_moe_expert_parallel_comm=True))
-    results = _run(run_distributed, 8, [("tp2 x pp2 x ep2 distopt, expert bias, shared experts", cfg),
-                                        ("tp2 x pp2 x ep2 dualpipev overlapped pairs", paired)],
-                   tp=2, pp=2, ep=2, etp=1)
+    results = _run(
+        run_distributed,
+        8,
+        [
+            ("tp2 x pp2 x ep2 distopt, expert bias, shared experts", cfg),
+            ("tp2 x pp2 x ep2 dualpipev overlapped pairs", paired),
+        ],
+        tp=2,
+        pp=2,
+        ep=2,
+        etp=1,
+    )
     assert all(r[1]["paired"] > 0 for r in results)
 
 

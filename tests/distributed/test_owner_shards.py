@@ -9,6 +9,7 @@ the weights and optimizer state it owns ("flat" entries of the global blocks), n
   moments and step equal the saving run's exactly; loaded at tp 2 x pp 2, the evaluation loss and the
   continued training equal the dp-1 load's within 1e-5.
 """
+
 import glob
 import json
 import os
@@ -33,9 +34,11 @@ STEPS = 4
 
 def _cfg(dtype="float32", distopt=False, tp=1, pp=1):
     cfg = tiny_config(GPT2_STYLE, gbs=4, mbs=1, num_layers=4, tp=tp, pp=pp)
-    return cfg.with_(model=replace(cfg.model, params_dtype=dtype),
-                     optim=replace(cfg.optim, use_distributed_optimizer=distopt),
-                     train=replace(cfg.train, train_iters=STEPS))
+    return cfg.with_(
+        model=replace(cfg.model, params_dtype=dtype),
+        optim=replace(cfg.optim, use_distributed_optimizer=distopt),
+        train=replace(cfg.train, train_iters=STEPS),
+    )
 
 
 def _state(trainer, out):
@@ -96,7 +99,7 @@ def _reassemble(d):
         for dst, src in ((full[k], t), (count[k], torch.ones_like(t, dtype=torch.int32))):
             if "flat" in e:
                 block = dst[box].contiguous().view(-1)
-                block[e["flat"][0]:e["flat"][1]] = src
+                block[e["flat"][0] : e["flat"][1]] = src
                 dst[box] = block.view(e["sizes"])
             else:
                 dst[box] = src
@@ -111,7 +114,7 @@ def _assert_same_state(got, want, where):
     for name, s in want["optim"].items():
         for k, v in s.items():
             g = got["optim"][name][k]
-            assert (torch.equal(g, v) if torch.is_tensor(v) else g == v), f"{where}: optimizer {name} {k}"
+            assert torch.equal(g, v) if torch.is_tensor(v) else g == v, f"{where}: optimizer {name} {k}"
 
 
 def _check_files(d, saved, dp, half):

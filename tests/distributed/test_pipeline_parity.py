@@ -4,11 +4,10 @@ Layouts follow the issue: (tp, pp, vp, dp) in (1,2,1,1), (1,4,1,1), (1,2,2,1), (
 (2,2,2,2) on 8 ranks and (1,4,1,2), with m in {pp, 2pp, 3pp} where the schedule allows,
 tied and untied embeddings. Models have 8 layers so pp=4, vp=2 holds one layer per chunk.
 """
+
 import pytest
 
-from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run,
-                                  run_steps, tiny_config)
-
+from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run, run_steps, tiny_config
 
 STEPS = 3
 LAYERS = 8
@@ -45,8 +44,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule,tp,pp,vp,dp,m,emb", CASES,
-                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in CASES])
+@pytest.mark.parametrize(
+    "schedule,tp,pp,vp,dp,m,emb", CASES, ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in CASES]
+)
 def test_schedule_matches_single_process(schedule, tp, pp, vp, dp, m, emb, run_distributed):
     _check(run_distributed, schedule, tp, pp, vp, dp, m, emb)
 
@@ -66,7 +66,8 @@ def _check(run_distributed, schedule, tp, pp, vp, dp, m, emb, first=None, last=N
     gbs = m * mbs * dp
     ref = _reference(emb, gbs, mbs, layers)
     style = GPT2_STYLE if emb == "tied" else LLAMA_STYLE
-    cfg = tiny_config(style, gbs=gbs, mbs=mbs, num_layers=layers, schedule=schedule, tp=tp, pp=pp, vp=vp,
-                      first=first, last=last)
+    cfg = tiny_config(
+        style, gbs=gbs, mbs=mbs, num_layers=layers, schedule=schedule, tp=tp, pp=pp, vp=vp, first=first, last=last
+    )
     results = run_distributed(run_steps, tp * pp * dp, cfg, STEPS, ref["state"], tp=tp, pp=pp)
     assert_close_run(results, ref)

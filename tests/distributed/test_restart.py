@@ -4,6 +4,7 @@ forms its process group and resumes from --load's latest checkpoint, losing only
 The torchrun job (two rounds, ~30 s on 2 cores) runs while an uninterrupted reference of the same run is
 trained on the fork-server harness (same ranks, gloo, one thread: the same bits).
 """
+
 import contextlib
 import io
 import os
@@ -16,8 +17,18 @@ import pytest
 import pretrain_gpt
 from tests.helpers import REPO, TINY_RUN
 
-RUN = TINY_RUN + ["--eval-iters", "0", "--num-threads", "1", "--log-interval", "1",
-                  "--tensor-model-parallel-size", "2", "--train-iters", "8"]
+RUN = TINY_RUN + [
+    "--eval-iters",
+    "0",
+    "--num-threads",
+    "1",
+    "--log-interval",
+    "1",
+    "--tensor-model-parallel-size",
+    "2",
+    "--train-iters",
+    "8",
+]
 LOSS = re.compile(r" iteration +(\d+)/ +\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
 
 
@@ -36,11 +47,37 @@ def test_torchrun_restarts_a_killed_rank_and_resumes_from_latest(tmp_path, run_d
     out, err = tmp_path / "job.out", tmp_path / "job.err"
     with open(out, "w") as o, open(err, "w") as e:
         job = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-             "--max-restarts", "1", "pretrain_gpt.py", *RUN, "--save", ckpt, "--load", ckpt, "--save-interval", "4",
-             "--distributed-timeout-minutes", "1", "--inject-fault-at-iteration", "6", "--inject-fault-rank", "1",
-             "--inject-fault-kind", "kill"],
-            cwd=REPO, stdout=o, stderr=e, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "4",
+                "--max-restarts",
+                "1",
+                "pretrain_gpt.py",
+                *RUN,
+                "--save",
+                ckpt,
+                "--load",
+                ckpt,
+                "--save-interval",
+                "4",
+                "--distributed-timeout-minutes",
+                "1",
+                "--inject-fault-at-iteration",
+                "6",
+                "--inject-fault-rank",
+                "1",
+                "--inject-fault-kind",
+                "kill",
+            ],
+            cwd=REPO,
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
+        )
     try:
         reference = run_distributed(_logged_run, 4, RUN, tp=2)
         assert job.wait(timeout=240) == 0, err.read_text()
@@ -52,8 +89,9 @@ def test_torchrun_restarts_a_killed_rank_and_resumes_from_latest(tmp_path, run_d
 
     log, errors = out.read_text(), err.read_text()
     assert "pretrain_gpt.py: rank 1: --inject-fault-kind kill at iteration 6: killing this rank (SIGKILL)" in errors
-    first, _, second = log.partition("restart 1 of at most 1 (torchrun --max-restarts): resumed from iteration 4 "
-                                     f"of {ckpt}\n")
+    first, _, second = log.partition(
+        f"restart 1 of at most 1 (torchrun --max-restarts): resumed from iteration 4 of {ckpt}\n"
+    )
     assert second, log
     before, after = LOSS.findall(first), LOSS.findall(second)
     # Round 0 trained 1..5 (the rank died as 6 began; torchrun may stop the logging rank before it prints 5);

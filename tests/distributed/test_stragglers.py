@@ -1,6 +1,7 @@
 """Stragglers: a rank slowed 2x is named at the log line with its rank, host and stage; an even run names
 no rank. The comparison itself (find_stragglers) is checked on made-up numbers in
 tests/unit/test_stragglers.py."""
+
 import logging
 import socket
 import time
@@ -45,16 +46,20 @@ def _train(ps, cfg, slow_rank, factor):
         for chunk in trainer.chunks:
             _slow_forward(chunk, factor)
     t = cfg.train
-    trainer.train(MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed,
-                                 t.train_iters * t.global_batch_size), None)
+    trainer.train(
+        MockGPTDataset(cfg.model.seq_length, cfg.model.vocab_size, t.seed, t.train_iters * t.global_batch_size), None
+    )
     logging.getLogger("megalite").removeHandler(handler)
     return [line for line in handler.lines if line.startswith("straggler:")]
 
 
 def _config(pp, iters, log_interval, num_layers=2, **model):
     cfg = tiny_config(gbs=16, mbs=2, pp=pp, num_layers=num_layers)
-    return cfg.with_(model=replace(cfg.model, **model), train=replace(cfg.train, train_iters=iters),
-                     logging=replace(cfg.logging, log_interval=log_interval))
+    return cfg.with_(
+        model=replace(cfg.model, **model),
+        train=replace(cfg.train, train_iters=iters),
+        logging=replace(cfg.logging, log_interval=log_interval),
+    )
 
 
 @pytest.mark.slow
@@ -82,7 +87,9 @@ def test_one_replica_per_stage_names_the_slow_stage_and_not_an_even_one(run_dist
     # that scales the stages counts it; a tiny CPU model spends time unlike its FLOPs, at scale they agree)
     cfg = _config(2, 10, 5, num_layers=4, hidden_size=64, vocab_size=64)
     lines = run_distributed(_train, 2, cfg, 0, 2.0, pp=2)[-1]
-    assert len(lines) == 1 and all(line.startswith(f"straggler: rank 0 (host {socket.gethostname()}, stage 0) compute ")
-                                   and "the median of the other stages (per model FLOP)" in line
-                                   for line in lines), lines
+    assert len(lines) == 1 and all(
+        line.startswith(f"straggler: rank 0 (host {socket.gethostname()}, stage 0) compute ")
+        and "the median of the other stages (per model FLOP)" in line
+        for line in lines
+    ), lines
     assert run_distributed(_train, 2, cfg, -1, 1.0, pp=2)[-1] == []

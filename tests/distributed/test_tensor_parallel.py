@@ -1,4 +1,5 @@
 """Tensor-parallel layers against their torch counterparts: outputs and gradients."""
+
 import pytest
 
 from tests.helpers.tensor_parallel import _all_checks

@@ -10,6 +10,7 @@ megatron-core runs in its own interpreter (this file run as a script: ``save`` o
 - pretrain_gpt.py's load path (load_checkpoint) reads the torch_dist directory in place, in one
   process and over tp 2 x pp 2: megatron-core's logits, its iteration and consumed samples.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ def _megatron_core_setup():
     import socket
 
     import torch.distributed as dist
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -42,6 +44,7 @@ def _megatron_core_setup():
     torch.cuda.current_device = lambda: "cpu"
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
     filesystem_async._process_memory = lambda: 0  # its memory log needs psutil
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
@@ -62,6 +65,7 @@ def _megatron_core_main(action: str, root: str, *styles: str) -> None:
 
     from tests.helpers.convert import VOCAB
     from tests.helpers.megatron_core import _megatron_args, _megatron_core_model
+
     _megatron_core_setup()
     for style in styles:
         out = os.path.join(root, style)
@@ -72,24 +76,32 @@ def _megatron_core_main(action: str, root: str, *styles: str) -> None:
             args.ckpt_format, args.consumed_train_samples = "torch_dist", 56
             d = os.path.join(out, "iter_0000007")
             os.makedirs(d)
-            dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": 7,
-                                     "model": model.sharded_state_dict(), "num_floating_point_operations_so_far": 0,
-                                     "opt_param_scheduler": {"num_steps": 56}}, d)
+            dist_checkpointing.save(
+                {
+                    "args": args,
+                    "checkpoint_version": 3.0,
+                    "iteration": 7,
+                    "model": model.sharded_state_dict(),
+                    "num_floating_point_operations_so_far": 0,
+                    "opt_param_scheduler": {"num_steps": 56},
+                },
+                d,
+            )
             with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("7")
         else:
             with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
                 d = os.path.join(out, f"iter_{int(f.read()):07d}")
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, d,
-                                             strict=StrictHandling.RAISE_ALL)
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, d, strict=StrictHandling.RAISE_ALL)
             model.load_state_dict(loaded["model"], strict=True)
         torch.save(_megatron_core_logits(model, VOCAB), os.path.join(out, f"logits_{action}.pt"))
 
 
 def _megatron_core(launch, action: str, root, styles) -> Dict[str, torch.Tensor]:
     """This file as megatron-core's script, in an interpreter (and gloo world) of its own started by ``launch``."""
-    p = launch([sys.executable, __file__, action, str(root), *styles], cwd=REPO, capture_output=True, text=True,
-               timeout=300)
+    p = launch(
+        [sys.executable, __file__, action, str(root), *styles], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return {s: torch.load(os.path.join(root, s, f"logits_{action}.pt")) for s in styles}
 
@@ -102,10 +114,10 @@ if __name__ == "__main__":
 # -- the tests (megalite's side) -----------------------------------------------------------------------
 from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
 from megalite.checkpointing.run import RunParts
-from megalite.training import Trainer  # noqa: E402
 from megalite.interop import checkpoint_formats
-from tests.helpers.parity import tiny_config  # noqa: E402
+from megalite.training import Trainer  # noqa: E402
 from tests.helpers.convert import VOCAB, _convert, loaded, make_trainer, megalite_logits, parts  # noqa: E402
+from tests.helpers.parity import tiny_config  # noqa: E402
 
 STYLES = ("gpt2", "llama")
 
@@ -121,7 +133,9 @@ def saved_by_megatron_core(tmp_path_factory, launch):
 def _load_and_save(ps, cfg, src: str, dst: str) -> int:
     """pretrain_gpt.py's load path on one rank of a tp x pp run, then a megalite save of what it holds."""
     t = Trainer(cfg, ps)
-    it = load_checkpoint(RunParts(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), src, formats=checkpoint_formats())
+    it = load_checkpoint(
+        RunParts(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), src, formats=checkpoint_formats()
+    )
     save_checkpoint(RunParts(t.cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), dst)
     return it
 
@@ -133,8 +147,18 @@ def test_megatron_core_torch_dist_reads_with_its_logits(tmp_path, saved_by_megat
     theirs, src = logits[style], root / style
     assert theirs.abs().max() > 1.0
     # convert.py --loader megatron, in a fresh interpreter
-    p = _convert("--loader", "megatron", "--saver", "megalite", "--load-dir", src, "--save-dir", tmp_path / "ml",
-                 "--true-vocab-size", VOCAB)
+    p = _convert(
+        "--loader",
+        "megatron",
+        "--saver",
+        "megalite",
+        "--load-dir",
+        src,
+        "--save-dir",
+        tmp_path / "ml",
+        "--true-vocab-size",
+        VOCAB,
+    )
     assert p.returncode == 0, p.stderr
     assert "torch_dist" in p.stdout and "optimizer state is not converted" in p.stdout
     assert (megalite_logits(loaded(style, tmp_path / "ml"), _ids(VOCAB)) - theirs).abs().max() < 1e-4
@@ -157,12 +181,28 @@ def test_megalite_to_torch_dist_loads_strictly_into_megatron_core(tmp_path, laun
         t = make_trainer(style)
         save_checkpoint(parts(t), str(tmp_path / "ml" / style))
         ours[style] = megalite_logits(t, _ids(VOCAB))
-        p = _convert("--loader", "megalite", "--saver", "megatron", "--target-format", "torch_dist", "--load-dir",
-                     tmp_path / "ml" / style, "--save-dir", tmp_path / "mc" / style)
+        p = _convert(
+            "--loader",
+            "megalite",
+            "--saver",
+            "megatron",
+            "--target-format",
+            "torch_dist",
+            "--load-dir",
+            tmp_path / "ml" / style,
+            "--save-dir",
+            tmp_path / "mc" / style,
+        )
         assert p.returncode == 0, p.stderr
         assert sorted(os.listdir(tmp_path / "mc" / style / "iter_0000000")) == [
-            ".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "__0_3.distcp", "common.pt",
-            "metadata.json"]
+            ".metadata",
+            "__0_0.distcp",
+            "__0_1.distcp",
+            "__0_2.distcp",
+            "__0_3.distcp",
+            "common.pt",
+            "metadata.json",
+        ]
     theirs = _megatron_core(launch, "load", tmp_path / "mc", STYLES)
     for style in STYLES:
         assert ours[style].abs().max() > 1.0

@@ -9,6 +9,7 @@ parameter, then takes a third step on a fixed batch and records the weights afte
 megalite's ``load_checkpoint`` (pretrain_gpt.py --load) must restore the same main weights, moments
 and step count, and its own next step on the same batch must give megatron-core's weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,14 +42,17 @@ def _cpu_stand_ins() -> None:
             if str(k.get("device", "")).startswith("cuda"):
                 k["device"] = "cpu"
             return _orig(*a, **k)
+
         setattr(torch, fn, on_cpu)
     kind = torch.nn.Parameter.type  # it accepts only torch.cuda.*Tensor parameters
-    torch.nn.Parameter.type = lambda self, *a, **k: (kind(self, *a, **k) if a or k
-                                                     else kind(self).replace("torch.", "torch.cuda.", 1))
+    torch.nn.Parameter.type = lambda self, *a, **k: (
+        kind(self, *a, **k) if a or k else kind(self).replace("torch.", "torch.cuda.", 1)
+    )
 
 
 def _megatron_core_main(root: str, style: str) -> None:
     import torch.distributed as dist
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -60,16 +64,29 @@ def _megatron_core_main(root: str, style: str) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from tests.helpers.megatron_core import _megatron_args, _megatron_core_model
+
     filesystem_async._process_memory = lambda: 0  # its memory log needs psutil
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     torch.manual_seed(3)
     model = _megatron_core_model(style).train()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
-        use_distributed_optimizer=True, clip_grad=0.0), [ddp])
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), model
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=LR,
+            min_lr=LR,
+            weight_decay=WD,
+            adam_beta1=BETAS[0],
+            adam_beta2=BETAS[1],
+            adam_eps=EPS,
+            use_distributed_optimizer=True,
+            clip_grad=0.0,
+        ),
+        [ddp],
+    )
     for g in opt.param_groups:  # what Megatron-LM's OptimizerParamScheduler sets each step: no decay on norms
         g["weight_decay"] = WD * g.get("wd_mult", 1.0)
     mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)[None, None]
@@ -82,6 +99,7 @@ def _megatron_core_main(root: str, style: str) -> None:
         loss.float().mean().backward()  # megalite's loss: the mean over the batch's tokens
         ddp.finish_grad_sync()
         assert opt.step()[0]
+
     for seed in (5, 6):
         step(seed)
     inner = opt.chained_optimizers[0]
@@ -94,10 +112,19 @@ def _megatron_core_main(root: str, style: str) -> None:
     d = os.path.join(root, "iter_0000002")
     os.makedirs(d)
     # Megatron-LM's save_checkpoint: unwrap_model, then generate_state_dict with _build_sharded_state_dict_metadata
-    meta = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
-            "chained_optim_avoid_prefix": True, "dp_cp_group": parallel_state.get_data_parallel_group()}
-    sd = {"args": args, "checkpoint_version": 3.0, "iteration": 2,
-          "model": model.sharded_state_dict(metadata=meta), "num_floating_point_operations_so_far": 0}
+    meta = {
+        "distrib_optim_sharding_type": "dp_reshardable",
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(),
+    }
+    sd = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": 2,
+        "model": model.sharded_state_dict(metadata=meta),
+        "num_floating_point_operations_so_far": 0,
+    }
     sd["optimizer"] = opt.sharded_state_dict(sd, metadata=meta)
     sd["opt_param_scheduler"] = {"max_lr": LR, "num_steps": 4}
     dist_checkpointing.save(sd, d, content_metadata={k: v for k, v in meta.items() if k != "dp_cp_group"})
@@ -117,18 +144,28 @@ if __name__ == "__main__":
 from dataclasses import replace  # noqa: E402
 
 from megalite.checkpointing import load_checkpoint  # noqa: E402
+from megalite.interop import checkpoint_formats
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training import Trainer  # noqa: E402
-from megalite.interop import checkpoint_formats
-from tests.helpers.parity import tiny_config  # noqa: E402
 from tests.helpers.convert import STYLES  # noqa: E402
+from tests.helpers.parity import tiny_config  # noqa: E402
 
 
 def _trainer(style: str, **checkpoint) -> Trainer:
     """megalite's model of the megatron-core one (all 256 rows are vocabulary there), its Adam settings."""
     cfg = tiny_config(STYLES[style], gbs=2, mbs=2)
-    optim = replace(cfg.optim, lr=LR, min_lr=LR, lr_warmup_iters=0, lr_decay_style="constant", weight_decay=WD,
-                    adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=0.0)
+    optim = replace(
+        cfg.optim,
+        lr=LR,
+        min_lr=LR,
+        lr_warmup_iters=0,
+        lr_decay_style="constant",
+        weight_decay=WD,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_eps=EPS,
+        clip_grad=0.0,
+    )
     cfg = cfg.with_(model=replace(cfg.model, vocab_size=256, init_method_std=0.01), optim=optim)
     return Trainer(cfg, ParallelState.single())
 
@@ -138,8 +175,7 @@ def saved_by_megatron_core(tmp_path_factory, launch):
     """megatron-core's side (this file as a script) in an interpreter and gloo world of its own."""
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("megatron_core_optim")
-    p = launch([sys.executable, __file__, str(root), "llama"], cwd=REPO, capture_output=True, text=True,
-               timeout=300)
+    p = launch([sys.executable, __file__, str(root), "llama"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return root, torch.load(root / "megatron_core_state.pt")
 
@@ -147,6 +183,7 @@ def saved_by_megatron_core(tmp_path_factory, launch):
 @pytest.mark.slow
 def test_distributed_optimizer_state_loads_and_steps_as_megatron_core(saved_by_megatron_core, caplog):
     from megalite.interop.megatron import qkv_from_megatron
+
     root, theirs = saved_by_megatron_core
     t = _trainer("llama")
     assert load_checkpoint(t.run_parts, str(root), formats=checkpoint_formats()) == 2
@@ -173,6 +210,7 @@ def test_no_load_optim_and_unmappable_layouts_load_weights_only(saved_by_megatro
     assert "not restored (--no-load-optim)" in caplog.text and t.optimizer.step_state()["adam_step"] == 0.0
     # a checkpoint whose args say transformer_engine: its bucket order is not mapped; one warning, weights load
     import shutil
+
     shutil.copytree(root / "iter_0000002", tmp_path / "iter_0000002")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
     common = torch.load(tmp_path / "iter_0000002" / "common.pt", weights_only=False)
@@ -190,6 +228,7 @@ def test_no_load_optim_and_unmappable_layouts_load_weights_only(saved_by_megatro
 def _load_megatron_lm_tp2pp2(ps, d: str):
     """One rank of a megalite tp 2 run loading Megatron-LM's tp 2 x pp 2 file: its parameters' state."""
     from megalite.interop.torch_dist import TorchDistSource
+
     t = Trainer(tiny_config(tp=2).with_(model=TorchDistSource(d).cfg), ps)
     assert load_checkpoint(t.run_parts, d, formats=checkpoint_formats()) == 2
     out = io.BytesIO()  # tensors through the result queue would live in the exiting rank's shared memory
@@ -205,6 +244,7 @@ def test_megatron_lm_tp2_pp2_state_loads_into_a_tp2_run(tmp_path, run_distribute
     from megalite.interop.interchange import merge_tp
     from megalite.interop.torch_dist import TorchDistSource
     from tests.helpers.convert import _megatron_model_space_state, unpack_tp2pp2
+
     root = unpack_tp2pp2(tmp_path) / "untied"
     cfg = TorchDistSource(str(root / "ckpt")).cfg
     truth = _megatron_model_space_state(root / "ckpt_full" / "iter_0000002", cfg)

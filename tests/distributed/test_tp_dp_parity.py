@@ -1,8 +1,16 @@
 """TP x DP runs reproduce the single-process run: loss of every step, grad norm, final weights."""
+
 import pytest
 
-from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, REFERENCE_STEPS, assert_close_run, reference_run,
-                                  run_steps, tiny_config)
+from tests.helpers.parity import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    REFERENCE_STEPS,
+    assert_close_run,
+    reference_run,
+    run_steps,
+    tiny_config,
+)
 
 STEPS = REFERENCE_STEPS  # the gpt2_reference fixture's (tests/conftest.py)
 

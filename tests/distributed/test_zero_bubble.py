@@ -14,13 +14,12 @@ The overlapped placement (--overlap-p2p-communication: sends right after
 their compute, receives one compute ahead) runs 1F1B, interleaved 1F1B and
 the zero-bubble schedules.
 """
+
 from dataclasses import replace
 
 import pytest
 
-from tests.helpers.parity import (GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run, run_steps,
-                                  tiny_config)
-
+from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, assert_close_run, reference_run, run_steps, tiny_config
 
 STEPS = 3
 LAYERS = 8
@@ -67,23 +66,46 @@ OVERLAP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule,tp,pp,vp,dp,m,emb", CASES,
-                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in CASES])
+@pytest.mark.parametrize(
+    "schedule,tp,pp,vp,dp,m,emb", CASES, ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in CASES]
+)
 def test_zero_bubble_matches_single_process(schedule, tp, pp, vp, dp, m, emb, run_distributed):
     _check(run_distributed, schedule, tp, pp, vp, dp, m, emb)
 
 
-@pytest.mark.parametrize("schedule,tp,pp,vp,dp,m,emb", OVERLAP_CASES,
-                         ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in OVERLAP_CASES])
+@pytest.mark.parametrize(
+    "schedule,tp,pp,vp,dp,m,emb",
+    OVERLAP_CASES,
+    ids=[f"{c[0]}-tp{c[1]}pp{c[2]}vp{c[3]}dp{c[4]}-m{c[5]}-{c[6]}" for c in OVERLAP_CASES],
+)
 def test_overlapped_p2p_matches_single_process(schedule, tp, pp, vp, dp, m, emb, run_distributed):
     _check(run_distributed, schedule, tp, pp, vp, dp, m, emb, parallel=dict(overlap_p2p_comm=True))
 
 
 def test_zb_h1_with_sequence_parallel_and_full_recompute(run_distributed):
-    _check(run_distributed, "zb_h1", 2, 2, 1, 1, 4, "tied", parallel=dict(sequence_parallel=True),
-           model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+    _check(
+        run_distributed,
+        "zb_h1",
+        2,
+        2,
+        1,
+        1,
+        4,
+        "tied",
+        parallel=dict(sequence_parallel=True),
+        model=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    )
 
 
 def test_zbv_with_distributed_optimizer_and_overlapped_reduce(run_distributed):
-    _check(run_distributed, "zbv", 1, 2, 2, 2, 4, "untied",
-           optim=dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True))
+    _check(
+        run_distributed,
+        "zbv",
+        1,
+        2,
+        2,
+        2,
+        4,
+        "untied",
+        optim=dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+    )

@@ -15,6 +15,7 @@ No test module imports another test module; whatever two of them use lives here,
 Functions that run on gloo ranks (``run_distributed(fn, ...)``) must be importable in the worker: module
 level here or in the test module.
 """
+
 from __future__ import annotations
 
 import pathlib

@@ -1,5 +1,6 @@
 """The bad-input tests' flag lists (the tiny model with vocabulary 100) and their data directory: a good
 dataset, damaged copies, out-of-vocabulary ids and a damaged index cache."""
+
 import os
 import shutil
 
@@ -10,8 +11,23 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from tests.helpers import TINY_MODEL
 
 # the tiny model with vocabulary 100 (the data files' ids are checked against it) and global batch 4
-TINY = ["--vocab-size", "100", *TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
-        "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1"]
+TINY = [
+    "--vocab-size",
+    "100",
+    *TINY_MODEL,
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "3",
+    "--eval-iters",
+    "1",
+    "--eval-interval",
+    "2",
+    "--log-interval",
+    "1",
+]
 MOCK = ["--mock-data"] + TINY
 DATA = TINY + ["--tokenizer-type", "NullTokenizer", "--split", "80,20,0"]
 

@@ -1,6 +1,7 @@
 """Checkpoint conversion in the tests: tools/checkpoint/convert.py in this process (``convert``) and in a
 fresh interpreter (``run_convert``), trainers of the two styles to convert, their state and logits, and
 Megatron-LM's own fixture files (tests/fixtures/megatron_lm)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,14 +24,29 @@ convert_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert_cli)
 VOCAB = 250
 # larger weights than training's init so logits and greedy choices are far from ties
-STYLES = {"gpt2": dict(GPT2_STYLE, init_method_std=0.3),
-          "llama": dict(LLAMA_STYLE, init_method_std=0.3)}  # llama: GQA (2 groups for 4 heads), untied
+STYLES = {
+    "gpt2": dict(GPT2_STYLE, init_method_std=0.3),
+    "llama": dict(LLAMA_STYLE, init_method_std=0.3),
+}  # llama: GQA (2 groups for 4 heads), untied
 FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
 
 
 def convert(loader, saver, src, dst, *extra) -> int:
-    return convert_cli.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
-                             "--save-dir", str(dst), *map(str, extra)])
+    return convert_cli.main(
+        [
+            "--model-type",
+            "GPT",
+            "--loader",
+            loader,
+            "--saver",
+            saver,
+            "--load-dir",
+            str(src),
+            "--save-dir",
+            str(dst),
+            *map(str, extra),
+        ]
+    )
 
 
 def make_trainer(style: str, **model) -> Trainer:
@@ -60,15 +76,38 @@ def megalite_logits(trainer: Trainer, ids: torch.Tensor) -> torch.Tensor:
 
 def run_convert(loader: str, saver: str, src, dst, *extra) -> subprocess.CompletedProcess:
     """tools/checkpoint/convert.py in a fresh interpreter (nothing this process imported can help it)."""
-    return subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT",
-                           "--loader", loader, "--saver", saver, "--load-dir", str(src), "--save-dir", str(dst),
-                           *map(str, extra)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "checkpoint" / "convert.py"),
+            "--model-type",
+            "GPT",
+            "--loader",
+            loader,
+            "--saver",
+            saver,
+            "--load-dir",
+            str(src),
+            "--save-dir",
+            str(dst),
+            *map(str, extra),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _convert(*args) -> subprocess.CompletedProcess:
     """``tools/checkpoint/convert.py --model-type GPT *args`` in a fresh interpreter (the flags as given)."""
-    return subprocess.run([sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _differences(ours: dict, theirs: dict) -> list:
@@ -88,6 +127,7 @@ def _differences(ours: dict, theirs: dict) -> list:
 def unpack_tp2pp2(root: Path) -> Path:
     """tp2pp2_torch_dist.tar.xz unpacked: {untied,tied}/ckpt (dp_reshardable) and /ckpt_full (fully_reshardable)."""
     import tarfile
+
     with tarfile.open(FIXTURES / "tp2pp2_torch_dist.tar.xz") as tar:
         tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     return root
@@ -97,12 +137,15 @@ def _megatron_model_space_state(d: Path, cfg) -> dict:
     """What Megatron-LM's own fully_reshardable save holds per parameter, read with plain DCP (none of megalite's
     readers), in megalite's names and layout."""
     import torch.distributed.checkpoint as dcp
+
     from megalite.interop.interchange import layer_names, post_names, pre_names
     from megalite.interop.megatron import megatron_name, qkv_from_megatron
+
     reader = dcp.FileSystemReader(str(d))
     md = reader.read_metadata().state_dict_metadata
-    want = {k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in md
-            if k.startswith("optimizer.state.")}
+    want = {
+        k: torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype) for k in md if k.startswith("optimizer.state.")
+    }
     dcp.load(want, storage_reader=reader, no_dist=True)
     out = {}
     for kind in ("param", "exp_avg", "exp_avg_sq"):

@@ -1,5 +1,6 @@
 """The reference of the context-parallel attention tests: a dense float64 softmax over an explicit causal
 (and packed-document) mask, and packed document ids."""
+
 import math
 
 import torch

@@ -1,5 +1,6 @@
 """The sharded-load tests' run (GPT-2 style, 4 layers): save after one step, load into one process, and
 compare every weight and the whole optimizer state."""
+
 import io
 from dataclasses import replace
 
@@ -14,8 +15,9 @@ from tests.helpers.parity import GPT2_STYLE, tiny_config
 
 def _cfg(tp=1, pp=1, distopt=False, dtype="float32"):
     cfg = tiny_config(GPT2_STYLE, gbs=4, mbs=1, num_layers=4, tp=tp, pp=pp)
-    return cfg.with_(model=replace(cfg.model, params_dtype=dtype),
-                     optim=replace(cfg.optim, use_distributed_optimizer=distopt))
+    return cfg.with_(
+        model=replace(cfg.model, params_dtype=dtype), optim=replace(cfg.optim, use_distributed_optimizer=distopt)
+    )
 
 
 def _parts(t):
@@ -24,8 +26,10 @@ def _parts(t):
 
 def _state(t):
     """Every weight and the whole optimizer state (collective over DP)."""
-    return {"model": {n: p.detach().clone() for c in t.chunks for n, p in c.named_parameters()},
-            "optim": t.optimizer.full_state_dict(include_main=True, to_cpu=True)}
+    return {
+        "model": {n: p.detach().clone() for c in t.chunks for n, p in c.named_parameters()},
+        "optim": t.optimizer.full_state_dict(include_main=True, to_cpu=True),
+    }
 
 
 def _save_trained(ps, cfg, root):

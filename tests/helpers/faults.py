@@ -1,5 +1,6 @@
 """pretrain_gpt.py runs for the fault tests: the tiny run's flags, one that trains (almost) forever, and the
 background torchrun job (the ``torchrun_job`` fixture starts it and kills what is left at teardown)."""
+
 import os
 import re
 import signal
@@ -20,9 +21,25 @@ class Job:
         self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                 *launcher, "pretrain_gpt.py", "--pipeline-model-parallel-size", "2"] + FOREVER + list(extra),
-                cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    str(nproc),
+                    *launcher,
+                    "pretrain_gpt.py",
+                    "--pipeline-model-parallel-size",
+                    "2",
+                ]
+                + FOREVER
+                + list(extra),
+                cwd=REPO,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def wait_training(self, timeout=240):
         deadline = time.time() + timeout
@@ -32,8 +49,7 @@ class Job:
 
     def workers(self):
         """pids of the ranks: torchrun's children."""
-        text = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True,
-                              text=True).stdout
+        text = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in text.split()]
 
     def wait(self, timeout):

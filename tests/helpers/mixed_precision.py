@@ -1,5 +1,6 @@
 """The half-precision tests' runs: tiny_config trained STEPS iterations in bf16/fp16, the fp32 one-process
 reference, and the 2% bound every step of the curve must keep."""
+
 from dataclasses import replace
 
 from tests.helpers.parity import GPT2_STYLE, LLAMA_STYLE, reference_run, tiny_config
@@ -18,9 +19,12 @@ def _tiny(style, gbs, **layout):
 
 
 def _half(cfg, dtype, **optim):
-    return cfg.with_(model=replace(cfg.model, params_dtype=dtype),
-                     optim=replace(cfg.optim, accumulate_allreduce_grads_in_fp32=dtype == "bfloat16",
-                                   initial_loss_scale=2.0 ** 8, **optim))  # no overflow in these runs
+    return cfg.with_(
+        model=replace(cfg.model, params_dtype=dtype),
+        optim=replace(
+            cfg.optim, accumulate_allreduce_grads_in_fp32=dtype == "bfloat16", initial_loss_scale=2.0**8, **optim
+        ),
+    )  # no overflow in these runs
 
 
 def _assert_within_2_percent(losses, ref):

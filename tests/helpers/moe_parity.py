@@ -1,6 +1,7 @@
 """The mixture-of-experts parity runs (tests/distributed/test_moe_parity.py explains the layouts and the
 capacity path): the tiny MoE config on any layout, its one-process reference, training on a rank grid and
 the comparison within RTOL."""
+
 from dataclasses import replace
 
 from megalite.config import Config
@@ -13,32 +14,64 @@ from tests.helpers.parity import LLAMA_STYLE, param_error, tiny_config
 
 STEPS = 2
 RTOL = 1e-5
-MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
-           moe_ffn_hidden_size=48)
-FEATURES = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                moe_router_bias_update_rate=1e-2, moe_shared_expert_intermediate_size=32,
-                moe_shared_expert_gate=True)
+MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_ffn_hidden_size=48)
+FEATURES = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-2,
+    moe_shared_expert_intermediate_size=32,
+    moe_shared_expert_gate=True,
+)
 CAPACITY = dict(moe_expert_capacity_factor=0.5)
-GPT2_STYLE = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
-                  add_bias_linear=True, untie_embeddings_and_output_weights=False, num_query_groups=None)
+GPT2_STYLE = dict(
+    normalization="LayerNorm",
+    swiglu=False,
+    position_embedding_type="learned_absolute",
+    add_bias_linear=True,
+    untie_embeddings_and_output_weights=False,
+    num_query_groups=None,
+)
 
 
-def moe_config(model=None, layers: int = 2, gbs: int = 8, mbs: int = 2, dispatcher: str = "alltoall",
-               tp: int = 1, pp: int = 1, vp: int = 1, schedule: str = None, ep: int = 1, etp: int = None,
-               optim=None) -> Config:
+def moe_config(
+    model=None,
+    layers: int = 2,
+    gbs: int = 8,
+    mbs: int = 2,
+    dispatcher: str = "alltoall",
+    tp: int = 1,
+    pp: int = 1,
+    vp: int = 1,
+    schedule: str = None,
+    ep: int = 1,
+    etp: int = None,
+    optim=None,
+) -> Config:
     """The tiny Llama-style MoE model of every case on one layout (ep 1, tp 1, pp 1: one process)."""
-    cfg = tiny_config({**LLAMA_STYLE, **MOE, **(model or {})}, gbs=gbs, mbs=mbs, num_layers=layers,
-                      schedule=schedule, tp=tp, pp=pp, vp=vp)
-    return cfg.with_(parallel=replace(cfg.parallel, ep=ep, etp=etp, moe_token_dispatcher_type=dispatcher,
-                                      sequence_parallel=tp > 1),
-                     optim=replace(cfg.optim, **(optim or {})))
+    cfg = tiny_config(
+        {**LLAMA_STYLE, **MOE, **(model or {})},
+        gbs=gbs,
+        mbs=mbs,
+        num_layers=layers,
+        schedule=schedule,
+        tp=tp,
+        pp=pp,
+        vp=vp,
+    )
+    return cfg.with_(
+        parallel=replace(cfg.parallel, ep=ep, etp=etp, moe_token_dispatcher_type=dispatcher, sequence_parallel=tp > 1),
+        optim=replace(cfg.optim, **(optim or {})),
+    )
 
 
 def one_process(cfg: Config) -> Config:
     """``cfg`` on one process: the reference of every layout of the same model and batch."""
-    return cfg.with_(parallel=replace(cfg.parallel, tp=1, pp=1, vp=1, cp=1, ep=1, etp=None, pipeline_schedule=None,
-                                      sequence_parallel=False),
-                     optim=replace(cfg.optim, use_distributed_optimizer=False))
+    return cfg.with_(
+        parallel=replace(
+            cfg.parallel, tp=1, pp=1, vp=1, cp=1, ep=1, etp=None, pipeline_schedule=None, sequence_parallel=False
+        ),
+        optim=replace(cfg.optim, use_distributed_optimizer=False),
+    )
 
 
 def train(ps: ParallelState, cfg: Config, steps: int, reference=None) -> dict:
@@ -91,6 +124,7 @@ def train_variants(ps: ParallelState, runs) -> list:
 def assert_matches(results, ref: dict, what: str) -> None:
     """Every last-stage rank's losses, every rank's logged MoE losses and grad norms, every rank's
     weights equal the one-process run within RTOL."""
+
     def close(a, b):
         return abs(a - b) <= RTOL * max(abs(b), 1e-8)
 

@@ -1,5 +1,6 @@
 """The pretrain_gpt.py CLI tests' tiny run (no dropout, a log line per iteration) and the losses its log
 lines report."""
+
 import re
 
 from tests.helpers import TINY_RUN

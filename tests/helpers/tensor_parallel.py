@@ -1,13 +1,20 @@
 """Tensor-parallel layers against their torch counterparts on one rank of any TP size: outputs and
 gradients of the column/row linears, the vocabulary-parallel embedding and cross entropy, and the RNG
 tracker's dropout inside and outside the TP region."""
+
 import torch
 import torch.nn.functional as F
 
 from megalite.parallel.state import ParallelState
-from megalite.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear,
-                                      VocabParallelEmbedding, copy_to_tp_region,
-                                      gather_from_tp_region, vocab_parallel_cross_entropy)
+from megalite.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGTracker,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    vocab_parallel_cross_entropy,
+)
 from megalite.tensor_parallel.layers import vocab_range
 
 SEED = 3
@@ -61,16 +68,15 @@ def _check_embedding_and_loss(ps: ParallelState):
     ids = torch.randint(0, vocab, (3, 7))
     emb = VocabParallelEmbedding(vocab, padded, 8, ps.tp, seed=SEED)
     ref = torch.nn.Embedding(vocab, 8)
-    ref.weight.data.copy_(VocabParallelEmbedding(vocab, vocab, 8, ParallelState.single().tp,
-                                                 seed=SEED).weight.data)
+    ref.weight.data.copy_(VocabParallelEmbedding(vocab, vocab, 8, ParallelState.single().tp, seed=SEED).weight.data)
     out, out_ref = emb(ids), ref(ids)
     errs["embedding_out"] = _err(out, out_ref)
     (out * out).sum().backward()
     (out_ref * out_ref).sum().backward()
     start, end = vocab_range(padded, ps.tp)
     expected = torch.zeros(end - start, 8)
-    rows = ref.weight.grad[start:min(end, vocab)]
-    expected[:rows.shape[0]] = rows
+    rows = ref.weight.grad[start : min(end, vocab)]
+    expected[: rows.shape[0]] = rows
     errs["embedding_dw"] = _err(emb.weight.grad, expected)
     # Cross entropy over sharded logits vs F.cross_entropy on the real vocabulary.
     torch.manual_seed(2)

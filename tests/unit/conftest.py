@@ -1,4 +1,5 @@
 """Shared fixtures for the data pipeline tests (all prefixed ``data_``)."""
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ UNICODE_SAMPLES = [
 
 def _pydoc_texts(n: int) -> list[str]:
     from pydoc_data.topics import topics
+
     return [topics[k] for k in sorted(topics)[:n]]
 
 
@@ -36,6 +38,7 @@ def data_texts() -> list[str]:
 def data_bpe_files(tmp_path_factory, data_texts) -> tuple[str, str]:
     """A small byte-level BPE (vocab 800) trained by our trainer: (vocab.json, merges.txt)."""
     from megalite.data.tokenizers.bpe_trainer import save_bpe, train_bpe
+
     vocab, merges = train_bpe(data_texts, 800)
     return save_bpe(vocab, merges, str(tmp_path_factory.mktemp("bpe")))
 
@@ -43,19 +46,23 @@ def data_bpe_files(tmp_path_factory, data_texts) -> tuple[str, str]:
 @pytest.fixture
 def data_write_jsonl():
     """Returns write(path, docs, key="text"): one JSON object per line."""
+
     def write(path, docs, key="text"):
         with open(path, "w", encoding="utf-8") as f:
             for d in docs:
                 f.write(json.dumps({key: d}) + "\n")
         return str(path)
+
     return write
 
 
 @pytest.fixture
 def data_random_id_docs():
     """Returns make(n, vocab, seed): n non-empty documents of random ids, as text and lists."""
+
     def make(n, vocab=1000, seed=0, max_len=50):
         rng = random.Random(seed)
         docs = [[rng.randrange(vocab) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
         return docs, [" ".join(map(str, d)) for d in docs]
+
     return make

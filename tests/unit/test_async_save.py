@@ -2,6 +2,7 @@
 sidecar), and a process killed while the background thread writes resumes from the previous checkpoint.
 (On gloo ranks, and failed writes: tests/distributed/test_async_save.py.)
 """
+
 import glob
 import json
 import os
@@ -26,7 +27,7 @@ def test_async_save_resume_is_exact(tmp_path, fmt):
         assert json.load(open(path + ".crc32.json")) == {"crc32": zlib.crc32(data), "bytes": len(data)}
 
 
-_KILLED_MID_WRITE = r'''
+_KILLED_MID_WRITE = r"""
 import os, signal, sys
 import megalite.checkpointing.run_formats as a
 real = a.write_sharded
@@ -41,7 +42,7 @@ def half_then_die(tmp, *args, **kwargs):
 a.write_sharded = half_then_die
 import pretrain_gpt
 sys.exit(pretrain_gpt.main(sys.argv[1:]))
-'''
+"""
 
 
 @pytest.mark.slow
@@ -50,17 +51,34 @@ def test_a_process_killed_during_a_background_write_resumes_from_the_previous_ch
     run resumes from it, cleans the half-written directory and finishes."""
     import subprocess
     import sys
+
     from tests.helpers import REPO, TINY_RUN
+
     root = str(tmp_path / "ckpt")
-    args = TINY_RUN + ["--eval-iters", "0", "--num-threads", "1", "--train-iters", "6", "--save", root,
-                       "--load", root, "--save-interval", "2", "--async-save"]
-    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_WRITE] + args, cwd=REPO, capture_output=True,
-                            text=True, timeout=300)
+    args = TINY_RUN + [
+        "--eval-iters",
+        "0",
+        "--num-threads",
+        "1",
+        "--train-iters",
+        "6",
+        "--save",
+        root,
+        "--load",
+        root,
+        "--save-interval",
+        "2",
+        "--async-save",
+    ]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_WRITE] + args, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert read_latest(root) == 2 and not os.path.exists(iteration_dir(root, 4))
     assert os.path.isdir(iteration_dir(root, 4) + ".tmp")  # the half-written save, never published
-    again = subprocess.run([sys.executable, "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(
+        [sys.executable, "pretrain_gpt.py"] + args, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "loaded checkpoint" in again.stdout + again.stderr and "iteration 2" in again.stdout + again.stderr
     assert read_latest(root) == 6

@@ -6,14 +6,14 @@ and output paths. Most cases call ``main()`` in this process (an exception escap
 test just as a traceback would); a subset runs as real processes. The two torchrun cases (the line appears
 once for the whole job) are in tests/distributed/test_launch.py.
 """
+
 import subprocess
 import sys
 
 import pytest
 
-from megalite.checkpointing.run import RunParts
-
 import pretrain_gpt
+from megalite.checkpointing.run import RunParts
 from tests.helpers import REPO
 from tests.helpers.bad_inputs import DATA, MOCK, _argv, write_data_dir
 
@@ -35,8 +35,13 @@ CASES = [
     (MOCK, "--lr-warmup-iters -1", 2, "--lr-warmup-iters must be >= 0"),
     (MOCK, "--clip-grad -1", 2, "--clip-grad must be >= 0"),
     (MOCK, "--eval-interval -1", 2, "--eval-interval must be >= 0"),
-    (MOCK, "--eval-interval 0", 2, "--eval-interval 0 with --eval-iters 1: give --eval-interval N > 0 to evaluate "
-     "every N iterations (N >= --train-iters: only at the end), or --eval-iters 0 for no evaluation"),
+    (
+        MOCK,
+        "--eval-interval 0",
+        2,
+        "--eval-interval 0 with --eval-iters 1: give --eval-interval N > 0 to evaluate "
+        "every N iterations (N >= --train-iters: only at the end), or --eval-iters 0 for no evaluation",
+    ),
     (MOCK, "--lr -1e-3", 2, "--lr must be > 0, got -0.001"),
     (MOCK, "--lr -1", 2, "--lr must be > 0, got -1"),
     (MOCK, "--lr abc", 2, "argument --lr: invalid float value: 'abc'"),
@@ -77,26 +82,54 @@ CASES = [
     (DATA, "--data-path -0.5 $T/good 1 $T/good", 2, "--data-path weights must be non-negative"),
     (DATA, "--data-path 0.5 $T/good $T/good", 2, "--data-path: give either 'weight prefix' pairs or only prefixes"),
     (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer", 2, "GPT2BPETokenizer needs --vocab-file"),
-    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/none.json --merge-file $T/m",
-     2, "--vocab-file $T/none.json: file not found"),
+    (
+        DATA,
+        "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/none.json --merge-file $T/m",
+        2,
+        "--vocab-file $T/none.json: file not found",
+    ),
     (DATA, "--data-path $T/good --tokenizer-type FooTokenizer", 2, "unknown --tokenizer-type 'FooTokenizer'"),
     # tokenizer files that are not what the flag names: the flag, the file and what to give instead
-    (DATA, "--data-path $T/good --tokenizer-type SentencePieceTokenizer --tokenizer-model $T/afile", 2,
-     "--tokenizer-model $T/afile is not a SentencePiece model (could not parse ModelProto); give the .model file "
-     "written by SentencePiece's trainer (e.g. tools/train_tokenizer.py --type sentencepiece)"),
-    (DATA, "--data-path $T/good --tokenizer-type Llama2Tokenizer --tokenizer-model $T", 2,
-     "--tokenizer-model $T is a directory, not a file"),
-    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/afile --merge-file $T/merges.txt",
-     2, "--vocab-file $T/afile is not JSON (Expecting value at line 1 column 1); give GPT-2's vocab.json (an object "
-     "mapping each token to its id)"),
-    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/list.json --merge-file "
-     "$T/merges.txt", 2, "--vocab-file $T/list.json is JSON but not a vocabulary"),
-    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/vocab.json --merge-file "
-     "$T/bad_merges.txt", 2, "--merge-file $T/bad_merges.txt line 2: expected two symbols separated by one space, "
-     "got 'a b c'; give GPT-2's merges.txt"),
-    (DATA, "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/vocab.json --merge-file "
-     "$T/latin1.txt", 2, "--merge-file $T/latin1.txt is not UTF-8 text; give GPT-2's merges.txt (one 'a b' pair "
-     "a line)"),
+    (
+        DATA,
+        "--data-path $T/good --tokenizer-type SentencePieceTokenizer --tokenizer-model $T/afile",
+        2,
+        "--tokenizer-model $T/afile is not a SentencePiece model (could not parse ModelProto); give the .model file "
+        "written by SentencePiece's trainer (e.g. tools/train_tokenizer.py --type sentencepiece)",
+    ),
+    (
+        DATA,
+        "--data-path $T/good --tokenizer-type Llama2Tokenizer --tokenizer-model $T",
+        2,
+        "--tokenizer-model $T is a directory, not a file",
+    ),
+    (
+        DATA,
+        "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/afile --merge-file $T/merges.txt",
+        2,
+        "--vocab-file $T/afile is not JSON (Expecting value at line 1 column 1); give GPT-2's vocab.json (an object "
+        "mapping each token to its id)",
+    ),
+    (
+        DATA,
+        "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/list.json --merge-file $T/merges.txt",
+        2,
+        "--vocab-file $T/list.json is JSON but not a vocabulary",
+    ),
+    (
+        DATA,
+        "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/vocab.json --merge-file "
+        "$T/bad_merges.txt",
+        2,
+        "--merge-file $T/bad_merges.txt line 2: expected two symbols separated by one space, "
+        "got 'a b c'; give GPT-2's merges.txt",
+    ),
+    (
+        DATA,
+        "--data-path $T/good --tokenizer-type GPT2BPETokenizer --vocab-file $T/vocab.json --merge-file $T/latin1.txt",
+        2,
+        "--merge-file $T/latin1.txt is not UTF-8 text; give GPT-2's merges.txt (one 'a b' pair a line)",
+    ),
     (DATA, "--data-path $T/good --data-cache-path $T/badcache", 2, "$T/badcache/"),
     # -- output paths ------------------------------------------------------------------------------
     (DATA, "--data-path $T/good --data-cache-path $T/afile", 2, "--data-cache-path $T/afile is a file"),
@@ -129,15 +162,24 @@ def test_the_table_is_large_and_covers_flags_data_and_outputs():
     assert sum(base is DATA for base, *_ in CASES) >= 20
 
 
-SUBPROCESS = [(MOCK, "--lr -1e-3", 2), (DATA, "--data-path $T/magic", 2), (DATA, "--data-path $T/oov", 1),
-              (DATA, "--data-path $T/good --save $T/afile/ckpt", 2)]
+SUBPROCESS = [
+    (MOCK, "--lr -1e-3", 2),
+    (DATA, "--data-path $T/magic", 2),
+    (DATA, "--data-path $T/oov", 1),
+    (DATA, "--data-path $T/good --save $T/afile/ckpt", 2),
+]
 
 
 @pytest.mark.slow
 def test_bad_input_as_a_process_has_no_traceback(data_dir):
     for base, extra, code in SUBPROCESS:
-        proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + _argv(base, extra, data_dir), cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "pretrain_gpt.py"] + _argv(base, extra, data_dir),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         err = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == code, (extra, proc.stderr)
         assert len(err) == 1 and err[0].startswith("pretrain_gpt.py: error: "), (extra, proc.stderr)
@@ -146,6 +188,7 @@ def test_bad_input_as_a_process_has_no_traceback(data_dir):
 
 def test_eval_interval_0_is_accepted_when_evaluation_is_off():
     from megalite.config.arguments import parse_args
+
     cfg = parse_args(MOCK + ["--eval-interval", "0", "--eval-iters", "0"])
     assert (cfg.train.eval_interval, cfg.train.eval_iters) == (0, 0)
 
@@ -155,12 +198,15 @@ def test_starting_from_scratch_is_said_once_per_job(tmp_path, caplog, monkeypatc
     """Every rank finds no checkpoint under --load; only the logging rank says so (one line per job)."""
     import logging
     from types import SimpleNamespace
+
     monkeypatch.setattr(logging.getLogger("megalite"), "propagate", True)  # a run's setup_logging turned it off
     from megalite.checkpointing.manager import load_checkpoint
     from megalite.config import Config
+
     caplog.set_level("WARNING", logger="megalite")
     ps = SimpleNamespace(is_logging_rank=logging_rank, rank=0 if logging_rank else 1)
     assert load_checkpoint(RunParts(Config(), ps, [], None, None, None, None), str(tmp_path / "none")) is None
     said = [r.getMessage() for r in caplog.records]
-    assert said == ([f"no latest_checkpointed_iteration.txt in {tmp_path / 'none'}: starting from scratch"]
-                    if logging_rank else [])
+    assert said == (
+        [f"no latest_checkpointed_iteration.txt in {tmp_path / 'none'}: starting from scratch"] if logging_rank else []
+    )

@@ -1,18 +1,19 @@
 """Balanced stages: general per-stage splits, the split search, the measurement, the flags."""
-from dataclasses import replace
+
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from megalite.config.arguments import parse_args
-from megalite.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from megalite.parallel.state import ParallelState
 from megalite.analysis.balance import LayerCosts, _simulator_options, choose_split, even_split, stage_costs
 from megalite.analysis.measure import measure_layer_costs, plan_for
-from megalite.config.settings import resolve_settings
 from megalite.analysis.simulate import simulate
+from megalite.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from megalite.config.arguments import parse_args
+from megalite.config.settings import resolve_settings
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.partition import stage_layer_counts, validate_partition
 from megalite.pipeline.registry import SCHEDULES, build_schedule
 from megalite.pipeline.stage_layout import StageLayout
@@ -21,20 +22,24 @@ from megalite.pipeline.stage_layout import StageLayout
 # -- partition: a general split --------------------------------------------------------------------
 def test_stage_layers_fill_stages_in_stage_order():
     # pp=2, vp=2: stage s = chunk * pp + rank holds the s-th run of layers
-    layout = {(r, c): list(StageLayout(2, 2).layers(8, r, c, stage_layers=(3, 1, 2, 2)))
-              for r in range(2) for c in range(2)}
+    layout = {
+        (r, c): list(StageLayout(2, 2).layers(8, r, c, stage_layers=(3, 1, 2, 2))) for r in range(2) for c in range(2)
+    }
     assert layout == {(0, 0): [0, 1, 2], (1, 0): [3], (0, 1): [4, 5], (1, 1): [6, 7]}
     assert stage_layer_counts(10, 4, 1, first=1, last=3) == [1, 3, 3, 3]
     assert stage_layer_counts(16, 4, 2) == [2] * 8
 
 
-@pytest.mark.parametrize("args, message", [
-    ((8, 2, 1, None, None, (3, 4)), "sums to 7 layers, not --num-layers=8"),
-    ((8, 2, 1, None, None, (8,)), "has 1 entries; it needs one per virtual pipeline stage (pp x vp = 2 x 1 = 2)"),
-    ((8, 2, 1, None, None, (8, 0)), "gives stage 1 0 layers"),
-    ((8, 2, 1, 3, None, (4, 4)), "are exclusive"),
-    ((8, 1, 1, None, None, (8,)), "needs --pipeline-model-parallel-size > 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((8, 2, 1, None, None, (3, 4)), "sums to 7 layers, not --num-layers=8"),
+        ((8, 2, 1, None, None, (8,)), "has 1 entries; it needs one per virtual pipeline stage (pp x vp = 2 x 1 = 2)"),
+        ((8, 2, 1, None, None, (8, 0)), "gives stage 1 0 layers"),
+        ((8, 2, 1, 3, None, (4, 4)), "are exclusive"),
+        ((8, 1, 1, None, None, (8,)), "needs --pipeline-model-parallel-size > 1"),
+    ],
+)
 def test_bad_stage_layers_are_one_line_errors(args, message):
     with pytest.raises(ValueError) as e:
         validate_partition(*args)
@@ -52,14 +57,22 @@ def _schedules(vp):
 def _random_costs(rng):
     """Layer costs 1/2 (forward/backward, jittered), embedding and head anywhere from free to 6 layers."""
     f = rng.uniform(0.5, 1.5)
-    return LayerCosts((rng.uniform(0, 2) * f, rng.uniform(0, 4) * f), (f, rng.uniform(1.5, 2.5) * f),
-                      (rng.uniform(0, 6) * f, rng.uniform(0, 12) * f))
+    return LayerCosts(
+        (rng.uniform(0, 2) * f, rng.uniform(0, 4) * f),
+        (f, rng.uniform(1.5, 2.5) * f),
+        (rng.uniform(0, 6) * f, rng.uniform(0, 12) * f),
+    )
 
 
 def _simulated(schedule, pp, vp, m, counts, costs, overlap=False):
     """A fresh simulation of the split, under the placement and mode the search uses."""
-    return simulate(build_schedule(schedule, pp, vp, m, overlap_p2p=overlap), pp, vp,
-                    stage_costs=stage_costs(counts, costs), **_simulator_options(schedule, pp, vp)).makespan
+    return simulate(
+        build_schedule(schedule, pp, vp, m, overlap_p2p=overlap),
+        pp,
+        vp,
+        stage_costs=stage_costs(counts, costs),
+        **_simulator_options(schedule, pp, vp),
+    ).makespan
 
 
 @pytest.mark.slow
@@ -70,7 +83,7 @@ def test_balanced_split_is_never_slower_than_even_and_deterministic():
         for vp in (1, 2):
             layers = 2 * pp * vp
             for schedule in _schedules(vp):
-                for m in ((pp, 2 * pp) if pp <= 4 else (pp + vp * pp,)):  # m = 2pp or 3pp when pp > 4
+                for m in (pp, 2 * pp) if pp <= 4 else (pp + vp * pp,):  # m = 2pp or 3pp when pp > 4
                     costs, overlap = _random_costs(rng), pp % 2 == 1  # odd pp: --overlap-p2p-communication
                     plan = choose_split(layers, pp, vp, m, schedule, costs, overlap_p2p=overlap)
                     counts = plan.chosen.counts
@@ -83,8 +96,9 @@ def test_balanced_split_is_never_slower_than_even_and_deterministic():
                     assert abs(chosen - plan.chosen.step_time) <= 1e-9 * chosen
                     improved, cases = improved + (chosen < 0.99 * even), cases + 1
                     if pp in (2, 5, 8):  # same costs, same answer (a fresh search, nothing shared)
-                        again = choose_split(layers, pp, vp, m, schedule, LayerCosts.from_list(costs.as_list()),
-                                             overlap_p2p=overlap)
+                        again = choose_split(
+                            layers, pp, vp, m, schedule, LayerCosts.from_list(costs.as_list()), overlap_p2p=overlap
+                        )
                         assert again == plan
     assert cases >= 50 and improved >= 0.75 * cases, (improved, cases)  # random end costs: most gain over 1%
 
@@ -95,10 +109,16 @@ def _compositions(total, parts):
         yield tuple(b[i + 1] - b[i] for i in range(parts))
 
 
-@pytest.mark.parametrize("layers, pp, vp, m, schedule", [
-    (10, 2, 1, 6, "1f1b"), (9, 3, 1, 6, "1f1b"), (10, 4, 1, 8, "1f1b"), (8, 2, 2, 4, "interleaved_1f1b"),
-    (9, 3, 1, 3, "gpipe"),
-])
+@pytest.mark.parametrize(
+    "layers, pp, vp, m, schedule",
+    [
+        (10, 2, 1, 6, "1f1b"),
+        (9, 3, 1, 6, "1f1b"),
+        (10, 4, 1, 8, "1f1b"),
+        (8, 2, 2, 4, "interleaved_1f1b"),
+        (9, 3, 1, 3, "gpipe"),
+    ],
+)
 def test_balanced_split_is_the_best_split_on_small_cases(layers, pp, vp, m, schedule):
     rng = random.Random(layers * 100 + pp * 10 + vp)
     for _ in range(3):
@@ -151,14 +171,35 @@ def test_measured_weight_parts_reach_the_simulator():
 
 # -- measurement ----------------------------------------------------------------------------------
 def _tiny(vocab=4096, **model):
-    m = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=vocab,
-                    hidden_dropout=0.1, attention_dropout=0.1, **model)
-    return Config(model=m, parallel=ParallelConfig(pp=2, pipeline_balance="measured"),
-                  train=TrainConfig(micro_batch_size=2, global_batch_size=8))
+    m = ModelConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=vocab,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        **model,
+    )
+    return Config(
+        model=m,
+        parallel=ParallelConfig(pp=2, pipeline_balance="measured"),
+        train=TrainConfig(micro_batch_size=2, global_batch_size=8),
+    )
 
 
-@pytest.mark.parametrize("model", [{}, {"untie_embeddings_and_output_weights": True, "recompute_granularity": "full",
-                                        "recompute_method": "uniform", "position_embedding_type": "rope"}])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {},
+        {
+            "untie_embeddings_and_output_weights": True,
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "position_embedding_type": "rope",
+        },
+    ],
+)
 def test_measurement_times_every_kind_and_leaves_random_state_alone(model):
     cfg = _tiny(**model)
     torch.manual_seed(3)
@@ -192,18 +233,39 @@ def test_flags_reach_the_config():
     assert cfg.parallel.pipeline_balance == "measured" and cfg.parallel.pipeline_stage_layers is None
 
 
-@pytest.mark.parametrize("extra, world, message", [
-    (["--pipeline-stage-layers", "7,x"], 2, "--pipeline-stage-layers: expected comma-separated layer counts"),
-    (["--pipeline-stage-layers", "7,2"], 2, "--pipeline-stage-layers sums to 9 layers"),
-    (["--pipeline-balance", "measured", "--pipeline-stage-layers", "7,3"], 2, "drop --pipeline-stage-layers"),
-    (["--pipeline-balance", "measured", "--decoder-last-pipeline-num-layers", "3"], 2,
-     "drop --decoder-last-pipeline-num-layers"),
-    (["--pipeline-balance", "measured", "--pipeline-model-parallel-size", "1"], 1,
-     "--pipeline-balance measured needs --pipeline-model-parallel-size > 1"),
-    (["--pipeline-balance", "measured", "--virtual-pipeline-model-parallel-size", "6", "--pipeline-schedule",
-      "interleaved_1f1b", "--global-batch-size", "16"], 2, "needs --num-layers >= pp x vp = 12"),
-    (["--pipeline-balance", "fast"], 2, "--pipeline-balance: invalid choice"),
-])
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        (["--pipeline-stage-layers", "7,x"], 2, "--pipeline-stage-layers: expected comma-separated layer counts"),
+        (["--pipeline-stage-layers", "7,2"], 2, "--pipeline-stage-layers sums to 9 layers"),
+        (["--pipeline-balance", "measured", "--pipeline-stage-layers", "7,3"], 2, "drop --pipeline-stage-layers"),
+        (
+            ["--pipeline-balance", "measured", "--decoder-last-pipeline-num-layers", "3"],
+            2,
+            "drop --decoder-last-pipeline-num-layers",
+        ),
+        (
+            ["--pipeline-balance", "measured", "--pipeline-model-parallel-size", "1"],
+            1,
+            "--pipeline-balance measured needs --pipeline-model-parallel-size > 1",
+        ),
+        (
+            [
+                "--pipeline-balance",
+                "measured",
+                "--virtual-pipeline-model-parallel-size",
+                "6",
+                "--pipeline-schedule",
+                "interleaved_1f1b",
+                "--global-batch-size",
+                "16",
+            ],
+            2,
+            "needs --num-layers >= pp x vp = 12",
+        ),
+        (["--pipeline-balance", "fast"], 2, "--pipeline-balance: invalid choice"),
+    ],
+)
 def test_bad_balance_flags_are_one_line_errors(extra, world, message):
     with pytest.raises(ConfigError) as e:
         parse_args(BASE + extra, world_size=world)
@@ -214,7 +276,9 @@ def test_bad_balance_flags_are_one_line_errors(extra, world, message):
 def test_resume_keeps_the_checkpoints_split_and_torch_format_compares_resolved_splits(tmp_path):
     """--pipeline-balance measured must not measure again on resume (noise could pick another split)."""
     import json
+
     from megalite.checkpointing import saved_stage_layers, stage_counts
+
     d = tmp_path / "iter_0000007"
     d.mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")

@@ -3,6 +3,7 @@
 checkpoints are one-line errors; ``--ckpt-keep-last`` keeps the newest and never the latest; --finetune into
 bf16 takes the weights as fp32 main weights. (Exact resume and layout changes: tests/distributed.)
 """
+
 import os
 import pickle
 from dataclasses import replace
@@ -28,6 +29,7 @@ def test_failed_save_keeps_previous_checkpoint_and_latest(tmp_path, monkeypatch)
 
     def dying_save(*args, **kwargs):
         raise OSError("disk full (simulated)")
+
     monkeypatch.setattr(ck.dcp, "save", dying_save)
     with pytest.raises(CheckpointError, match="disk full"):  # one line naming --save, not a traceback
         t.checkpointer.save()
@@ -97,11 +99,14 @@ def test_index_unpickler_refuses_dotted_names_and_unlisted_classes(tmp_path):
     from megalite.checkpointing.safe_load import _MetadataUnpickler
 
     def global_ref(module, name):  # protocol 4 STACK_GLOBAL, as a crafted file would use
-        return (b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode()
-                + b"\x93")
-    for module, name in [("torch.distributed.checkpoint.filesystem", "operator.methodcaller"),
-                         ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
-                         ("builtins", "eval"), ("os", "system")]:
+        return b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93"
+
+    for module, name in [
+        ("torch.distributed.checkpoint.filesystem", "operator.methodcaller"),
+        ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
+        ("builtins", "eval"),
+        ("os", "system"),
+    ]:
         with pytest.raises(pickle.UnpicklingError, match="not allowed"):
             _MetadataUnpickler(io.BytesIO(b"\x80\x04" + global_ref(module, name) + b".")).load()
 

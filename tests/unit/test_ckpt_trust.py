@@ -4,6 +4,7 @@ meta.json is one line naming the file (and the field), a full disk during a save
 learning-rate settings is refused unless ``--override-opt_param-scheduler`` or
 ``--use-checkpoint-opt_param-scheduler`` says which win.
 Non-shared ``--save`` directories across nodes: tests/distributed/test_ckpt_trust.py."""
+
 import errno
 import fcntl
 import json
@@ -58,6 +59,7 @@ def _set_latest(content):
             (ck / LATEST).mkdir()
         else:
             (ck / LATEST).write_bytes(content)
+
     return damage
 
 
@@ -66,6 +68,7 @@ def _edit_meta(edit):
         path = ck / "iter_0000002" / "meta.json"
         meta = json.loads(path.read_text())
         path.write_text(json.dumps(edit(meta)))
+
     return damage
 
 
@@ -76,6 +79,7 @@ def _drop(*keys):
             d = d[k]
         del d[keys[-1]]
         return meta
+
     return edit
 
 
@@ -86,6 +90,7 @@ def _put(value, *keys):
             d = d[k]
         d[keys[-1]] = value
         return meta
+
     return edit
 
 
@@ -107,19 +112,26 @@ DAMAGE = [
     ("meta iteration a bool", _edit_meta(_put(True, "iteration")), "meta.json", "field 'iteration' has the wrong"),
     ("meta consumed_samples negative", _edit_meta(_put(-8, "consumed_samples")), "meta.json", "is negative"),
     ("meta scheduler missing", _edit_meta(_drop("scheduler")), "meta.json", "field 'scheduler' is missing"),
-    ("meta scheduler.num_steps a float", _edit_meta(_put(2.5, "scheduler", "num_steps")), "meta.json",
-     "'scheduler.num_steps'"),
+    (
+        "meta scheduler.num_steps a float",
+        _edit_meta(_put(2.5, "scheduler", "num_steps")),
+        "meta.json",
+        "'scheduler.num_steps'",
+    ),
     ("meta scheduler.lr a string", _edit_meta(_put("1e-3", "scheduler", "lr")), "meta.json", "'scheduler.lr'"),
     ("meta layout missing", _edit_meta(_drop("layout")), "meta.json", "field 'layout' is missing"),
     ("meta layout.tp a string", _edit_meta(_put("1", "layout", "tp")), "meta.json", "'layout.tp'"),
-    ("meta layout.stage_layers not ints", _edit_meta(_put(["a"], "layout", "stage_layers")), "meta.json",
-     "'layout.stage_layers'"),
+    (
+        "meta layout.stage_layers not ints",
+        _edit_meta(_put(["a"], "layout", "stage_layers")),
+        "meta.json",
+        "'layout.stage_layers'",
+    ),
     ("meta model_shape a list", _edit_meta(_put([], "model_shape")), "meta.json", "field 'model_shape' has"),
     ("meta scaler a number", _edit_meta(_put(3, "scaler")), "meta.json", "field 'scaler' has the wrong"),
     ("meta group_steps strings", _edit_meta(_put(["x"], "group_steps")), "meta.json", "'group_steps'"),
     ("meta format unknown", _edit_meta(_put("zip", "format")), "meta.json", "'format' is 'zip'"),
-    ("meta optional counters missing", _edit_meta(lambda m: _drop("nan_iters")(_drop("skipped_iters")(m))), None,
-     None),
+    ("meta optional counters missing", _edit_meta(lambda m: _drop("nan_iters")(_drop("skipped_iters")(m))), None, None),
 ]
 
 
@@ -142,6 +154,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_latest(saved, tmp_path, c
 
     def full(root, it):
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(root, LATEST + ".tmp"))
+
     monkeypatch.setattr(protocol, "_write_latest", full)
     rc, _, err = _main(capsys, "--load", str(ck), "--save", str(ck))
     assert rc == 1 and len(err) == 1, err
@@ -262,7 +275,8 @@ def test_changed_learning_rate_settings_are_refused_unless_a_flag_says_which_win
     assert rc == 2 and err == [
         "pretrain_gpt.py: error: the learning-rate schedule differs from the checkpoint's: --lr 0.002 (given) vs "
         "0.001 (checkpoint); --lr-warmup-iters 2 (given) vs 1 (checkpoint); pass --override-opt_param-scheduler "
-        "to use the values given or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"]
+        "to use the values given or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+    ]
     rc, _, err = _main(capsys, "--load", ck, "--train-iters", "8")  # the decay length follows --train-iters
     assert rc == 2 and "--lr-decay-iters 8 (given, from --train-iters) vs 4 (checkpoint)" in err[0], err
     rc, out, _ = _main(capsys, "--load", ck, "--lr", "0.002", "--use-checkpoint-opt_param-scheduler")

@@ -1,6 +1,7 @@
 """compare_runs in one process: captures read back, the execution order, the band, the first diverging
 tensor named, and bad input as one line (the multi-rank layouts and the torchrun command are in
 tests/distributed/test_compare_runs.py)."""
+
 import os
 import sys
 from pathlib import Path
@@ -25,8 +26,10 @@ def captures(tmp_path_factory):
     """The tiny GPT's first iteration, as is and with layer 1's fc1 weight perturbed."""
     root = tmp_path_factory.mktemp("captures")
     cfg = tiny_config(GPT2_STYLE)
-    losses = [capture_mock(ParallelState.single(), cfg, str(root / "a")),
-              capture_mock(ParallelState.single(), cfg, str(root / "b"), (FC1, 1e-3))]
+    losses = [
+        capture_mock(ParallelState.single(), cfg, str(root / "a")),
+        capture_mock(ParallelState.single(), cfg, str(root / "b"), (FC1, 1e-3)),
+    ]
     return root, losses
 
 
@@ -37,15 +40,18 @@ def test_perturbed_weight_in_layer_1_is_named_first_and_layer_0_agrees(captures)
     report = compare(a, b)
     first = report.first
     assert (first.kind, first.name, first.layer) == ("weight", FC1, "1")
-    before = report.rows[:report.rows.index(first)]
+    before = report.rows[: report.rows.index(first)]
     assert {r.layer for r in before} == {"embedding", "0", "1"} and not any(r.over for r in before)
-    assert all(not r.over for r in report.rows if r.layer in ("embedding", "0") and r.kind != "grad"
-               and r.kind != "act_grad")
+    assert all(
+        not r.over for r in report.rows if r.layer in ("embedding", "0") and r.kind != "grad" and r.kind != "act_grad"
+    )
     computed = next(r for r in report.rows if r.over and r.kind == "activation")
     assert computed.name == "decoder.layers.1"  # the first output it changes: its own layer's
     assert report.verdict().startswith(f"first divergence: weight {FC1} (layer 1, forward): max abs diff ")
-    assert compare(a, a).verdict() == f"agree: all {len(report.rows)} tensors within the band " \
-                                      "(rtol 1e-04, atol 0e+00 (float32 band))"
+    assert (
+        compare(a, a).verdict() == f"agree: all {len(report.rows)} tensors within the band "
+        "(rtol 1e-04, atol 0e+00 (float32 band))"
+    )
 
 
 def test_capture_holds_every_tensor_once(captures):
@@ -72,19 +78,35 @@ def test_read_path_exit_codes_and_one_line(captures, capsys):
 
 
 def test_execution_order():
-    names = [("act_grad", "decoder.layers.0"), ("grad", "decoder.layers.1.mlp.linear_fc1.weight"),
-             ("activation", "loss"), ("weight", "decoder.layers.1.mlp.linear_fc1.weight"),
-             ("activation", "decoder.layers.1"), ("act_grad", "logits"), ("activation", "embedding"),
-             ("weight", "embedding.word_embeddings.weight"), ("act_grad", "decoder.layers.1"),
-             ("grad", "embedding.word_embeddings.weight"), ("activation", "logits"),
-             ("grad", "output_layer.weight")]
+    names = [
+        ("act_grad", "decoder.layers.0"),
+        ("grad", "decoder.layers.1.mlp.linear_fc1.weight"),
+        ("activation", "loss"),
+        ("weight", "decoder.layers.1.mlp.linear_fc1.weight"),
+        ("activation", "decoder.layers.1"),
+        ("act_grad", "logits"),
+        ("activation", "embedding"),
+        ("weight", "embedding.word_embeddings.weight"),
+        ("act_grad", "decoder.layers.1"),
+        ("grad", "embedding.word_embeddings.weight"),
+        ("activation", "logits"),
+        ("grad", "output_layer.weight"),
+    ]
     ordered = sorted(names, key=lambda k: order_key(k[0], k[1], 0))
-    assert ordered == [("weight", "embedding.word_embeddings.weight"), ("activation", "embedding"),
-                       ("weight", "decoder.layers.1.mlp.linear_fc1.weight"), ("activation", "decoder.layers.1"),
-                       ("activation", "logits"), ("activation", "loss"), ("act_grad", "logits"),
-                       ("grad", "output_layer.weight"), ("act_grad", "decoder.layers.1"),
-                       ("grad", "decoder.layers.1.mlp.linear_fc1.weight"), ("act_grad", "decoder.layers.0"),
-                       ("grad", "embedding.word_embeddings.weight")]
+    assert ordered == [
+        ("weight", "embedding.word_embeddings.weight"),
+        ("activation", "embedding"),
+        ("weight", "decoder.layers.1.mlp.linear_fc1.weight"),
+        ("activation", "decoder.layers.1"),
+        ("activation", "logits"),
+        ("activation", "loss"),
+        ("act_grad", "logits"),
+        ("grad", "output_layer.weight"),
+        ("act_grad", "decoder.layers.1"),
+        ("grad", "decoder.layers.1.mlp.linear_fc1.weight"),
+        ("act_grad", "decoder.layers.0"),
+        ("grad", "embedding.word_embeddings.weight"),
+    ]
 
 
 def _capture(tensors, dtype="float32"):
@@ -126,18 +148,28 @@ def test_incomplete_capture_and_bad_input_are_one_line(captures, tmp_path, capsy
     del blob["pieces"][first_box]  # one micro-batch's box of the embedding output lost
     os.makedirs(tmp_path / "box")
     torch.save(blob, str(tmp_path / "box" / "rank_00000.pt"))
-    cases = [(["--read", str(tmp_path / "lost"), str(root / "a")],
-              f"{tmp_path / 'lost'}: the capture of 2 ranks lacks the files of rank(s) 1; capture this side again"),
-             (["--read", str(tmp_path / "box"), str(root / "a")],
-              f"{tmp_path / 'box'}: activation embedding lacks elements; the capture is "
-              "incomplete (capture this side again)"),
-             (["--read", str(tmp_path / "none"), str(root / "a")], f"{tmp_path / 'none'}: no such capture directory"),
-             (["--read", str(tmp_path), str(root / "a")], f"{tmp_path}: holds no rank_<N>.pt files"),
-             (["--read", str(root / "a"), str(root / "b"), "--a", "--bf16"], "--read compares captures written "
-              "earlier; it takes no --a"),
-             (["--perturb", "fc1", "--", "--mock-data"], "--perturb 'fc1': give NAME=EPS"),
-             (["--b", "--hidden-size 33", "--", "--mock-data", "--num-attention-heads", "4"],
-              "side B: --hidden-size 33 is not divisible by --num-attention-heads 4")]
+    cases = [
+        (
+            ["--read", str(tmp_path / "lost"), str(root / "a")],
+            f"{tmp_path / 'lost'}: the capture of 2 ranks lacks the files of rank(s) 1; capture this side again",
+        ),
+        (
+            ["--read", str(tmp_path / "box"), str(root / "a")],
+            f"{tmp_path / 'box'}: activation embedding lacks elements; the capture is "
+            "incomplete (capture this side again)",
+        ),
+        (["--read", str(tmp_path / "none"), str(root / "a")], f"{tmp_path / 'none'}: no such capture directory"),
+        (["--read", str(tmp_path), str(root / "a")], f"{tmp_path}: holds no rank_<N>.pt files"),
+        (
+            ["--read", str(root / "a"), str(root / "b"), "--a", "--bf16"],
+            "--read compares captures written earlier; it takes no --a",
+        ),
+        (["--perturb", "fc1", "--", "--mock-data"], "--perturb 'fc1': give NAME=EPS"),
+        (
+            ["--b", "--hidden-size 33", "--", "--mock-data", "--num-attention-heads", "4"],
+            "side B: --hidden-size 33 is not divisible by --num-attention-heads 4",
+        ),
+    ]
     for argv, expected in cases:
         assert compare_runs.main(argv) == 2, argv
         err = capsys.readouterr().err.splitlines()

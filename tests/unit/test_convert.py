@@ -1,5 +1,6 @@
 """tools/checkpoint/convert.py in one process: HF export/import against transformers, lossless round
 trips through every format, resharding, and bad input refused before anything is written."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ def test_hf_export_matches_transformers_and_round_trips(tmp_path, style):
     prompt = ids[:, :4]
     with torch.no_grad():
         want = greedy(lambda x: megalite_logits(t, x), prompt, 10)
-        got = hf.generate(prompt, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt),
-                          pad_token_id=0)
+        got = hf.generate(
+            prompt, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0
+        )
     assert torch.equal(got, want)
     # back to megalite: identical tensors, vocabulary padding re-added
     assert convert("hf", "megalite", tmp_path / "hf", tmp_path / "back") == 0
@@ -56,8 +58,21 @@ def test_hf_export_matches_transformers_and_round_trips(tmp_path, style):
 def test_megatron_round_trip_through_sharded_files_is_lossless(tmp_path, style):
     t = make_trainer(style, num_layers=4)
     save_checkpoint(parts(t), str(tmp_path / "ml"))
-    assert convert("megalite", "megatron", tmp_path / "ml", tmp_path / "mt", "--target-tensor-parallel-size", 2,
-                   "--target-pipeline-parallel-size", 2, "--target-num-layers-per-virtual-pipeline-stage", 1) == 0
+    assert (
+        convert(
+            "megalite",
+            "megatron",
+            tmp_path / "ml",
+            tmp_path / "mt",
+            "--target-tensor-parallel-size",
+            2,
+            "--target-pipeline-parallel-size",
+            2,
+            "--target-num-layers-per-virtual-pipeline-stage",
+            1,
+        )
+        == 0
+    )
     files = sorted(str(p.relative_to(tmp_path / "mt")) for p in (tmp_path / "mt").rglob("*.pt"))
     assert files == [f"iter_0000000/mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt" for t in range(2) for p in range(2)]
     sd = torch.load(tmp_path / "mt" / files[1], weights_only=False)  # tp 0, pp 1: layers 1 and 3
@@ -70,8 +85,8 @@ def test_megatron_round_trip_through_sharded_files_is_lossless(tmp_path, style):
     d, groups = 8, 4 if style == "gpt2" else 2
     q, k, v = full.split([32, groups * d, groups * d])
     per = 4 // groups
-    want = torch.cat([q[:per * d], k[:d], v[:d]])
-    assert torch.equal(sd["model1"]["decoder.layers.0.self_attention.linear_qkv.weight"][:want.shape[0]], want)
+    want = torch.cat([q[: per * d], k[:d], v[:d]])
+    assert torch.equal(sd["model1"]["decoder.layers.0.self_attention.linear_qkv.weight"][: want.shape[0]], want)
     assert convert("megatron", "megalite", tmp_path / "mt", tmp_path / "back") == 0
     before, after = state(t), state(loaded(style, tmp_path / "back", num_layers=4))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -80,9 +95,23 @@ def test_megatron_round_trip_through_sharded_files_is_lossless(tmp_path, style):
 def test_reshard_to_torch_format_and_back(tmp_path):
     t = make_trainer("gpt2", num_layers=4)  # tied embeddings: the last stage keeps its own copy
     save_checkpoint(parts(t), str(tmp_path / "ml"))
-    assert convert("megalite", "megalite", tmp_path / "ml", tmp_path / "tp2pp2", "--ckpt-format", "torch",
-                   "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2,
-                   "--target-virtual-pipeline-model-parallel-size", 2) == 0
+    assert (
+        convert(
+            "megalite",
+            "megalite",
+            tmp_path / "ml",
+            tmp_path / "tp2pp2",
+            "--ckpt-format",
+            "torch",
+            "--target-tensor-parallel-size",
+            2,
+            "--target-pipeline-parallel-size",
+            2,
+            "--target-virtual-pipeline-model-parallel-size",
+            2,
+        )
+        == 0
+    )
     last = torch.load(tmp_path / "tp2pp2" / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt")
     assert last["model1"]["output_weight"].shape == (128, 32)  # vocab 250 padded to 256 over tp 2
     assert convert("megalite", "megalite", tmp_path / "tp2pp2", tmp_path / "one") == 0
@@ -91,8 +120,13 @@ def test_reshard_to_torch_format_and_back(tmp_path):
 
 
 def _run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
@@ -109,8 +143,17 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
             r = _run_cli(*args, "--load-dir", tmp_path / "ml", "--save-dir", tmp_path / "out")
             code, err = r.returncode, r.stderr
         else:
-            code = convert_cli.main(["--model-type", "GPT", *map(str, args), "--load-dir", str(tmp_path / "ml"),
-                                     "--save-dir", str(tmp_path / "out")])
+            code = convert_cli.main(
+                [
+                    "--model-type",
+                    "GPT",
+                    *map(str, args),
+                    "--load-dir",
+                    str(tmp_path / "ml"),
+                    "--save-dir",
+                    str(tmp_path / "out"),
+                ]
+            )
             err = capsys.readouterr().err
         assert code == 1 and words in err, (args, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

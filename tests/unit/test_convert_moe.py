@@ -9,6 +9,7 @@ fresh interpreter on files another tool wrote.
   megalite's torch format at ep2: lossless round trips, expert bias and ungated shared expert included;
 - MoE features the target cannot hold: one line, exit 1, nothing written.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,15 +34,18 @@ def megalite_model(root):
     return build_model(cfg, full), cfg
 
 
-CASES = {"mixtral": ("mixtral", {}),
-         "qwen2_moe": ("qwen2_moe", {}),  # norm_topk_prob False: pre-softmax
-         "qwen2_moe_renorm_dense_layer": ("qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=[1]))}
+CASES = {
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),  # norm_topk_prob False: pre-softmax
+    "qwen2_moe_renorm_dense_layer": ("qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=[1])),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_moe_import_and_export_keep_transformers_logits(tmp_path, case):
     import transformers
+
     kind, over = CASES[case]
     hf = hf_model(kind, **over)
     hf.save_pretrained(tmp_path / "hf")
@@ -60,8 +64,9 @@ def test_hf_moe_import_and_export_keep_transformers_logits(tmp_path, case):
     assert diff_in < 1e-4, diff_in
     done = run_cli("megalite", "hf", tmp_path / "ml", tmp_path / "back")
     assert done.returncode == 0, done.stderr
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32,
-                                                                   output_loading_info=True)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert type(back) is type(hf)
     diff_out = (logits(back.eval(), IDS, True) - theirs).abs().max().item()
@@ -70,8 +75,10 @@ def test_hf_moe_import_and_export_keep_transformers_logits(tmp_path, case):
 
 
 def _moe_trainer(**model) -> Trainer:
-    cfg = tiny_config(dict(LLAMA_STYLE, init_method_std=0.3, num_experts=4, moe_router_topk=2,
-                           moe_ffn_hidden_size=16, **model), num_layers=4)
+    cfg = tiny_config(
+        dict(LLAMA_STYLE, init_method_std=0.3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, **model),
+        num_layers=4,
+    )
     return Trainer(cfg, ParallelState.single())
 
 
@@ -101,12 +108,23 @@ def test_megatron_legacy_moe_round_trip_tp2_pp2_ep2(tmp_path):
                 m.expert_bias.copy_(torch.arange(4.0) / 10)
     want = _full(t)
     _save(t, tmp_path / "ml")
-    done = run_cli("megalite", "megatron", tmp_path / "ml", tmp_path / "mt", "--target-tensor-parallel-size", 2,
-                   "--target-pipeline-parallel-size", 2, "--target-expert-parallel-size", 2)
+    done = run_cli(
+        "megalite",
+        "megatron",
+        tmp_path / "ml",
+        tmp_path / "mt",
+        "--target-tensor-parallel-size",
+        2,
+        "--target-pipeline-parallel-size",
+        2,
+        "--target-expert-parallel-size",
+        2,
+    )
     assert done.returncode == 0, done.stderr
     it = tmp_path / "mt" / "iter_0000000"
-    assert sorted(os.listdir(it)) == [f"mp_rank_{a:02d}_{p:03d}_{e:03d}" for a in range(2) for p in range(2)
-                                      for e in range(2)]
+    assert sorted(os.listdir(it)) == [
+        f"mp_rank_{a:02d}_{p:03d}_{e:03d}" for a in range(2) for p in range(2) for e in range(2)
+    ]
     sd = torch.load(it / "mp_rank_01_001_001" / "model_optim_rng.pt", weights_only=False)
     model, args = sd["model"], sd["args"]
     assert (args.num_experts, args.expert_model_parallel_size, args.moe_layer_freq) == (4, 2, 2)
@@ -119,8 +137,9 @@ def test_megatron_legacy_moe_round_trip_tp2_pp2_ep2(tmp_path):
     assert torch.equal(model["decoder.layers.0.mlp.router.expert_bias"], torch.arange(4.0) / 10)
     assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2._extra_state" in model  # as megatron-core
     assert "decoder.layers.1.mlp.linear_fc1.weight" in model  # layer 3: dense
-    done = run_cli("megatron", "megalite", tmp_path / "mt", tmp_path / "back", "--true-vocab-size",
-                   t.cfg.model.vocab_size)
+    done = run_cli(
+        "megatron", "megalite", tmp_path / "mt", tmp_path / "back", "--true-vocab-size", t.cfg.model.vocab_size
+    )
     assert done.returncode == 0, done.stderr
     _same_weights(tmp_path / "back", want)
 
@@ -130,13 +149,28 @@ def test_megalite_torch_format_ep2_round_trip(tmp_path):
     t = _moe_trainer(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
     want = _full(t)
     _save(t, tmp_path / "ml")
-    done = run_cli("megalite", "megalite", tmp_path / "ml", tmp_path / "ep2", "--ckpt-format", "torch",
-                   "--target-tensor-parallel-size", 2, "--target-expert-parallel-size", 2,
-                   "--target-expert-tensor-parallel-size", 1)
+    done = run_cli(
+        "megalite",
+        "megalite",
+        tmp_path / "ml",
+        tmp_path / "ep2",
+        "--ckpt-format",
+        "torch",
+        "--target-tensor-parallel-size",
+        2,
+        "--target-expert-parallel-size",
+        2,
+        "--target-expert-tensor-parallel-size",
+        1,
+    )
     assert done.returncode == 0, done.stderr
     it = tmp_path / "ep2" / "iter_0000000"
-    assert sorted(n for n in os.listdir(it) if n.startswith("mp_rank")) == \
-        ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert sorted(n for n in os.listdir(it) if n.startswith("mp_rank")) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
     meta = json.loads((it / "meta.json").read_text())
     assert (meta["layout"]["ep"], meta["layout"]["etp"], meta["model_shape"]["num_experts"]) == (2, 1, 4)
     sd = torch.load(it / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)["model"]
@@ -158,15 +192,30 @@ def _one_line_error(code: int, out: str, err: str, *words: str) -> None:
 def test_moe_features_a_target_cannot_hold_fail_in_one_line(tmp_path, capsys):
     """Checked before anything is written (in-process: the CLI's own main)."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("convert_cli_moe", CONVERT)
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
 
     def fails(loader, saver, src, dst, *extra, words):
-        code = cli.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
-                         "--save-dir", str(dst), *map(str, extra)])
+        code = cli.main(
+            [
+                "--model-type",
+                "GPT",
+                "--loader",
+                loader,
+                "--saver",
+                saver,
+                "--load-dir",
+                str(src),
+                "--save-dir",
+                str(dst),
+                *map(str, extra),
+            ]
+        )
         captured = capsys.readouterr()
         _one_line_error(code, captured.out, captured.err, *words)
+
     hf = hf_model("qwen2_moe")
     with torch.no_grad():
         hf.model.layers[1].self_attn.k_proj.bias.fill_(0.5)
@@ -179,14 +228,48 @@ def test_moe_features_a_target_cannot_hold_fail_in_one_line(tmp_path, capsys):
     fails("hf", "megalite", tmp_path / "win", tmp_path / "x2", words=("sliding-window",))
     _save(_moe_trainer(moe_router_score_function="sigmoid"), tmp_path / "sig")
     fails("megalite", "hf", tmp_path / "sig", tmp_path / "x3", words=("sigmoid", "MixtralForCausalLM"))
-    fails("megalite", "megatron", tmp_path / "sig", tmp_path / "x4", "--target-format", "torch_dist",
-          words=("torch_dist",))
-    fails("megalite", "megalite", tmp_path / "sig", tmp_path / "x5", "--target-expert-parallel-size", 3,
-          words=("expert-parallel size 3",))
-    fails("megalite", "megalite", tmp_path / "sig", tmp_path / "x6", "--ckpt-format", "torch",
-          "--target-tensor-parallel-size", 2, "--target-expert-tensor-parallel-size", 4, words=("etp",))
-    fails("megalite", "megatron", tmp_path / "sig", tmp_path / "x7", "--target-tensor-parallel-size", 2,
-          "--target-expert-tensor-parallel-size", 1, words=("expert tp = tp",))
+    fails(
+        "megalite",
+        "megatron",
+        tmp_path / "sig",
+        tmp_path / "x4",
+        "--target-format",
+        "torch_dist",
+        words=("torch_dist",),
+    )
+    fails(
+        "megalite",
+        "megalite",
+        tmp_path / "sig",
+        tmp_path / "x5",
+        "--target-expert-parallel-size",
+        3,
+        words=("expert-parallel size 3",),
+    )
+    fails(
+        "megalite",
+        "megalite",
+        tmp_path / "sig",
+        tmp_path / "x6",
+        "--ckpt-format",
+        "torch",
+        "--target-tensor-parallel-size",
+        2,
+        "--target-expert-tensor-parallel-size",
+        4,
+        words=("etp",),
+    )
+    fails(
+        "megalite",
+        "megatron",
+        tmp_path / "sig",
+        tmp_path / "x7",
+        "--target-tensor-parallel-size",
+        2,
+        "--target-expert-tensor-parallel-size",
+        1,
+        words=("expert tp = tp",),
+    )
     assert not any((tmp_path / f"x{i}").exists() for i in range(1, 8))
 
 
@@ -198,14 +281,20 @@ def test_generate_and_evaluate_run_on_a_converted_mixtral(tmp_path):
     assert run_cli("hf", "megalite", tmp_path / "hf", tmp_path / "ml").returncode == 0
     tool = lambda name, *args: subprocess.run(  # noqa: E731
         [sys.executable, str(REPO / "tools" / name), "--load", str(tmp_path / "ml"), "--device", "cpu", *args],
-        capture_output=True, text=True, cwd=str(REPO), timeout=120)
+        capture_output=True,
+        text=True,
+        cwd=str(REPO),
+        timeout=120,
+    )
     done = tool("generate.py", "--prompt", "1 2 3", "--max-new-tokens", "8", "--greedy")
     assert done.returncode == 0, done.stderr
     prompt = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
-        want = hf.generate(prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt),
-                           pad_token_id=0)[0, 3:].tolist()
+        want = hf.generate(
+            prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0
+        )[0, 3:].tolist()
     assert " ".join(map(str, want)) in done.stdout, (want, done.stdout)
-    done = tool("evaluate.py", "--mock-data", "--eval-iters", "1", "--micro-batch-size", "1",
-                "--global-batch-size", "1")
+    done = tool(
+        "evaluate.py", "--mock-data", "--eval-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1"
+    )
     assert done.returncode == 0 and "lm loss value" in done.stdout, (done.stdout, done.stderr)

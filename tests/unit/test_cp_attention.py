@@ -5,10 +5,16 @@ chunk layout (what the all-gather path computes), and the one-line errors."""
 import pytest
 import torch
 
-from megalite.context_parallel import context_parallel_attention
-from megalite.context_parallel import blocks
-from megalite.context_parallel.blocks import (CAUSAL, DIAGONAL, PAST, TiledAttention, concat_runs, layout_runs,
-                                              tile_pairs)
+from megalite.context_parallel import blocks, context_parallel_attention
+from megalite.context_parallel.blocks import (
+    CAUSAL,
+    DIAGONAL,
+    PAST,
+    TiledAttention,
+    concat_runs,
+    layout_runs,
+    tile_pairs,
+)
 from megalite.context_parallel.sequence import cp_token_index
 from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel import RNGTracker
@@ -44,8 +50,10 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("comm_type,packed,nkv", [("p2p", False, 2), ("p2p", True, 2), ("all_gather", True, 4),
-                                                  ("a2a", True, 1), ("a2a", False, 1)])
+@pytest.mark.parametrize(
+    "comm_type,packed,nkv",
+    [("p2p", False, 2), ("p2p", True, 2), ("all_gather", True, 4), ("a2a", True, 1), ("a2a", False, 1)],
+)
 def test_one_rank_matches_dense_softmax(comm_type, packed, nkv, kernel):
     q, k, v = _inputs(nkv=nkv)
     seg = packed_segments(2, 32) if packed else None
@@ -57,8 +65,11 @@ def test_one_rank_matches_dense_softmax(comm_type, packed, nkv, kernel):
         assert _rel(got, want) < 1e-6
 
 
-@pytest.mark.parametrize("cp,packed,tile", [(2, False, 1 << 40), (2, True, 4), (4, True, 1 << 40), (4, False, 4)],
-                         ids=["cp2-causal-chunks", "cp2-packed-tile4", "cp4-packed-chunks", "cp4-causal-tile4"])
+@pytest.mark.parametrize(
+    "cp,packed,tile",
+    [(2, False, 1 << 40), (2, True, 4), (4, True, 1 << 40), (4, False, 4)],
+    ids=["cp2-causal-chunks", "cp2-packed-tile4", "cp4-packed-chunks", "cp4-causal-tile4"],
+)
 def test_tiles_on_every_ranks_chunks(cp, packed, tile, kernel):
     """Each CP rank's queries (chunks r and 2CP-1-r) over every rank's keys in rank order, in small tiles
     (fully-past tiles unmasked, future tiles skipped), equal the dense rows of those queries."""
@@ -94,11 +105,16 @@ def test_tile_pairs_skip_the_future_and_unmask_the_past():
     pairs = tile_pairs(layout_runs(16, 2, 1), layout_runs(16, 2, 0))
     assert pairs == [(slice(0, 4), slice(0, 4), PAST), (slice(4, 8), slice(0, 4), PAST)]
     diagonal = tile_pairs(layout_runs(16, 2, 1), layout_runs(16, 2, 1))
-    assert diagonal == [(slice(0, 4), slice(0, 4), DIAGONAL), (slice(4, 8), slice(0, 4), PAST),
-                        (slice(4, 8), slice(4, 8), DIAGONAL)]
+    assert diagonal == [
+        (slice(0, 4), slice(0, 4), DIAGONAL),
+        (slice(4, 8), slice(0, 4), PAST),
+        (slice(4, 8), slice(4, 8), DIAGONAL),
+    ]
     # tiles that straddle the diagonal unevenly need the general causal mask
-    assert tile_pairs([(0, 0, 6)], [(0, 0, 6)], tile=4)[-2:] == [(slice(4, 6), slice(0, 4), PAST),
-                                                                 (slice(4, 6), slice(4, 6), DIAGONAL)]
+    assert tile_pairs([(0, 0, 6)], [(0, 0, 6)], tile=4)[-2:] == [
+        (slice(4, 6), slice(0, 4), PAST),
+        (slice(4, 6), slice(4, 6), DIAGONAL),
+    ]
     assert tile_pairs([(0, 2, 4)], [(0, 0, 6)], tile=8) == [(slice(0, 4), slice(0, 6), CAUSAL)]
 
 

@@ -1,4 +1,5 @@
 """The default corpus: built once from pydoc topics, cached atomically, usable end to end."""
+
 from __future__ import annotations
 
 import os
@@ -17,15 +18,20 @@ def test_default_corpus_builds_once_and_trains(tmp_path):
         results = list(pool.map(prepare_default_corpus, [str(tmp_path)] * 2))
     info = results[0]
     assert results[1] == info and info["tokenizer_type"] == "GPT2BPETokenizer"
-    assert [p for p in os.listdir(tmp_path) if not p.startswith(".")] == \
-        [os.path.basename(os.path.dirname(info["data_prefix"]))]
+    assert [p for p in os.listdir(tmp_path) if not p.startswith(".")] == [
+        os.path.basename(os.path.dirname(info["data_prefix"]))
+    ]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".building")]
     t0 = time.time()
     assert prepare_default_corpus(str(tmp_path)) == info
     assert time.time() - t0 < 1.0  # cached: no rebuild
-    cfg = DataConfig(tokenizer_type=info["tokenizer_type"], vocab_file=info["vocab_file"],
-                     merge_file=info["merge_file"], data_path=(info["data_prefix"],),
-                     data_cache_path=str(tmp_path / "idx"))
+    cfg = DataConfig(
+        tokenizer_type=info["tokenizer_type"],
+        vocab_file=info["vocab_file"],
+        merge_file=info["merge_file"],
+        data_path=(info["data_prefix"],),
+        data_cache_path=str(tmp_path / "idx"),
+    )
     tok = build_tokenizer(cfg)
     assert 4000 <= tok.vocab_size <= 4096
     ds = IndexedDataset(info["data_prefix"])

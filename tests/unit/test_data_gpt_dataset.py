@@ -1,4 +1,5 @@
 """GPTDataset indices (against a transcription of Megatron's C++ loop), caching, builder."""
+
 from __future__ import annotations
 
 import os
@@ -8,9 +9,15 @@ import pytest
 
 from megalite.config import DataConfig
 from megalite.data.builder import build_train_valid_test_datasets
-from megalite.data.gpt_dataset import (GPTDataset, build_document_index, build_sample_index,
-                                       num_epochs_needed, sample_index_from_sizes,
-                                       shuffled_documents, split_document_ranges)
+from megalite.data.gpt_dataset import (
+    GPTDataset,
+    build_document_index,
+    build_sample_index,
+    num_epochs_needed,
+    sample_index_from_sizes,
+    shuffled_documents,
+    split_document_ranges,
+)
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 
@@ -45,8 +52,7 @@ def test_sample_index_equals_megatron_loop(seed, seq):
     sizes = rng.randint(0, 30, size=200).astype(np.int32)
     sizes[0] = max(sizes[0], 1)
     doc_idx = build_document_index(np.arange(200), 3, rng, False)
-    np.testing.assert_array_equal(build_sample_index(sizes, doc_idx, seq),
-                                  _reference_sample_index(sizes, doc_idx, seq))
+    np.testing.assert_array_equal(build_sample_index(sizes, doc_idx, seq), _reference_sample_index(sizes, doc_idx, seq))
 
 
 def test_packed_shuffle_and_chunked_sample_index_equal_the_plain_ones():
@@ -62,8 +68,7 @@ def test_packed_shuffle_and_chunked_sample_index_equal_the_plain_ones():
         np.testing.assert_array_equal(doc_sizes, sizes[plain])
         expected = _reference_sample_index(sizes, plain, 9)
         for chunk in (1, 2, 5, 64):
-            np.testing.assert_array_equal(
-                sample_index_from_sizes(doc_sizes, 9, np.dtype(np.int32), chunk), expected)
+            np.testing.assert_array_equal(sample_index_from_sizes(doc_sizes, 9, np.dtype(np.int32), chunk), expected)
 
 
 def test_split_ranges_megatron_core_rounding():
@@ -135,8 +140,7 @@ SEQ = dict(seq_length=16, seed=3)
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(data_path=(str(tmp_path / "d"),), split="80,10,10",
-                data_cache_path=str(tmp_path / "cache"))
+    base = dict(data_path=(str(tmp_path / "d"),), split="80,10,10", data_cache_path=str(tmp_path / "cache"))
     base.update(kw)
     return DataConfig(**base)
 
@@ -149,8 +153,7 @@ def test_builder_single_prefix_and_none_cases(tmp_path):
     t2, v2, _ = build_train_valid_test_datasets(_cfg(tmp_path, split="100,0,0"), (10, 10, 10), **SEQ)
     assert t2 is not None and v2 is None
     # 120 documents: the test part of 969,30,1 rounds to none (megatron-core would hang)
-    t3, v3, e3 = build_train_valid_test_datasets(_cfg(tmp_path, split="969,30,1"), (10, 10, 10),
-                                                 **SEQ)
+    t3, v3, e3 = build_train_valid_test_datasets(_cfg(tmp_path, split="969,30,1"), (10, 10, 10), **SEQ)
     assert len(t3) >= 10 and len(v3) >= 10 and e3 is None
     with pytest.raises(ValueError, match="--data-path"):
         build_train_valid_test_datasets(DataConfig(), (1, 1, 1), **SEQ)
@@ -160,18 +163,24 @@ def test_builder_primary_builds_then_barrier_others_load(tmp_path):
     _dataset(tmp_path)
     events = []
     cfg = _cfg(tmp_path)
-    build_train_valid_test_datasets(cfg, (50, 5, 5), **SEQ, is_primary=True,
-                                    barrier=lambda: events.append(("primary", len(
-                                        os.listdir(tmp_path / "cache")))))
+    build_train_valid_test_datasets(
+        cfg,
+        (50, 5, 5),
+        **SEQ,
+        is_primary=True,
+        barrier=lambda: events.append(("primary", len(os.listdir(tmp_path / "cache")))),
+    )
     assert events[0][1] > 0  # the cache was written before the barrier
-    out = build_train_valid_test_datasets(cfg, (50, 5, 5), **SEQ, is_primary=False,
-                                          barrier=lambda: events.append(("other", 0)))
+    out = build_train_valid_test_datasets(
+        cfg, (50, 5, 5), **SEQ, is_primary=False, barrier=lambda: events.append(("other", 0))
+    )
     assert events[1] == ("other", 0) and all(ds.cache_hit for ds in out)
 
 
 def test_non_primary_ranks_only_map_the_cached_indices(tmp_path, monkeypatch):
     import megalite.data.blended_dataset as blended
     import megalite.data.gpt_dataset as gpt
+
     _dataset(tmp_path)
     (tmp_path / "two").mkdir()
     _dataset(tmp_path / "two", seed=1)
@@ -180,19 +189,28 @@ def test_non_primary_ranks_only_map_the_cached_indices(tmp_path, monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("an index was built on a non-primary rank")
-    for module, name in ((gpt, "shuffled_documents"), (gpt, "sample_index_from_sizes"),
-                         (gpt, "build_shuffle_index"), (blended, "build_blending_indices")):
+
+    for module, name in (
+        (gpt, "shuffled_documents"),
+        (gpt, "sample_index_from_sizes"),
+        (gpt, "build_shuffle_index"),
+        (blended, "build_blending_indices"),
+    ):
         monkeypatch.setattr(module, name, refuse)
     out = build_train_valid_test_datasets(cfg, (200, 20, 20), **SEQ, is_primary=False)
     mapped = []
 
     def check(ds):
-        names = ("dataset_index", "dataset_sample_index") if hasattr(ds, "datasets") else \
-            ("document_index", "sample_index", "shuffle_index")
+        names = (
+            ("dataset_index", "dataset_sample_index")
+            if hasattr(ds, "datasets")
+            else ("document_index", "sample_index", "shuffle_index")
+        )
         assert ds.cache_hit
         mapped.extend(isinstance(getattr(ds, n), np.memmap) for n in names)
         for part in getattr(ds, "datasets", ()):
             check(part)
+
     for ds in out:
         check(ds)
     assert len(mapped) == 3 * (2 + 2 * 3) and all(mapped)
@@ -227,16 +245,15 @@ def _damage_pickle(path):
 
 
 @pytest.mark.parametrize("name", ["document_index", "sample_index", "shuffle_index"])
-@pytest.mark.parametrize("damage", [_damage_truncate, _damage_garbage, _damage_dtype,
-                                    _damage_length, _damage_pickle])
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_garbage, _damage_dtype, _damage_length, _damage_pickle])
 def test_damaged_cache_file_is_one_line_naming_it(tmp_path, name, damage):
     from megalite.data.index_cache import IndexCacheError
+
     ds = _dataset(tmp_path)
     docs = np.arange(10, 90, dtype=np.int32)
     args = (ds, docs, 300, 16, 7, str(tmp_path / "cache"))
     good = GPTDataset(*args)
-    [path] = [str(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")
-              if f.endswith(f"-{name}.npy")]
+    [path] = [str(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache") if f.endswith(f"-{name}.npy")]
     damage(path)
     with pytest.raises(IndexCacheError) as err:
         GPTDataset(*args)
@@ -252,6 +269,7 @@ def test_damaged_cache_file_is_one_line_naming_it(tmp_path, name, damage):
 def test_damaged_description_and_blend_cache(tmp_path):
     from megalite.data.blended_dataset import BlendedDataset
     from megalite.data.index_cache import IndexCacheError
+
     parts = [[{"text": np.full(3, d)} for _ in range(100)] for d in range(2)]
     BlendedDataset(parts, [0.25, 0.75], 100, str(tmp_path), {"t": 1})
     [idx] = [str(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith("-dataset_index.npy")]
@@ -266,6 +284,7 @@ def test_damaged_description_and_blend_cache(tmp_path):
 
 def test_megatron_num_samples():
     from megalite.data.builder import megatron_num_samples
+
     # Megatron-LM's get_train_valid_test_num_samples: 500 iterations, evaluation every 100
     # for 10 batches (five times plus the end), test one evaluation
     assert megatron_num_samples(500, 32, 100, 10) == (16000, 6 * 10 * 32, 320)
@@ -276,22 +295,48 @@ def test_megatron_num_samples():
 def test_damaged_cache_through_pretrain_gpt_is_one_line(tmp_path):
     import subprocess
     import sys
+
     from tests.helpers import REPO
+
     b = IndexedDatasetBuilder(tmp_path / "d", np.uint16)
     rng = np.random.RandomState(0)
     for _ in range(200):
         b.add_item(rng.randint(0, 99, size=rng.randint(5, 40)))
         b.end_document()
     b.finalize()
-    cmd = [sys.executable, "pretrain_gpt.py", "--vocab-size", "100", "--tokenizer-type",
-           "NullTokenizer", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
-           "2", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
-           "--train-iters", "1", "--eval-iters", "0", "--data-path", str(tmp_path / "d"),
-           "--data-cache-path", str(tmp_path / "cache"), "--split", "90,10,0"]
+    cmd = [
+        sys.executable,
+        "pretrain_gpt.py",
+        "--vocab-size",
+        "100",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "1",
+        "--eval-iters",
+        "0",
+        "--data-path",
+        str(tmp_path / "d"),
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--split",
+        "90,10,0",
+    ]
     ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    [path] = [str(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")
-              if f.endswith("sample_index.npy")]
+    [path] = [str(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache") if f.endswith("sample_index.npy")]
     _damage_truncate(path)
     bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     lines = bad.stderr.strip().splitlines()

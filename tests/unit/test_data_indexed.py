@@ -1,4 +1,5 @@
 """MMIDIDX indexed dataset: byte layout, round trip, merge, refusal of bad files."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,13 @@ import struct
 import numpy as np
 import pytest
 
-from megalite.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
-                                           IndexFormatError, merge_datasets, optimal_dtype)
+from megalite.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    IndexFormatError,
+    merge_datasets,
+    optimal_dtype,
+)
 
 
 def _build(prefix, docs, dtype=np.uint16):
@@ -39,9 +45,19 @@ def test_idx_header_fields_byte_by_byte(tmp_path):
     assert open(prefix + ".bin", "rb").read() == np.array([1, 2, 3, 4, 5, 6], np.uint16).tobytes()
 
 
-@pytest.mark.parametrize("dtype, code", [(np.uint8, 1), (np.int8, 2), (np.int16, 3), (np.int32, 4),
-                                         (np.int64, 5), (np.float64, 6), (np.float32, 7),
-                                         (np.uint16, 8)])
+@pytest.mark.parametrize(
+    "dtype, code",
+    [
+        (np.uint8, 1),
+        (np.int8, 2),
+        (np.int16, 3),
+        (np.int32, 4),
+        (np.int64, 5),
+        (np.float64, 6),
+        (np.float32, 7),
+        (np.uint16, 8),
+    ],
+)
 def test_dtype_codes_round_trip(tmp_path, dtype, code):
     prefix = _build(tmp_path / "d", [[1, 2], [3]], dtype)
     assert open(prefix + ".idx", "rb").read()[17] == code
@@ -95,21 +111,27 @@ def test_unfinalized_builder_leaves_no_dataset(tmp_path):
 
 def _corrupt(path, offset, data):
     raw = bytearray(open(path, "rb").read())
-    raw[offset:offset + len(data)] = data
+    raw[offset : offset + len(data)] = data
     open(path, "wb").write(bytes(raw))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda p: _corrupt(p + ".idx", 0, b"NOTMEGA"), "magic"),
-    (lambda p: _corrupt(p + ".idx", 9, struct.pack("<Q", 2)), "version"),
-    (lambda p: _corrupt(p + ".idx", 17, b"\x09"), "dtype code"),
-    (lambda p: open(p + ".idx", "r+b").truncate(50), "does not match header"),
-    (lambda p: open(p + ".idx", "r+b").truncate(10), "truncated"),
-    (lambda p: open(p + ".bin", "r+b").truncate(7), "truncated .bin"),
-    (lambda p: open(p + ".bin", "ab").write(b"xx"), "describes"),
-    (lambda p: os.remove(p + ".bin"), r"file not found: .*d\.bin \(a dataset is the "
-                                      r"\{prefix\}\.bin/\.idx pair written by tools/preprocess"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: _corrupt(p + ".idx", 0, b"NOTMEGA"), "magic"),
+        (lambda p: _corrupt(p + ".idx", 9, struct.pack("<Q", 2)), "version"),
+        (lambda p: _corrupt(p + ".idx", 17, b"\x09"), "dtype code"),
+        (lambda p: open(p + ".idx", "r+b").truncate(50), "does not match header"),
+        (lambda p: open(p + ".idx", "r+b").truncate(10), "truncated"),
+        (lambda p: open(p + ".bin", "r+b").truncate(7), "truncated .bin"),
+        (lambda p: open(p + ".bin", "ab").write(b"xx"), "describes"),
+        (
+            lambda p: os.remove(p + ".bin"),
+            r"file not found: .*d\.bin \(a dataset is the "
+            r"\{prefix\}\.bin/\.idx pair written by tools/preprocess",
+        ),
+    ],
+)
 def test_bad_files_are_refused(tmp_path, damage, message):
     prefix = _build(tmp_path / "d", [[1, 2, 3], [4, 5]])
     damage(prefix)
@@ -131,39 +153,62 @@ _INDEX_CASES = {
     "magic": (lambda p: _corrupt(p + ".idx", 0, b"NOTMEGA"), ".idx", "magic"),
     "version": (lambda p: _put(p + ".idx", 9, "<Q", 2), ".idx", "unsupported index version 2"),
     "dtype code": (lambda p: _corrupt(p + ".idx", 17, b"\x00"), ".idx", "unknown dtype code 0"),
-    "idx truncated in header": (lambda p: open(p + ".idx", "r+b").truncate(20), ".idx",
-                                "truncated index (20 bytes"),
-    "idx truncated in arrays": (lambda p: open(p + ".idx", "r+b").truncate(60), ".idx",
-                                "truncated index"),
-    "idx trailing bytes": (lambda p: open(p + ".idx", "ab").write(b"\0" * 8), ".idx",
-                           "trailing bytes"),
+    "idx truncated in header": (lambda p: open(p + ".idx", "r+b").truncate(20), ".idx", "truncated index (20 bytes"),
+    "idx truncated in arrays": (lambda p: open(p + ".idx", "r+b").truncate(60), ".idx", "truncated index"),
+    "idx trailing bytes": (lambda p: open(p + ".idx", "ab").write(b"\0" * 8), ".idx", "trailing bytes"),
     "sequence count": (lambda p: _put(p + ".idx", 18, "<Q", 3), ".idx", "does not match header"),
-    "negative length": (lambda p: _put(p + ".idx", _LEN + 4, "<i", -5), ".idx",
-                        "sequence 1 has negative length -5"),
-    "first pointer": (lambda p: _put(p + ".idx", _PTR, "<q", 2), ".idx",
-                      "sequence pointer 0 is 2, expected 0"),
-    "pointer past bin": (lambda p: _put(p + ".idx", _PTR + 8, "<q", 1 << 40), ".idx",
-                         "sequence pointer 1 is 1099511627776, past the end of the .bin "
-                         "(10 bytes)"),
-    "pointer overlaps": (lambda p: _put(p + ".idx", _PTR + 8, "<q", 2), ".idx",
-                         "sequence pointer 1 is 2, expected 6 (pointer 0 + length 3 x 2 bytes)"),
-    "docs start": (lambda p: _put(p + ".idx", _DOC, "<q", 1), ".idx",
-                   "document indices must start with 0 (first is 1)"),
-    "docs decrease": (lambda p: _put(p + ".idx", _DOC + 8, "<q", 3), ".idx",
-                      "document index 2 (2) is below document index 1 (3): document indices "
-                      "must be non-decreasing"),
-    "docs end short": (lambda p: _put(p + ".idx", _DOC + 16, "<q", 1), ".idx",
-                       "last document index 1 != sequence count 2"),
-    "docs end past count": (lambda p: _put(p + ".idx", _DOC + 16, "<q", 5), ".idx",
-                            "last document index 5 != sequence count 2"),
-    "bin odd size": (lambda p: open(p + ".bin", "r+b").truncate(7), ".bin",
-                     "not a multiple of the uint16 item size (2 bytes): truncated .bin"),
-    "bin truncated": (lambda p: open(p + ".bin", "r+b").truncate(8), ".bin",
-                      "size 8 bytes, but the index describes 10 bytes"),
-    "bin extra": (lambda p: open(p + ".bin", "ab").write(b"xx"), ".bin",
-                  "size 12 bytes, but the index describes 10 bytes"),
-    "wrong dtype code, size not a multiple": (lambda p: _corrupt(p + ".idx", 17, b"\x04"), ".bin",
-                                              "not a multiple of the int32 item size"),
+    "negative length": (lambda p: _put(p + ".idx", _LEN + 4, "<i", -5), ".idx", "sequence 1 has negative length -5"),
+    "first pointer": (lambda p: _put(p + ".idx", _PTR, "<q", 2), ".idx", "sequence pointer 0 is 2, expected 0"),
+    "pointer past bin": (
+        lambda p: _put(p + ".idx", _PTR + 8, "<q", 1 << 40),
+        ".idx",
+        "sequence pointer 1 is 1099511627776, past the end of the .bin (10 bytes)",
+    ),
+    "pointer overlaps": (
+        lambda p: _put(p + ".idx", _PTR + 8, "<q", 2),
+        ".idx",
+        "sequence pointer 1 is 2, expected 6 (pointer 0 + length 3 x 2 bytes)",
+    ),
+    "docs start": (
+        lambda p: _put(p + ".idx", _DOC, "<q", 1),
+        ".idx",
+        "document indices must start with 0 (first is 1)",
+    ),
+    "docs decrease": (
+        lambda p: _put(p + ".idx", _DOC + 8, "<q", 3),
+        ".idx",
+        "document index 2 (2) is below document index 1 (3): document indices must be non-decreasing",
+    ),
+    "docs end short": (
+        lambda p: _put(p + ".idx", _DOC + 16, "<q", 1),
+        ".idx",
+        "last document index 1 != sequence count 2",
+    ),
+    "docs end past count": (
+        lambda p: _put(p + ".idx", _DOC + 16, "<q", 5),
+        ".idx",
+        "last document index 5 != sequence count 2",
+    ),
+    "bin odd size": (
+        lambda p: open(p + ".bin", "r+b").truncate(7),
+        ".bin",
+        "not a multiple of the uint16 item size (2 bytes): truncated .bin",
+    ),
+    "bin truncated": (
+        lambda p: open(p + ".bin", "r+b").truncate(8),
+        ".bin",
+        "size 8 bytes, but the index describes 10 bytes",
+    ),
+    "bin extra": (
+        lambda p: open(p + ".bin", "ab").write(b"xx"),
+        ".bin",
+        "size 12 bytes, but the index describes 10 bytes",
+    ),
+    "wrong dtype code, size not a multiple": (
+        lambda p: _corrupt(p + ".idx", 17, b"\x04"),
+        ".bin",
+        "not a multiple of the int32 item size",
+    ),
 }
 
 
@@ -203,6 +248,7 @@ def test_empty_sequences_documents_and_datasets_are_valid(tmp_path):
 
 def test_checks_find_faults_in_later_chunks(tmp_path, monkeypatch):
     import megalite.data.indexed_dataset as idx_mod
+
     monkeypatch.setattr(idx_mod, "_CHECK_CHUNK", 7)  # many chunks over 50 sequences
     prefix = _build(tmp_path / "d", [[i] * (i % 4) for i in range(50)])
     IndexedDataset(prefix)  # valid across chunk boundaries
@@ -229,14 +275,20 @@ def test_open_is_lazy_memory_map(tmp_path):
 def test_merge_tool_on_a_directory(tmp_path):
     import subprocess
     import sys
+
     from tests.helpers import REPO
+
     shards = tmp_path / "shards"
     shards.mkdir()
     _build(shards / "b", [[3], [4, 5]])
     _build(shards / "a", [[1, 2]])
-    out = subprocess.run([sys.executable, "tools/merge_datasets.py", "--input", str(shards),
-                          "--output-prefix", str(tmp_path / "all")], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "tools/merge_datasets.py", "--input", str(shards), "--output-prefix", str(tmp_path / "all")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     m = IndexedDataset(tmp_path / "all")
     assert [m[i].tolist() for i in range(len(m))] == [[1, 2], [3], [4, 5]]
@@ -244,6 +296,7 @@ def test_merge_tool_on_a_directory(tmp_path):
 
 def test_opening_a_100gb_dataset_reads_nothing(tmp_path):
     from megalite.data.indexed_dataset import write_index
+
     lengths = np.full(1000, 50_000_000, dtype=np.int32)  # 1000 x 100 MB of uint16
     write_index(str(tmp_path / "big.idx"), np.uint16, lengths, np.arange(1001))
     with open(tmp_path / "big.bin", "wb") as f:

@@ -6,6 +6,7 @@ The flags are taken from a real run of each script with ``torchrun``, ``srun`` a
 replaced by stubs on PATH that record their arguments, so the test reads exactly what the script
 would launch (environment defaults, arrays, branches) rather than parsing shell text.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ from typing import Dict, List
 import pytest
 
 from megalite.config.arguments import parse_args
-
 from tests.helpers import REPO
+
 EXAMPLES = sorted((REPO / "examples").glob("*.sh"))
 GPU_BENCH = REPO / "benchmarks" / "gpu_bench.sh"
 
@@ -46,8 +47,10 @@ CASES: Dict[str, tuple] = {
     "pretrain_gpt_multi_node.sh": ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}, 16),
     "gpt3_1.3b.sh": ({}, 8),
     "llama2_7b.sh": ({"NODE_RANK": "0", "MASTER_ADDR": "node0"}, 16),
-    "pretrain_gpt_slurm.sh": ({"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42",
-                               "SLURM_SUBMIT_DIR": str(REPO)}, 16),
+    "pretrain_gpt_slurm.sh": (
+        {"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(REPO)},
+        16,
+    ),
 }
 
 
@@ -89,7 +92,7 @@ def test_flags_parse_at_the_intended_world_size(name, tmp_path):
     env, world = CASES[name]
     argv = _launch(REPO / "examples" / name, env, tmp_path)
     script_at = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
-    launcher, flags = argv[:script_at], argv[script_at + 1:]
+    launcher, flags = argv[:script_at], argv[script_at + 1 :]
     nnodes = int(launcher[launcher.index("--nnodes") + 1]) if "--nnodes" in launcher else 1
     assert nnodes * int(launcher[launcher.index("--nproc-per-node") + 1]) == world
     if world > 8:  # several nodes meet through a c10d rendezvous
@@ -103,22 +106,32 @@ def test_flags_parse_at_the_intended_world_size(name, tmp_path):
 @pytest.mark.slow
 def test_gpu_bench_python_runs_on_cpu_smoke():
     """benchmarks/gpu_bench.sh's Python part, tiny shape on CPU (no GPU here: the real run is not tested)."""
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(29700 + os.getpid() % 200)}
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--cpu-smoke", "--iters", "1"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29700 + os.getpid() % 200),
+    }
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--cpu-smoke", "--iters", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith(("megalite", "plain PyTorch"))]
     assert len(rows) == 3 and "backend gloo" in res.stdout
     assert float(rows[0].split()[2]) > 0  # tokens/s of the megalite run
 
 
-@pytest.mark.parametrize("name", ["pretrain_gpt_single_node.sh", "pretrain_gpt_multi_node.sh",
-                                  "pretrain_gpt_slurm.sh"])
+@pytest.mark.parametrize("name", ["pretrain_gpt_single_node.sh", "pretrain_gpt_multi_node.sh", "pretrain_gpt_slurm.sh"])
 def test_launch_scripts_restart_and_resume(name, tmp_path):
     env, _ = CASES[name]
     argv = _launch(REPO / "examples" / name, {**env, "MAX_RESTARTS": "5", "CHECKPOINT_DIR": "/ck"}, tmp_path)
     script_at = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
-    launcher, flags = argv[:script_at], argv[script_at + 1:]
+    launcher, flags = argv[:script_at], argv[script_at + 1 :]
     assert launcher[launcher.index("--max-restarts") + 1] == "5"
     assert flags[flags.index("--save") + 1] == flags[flags.index("--load") + 1] == "/ck"

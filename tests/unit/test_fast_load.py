@@ -3,6 +3,7 @@ one line naming the file; a missing, truncated or zeroed shard, ``.metadata``, i
 checkpoints without checksums (the earlier format) still load, and the torch format's ``.crc32.json`` sidecar
 is checked before the file is unpickled. (Flat entries loaded into other layouts: tests/distributed.)
 """
+
 import io
 import json
 import math

@@ -1,21 +1,25 @@
 """The flight recorder's ring and the hang diagnosis from synthetic buffers (megalite.observability.diagnosis)."""
+
 import json
 import time
 
-from megalite.observability.diagnosis import diagnose, rank_table, rank_list, read_dumps
+from megalite.observability.diagnosis import diagnose, rank_list, rank_table, read_dumps
 from megalite.observability.flight_recorder import FlightRecorder
 from tools import diagnose as diagnose_tool
 
 GRID = {"tp": 1, "cp": 1, "dp": 2, "pp": 2}  # 4 ranks: dp groups [0,1] [2,3], pp groups [0,2] [1,3]
-GROUPS = {0: {"dp": [0, 1], "pp": [0, 2]}, 1: {"dp": [0, 1], "pp": [1, 3]},
-          2: {"dp": [2, 3], "pp": [0, 2]}, 3: {"dp": [2, 3], "pp": [1, 3]}}
+GROUPS = {
+    0: {"dp": [0, 1], "pp": [0, 2]},
+    1: {"dp": [0, 1], "pp": [1, 3]},
+    2: {"dp": [2, 3], "pp": [0, 2]},
+    3: {"dp": [2, 3], "pp": [1, 3]},
+}
 
 
 def snap(rec: FlightRecorder, rank: int, age: float = 30.0) -> dict:
     """The recorder's snapshot as the hang watch publishes it, taken ``age`` seconds after its events."""
     s = rec.snapshot()
-    s.update(rank=rank, grid=GRID, groups={**GROUPS[rank], "world": [0, 1, 2, 3]}, time=s["time"] + age,
-             world_size=4)
+    s.update(rank=rank, grid=GRID, groups={**GROUPS[rank], "world": [0, 1, 2, 3]}, time=s["time"] + age, world_size=4)
     return json.loads(json.dumps(s))  # what crosses the store: plain JSON
 
 
@@ -62,6 +66,7 @@ def test_phases_and_recorded_calls():
     class Work:
         def wait(self):
             return "done"
+
     work = rec.call("dp", lambda async_op: Work(), async_op=True)
     assert rec.snapshot()["open"][-1]["kind"] == "coll"  # posted, not waited
     assert work.wait() == "done" and rec.snapshot()["open"] == []
@@ -96,15 +101,17 @@ def test_a_silent_rank_is_named_with_who_waits_for_it_and_on_what():
     assert diagnose(snaps, 4, {1: "its process is stopped"}) == (
         "rank 1 (stage 0, dp 1) stopped progressing: it does not answer (its process is stopped); "
         "rank 0 waits for it in all_reduce #813 (dp group), rank 3 in recv from rank 1 (F micro-batch 5); "
-        "behind them rank 2 in all_reduce #812 (dp group)")
+        "behind them rank 2 in all_reduce #812 (dp group)"
+    )
 
 
 def test_a_busy_rank_is_named_with_what_it_is_stuck_in():
     recs = _pipeline(stopped_in="F")
     snaps = {r: snap(recs[r], r) for r in range(4)}
     line = diagnose(snaps, 4)
-    assert line.startswith("rank 1 (stage 0, dp 1) stopped progressing in F micro-batch 5 chunk 0 (busy in it for "
-                           "30 s and still answering")
+    assert line.startswith(
+        "rank 1 (stage 0, dp 1) stopped progressing in F micro-batch 5 chunk 0 (busy in it for 30 s and still answering"
+    )
     assert "rank 0 waits for it in all_reduce #813 (dp group), rank 3 in recv from rank 1 (F micro-batch 5)" in line
     table = rank_table(snaps, 4)
     assert table[1].startswith("  rank 1 (stage 0, dp 1): running, in F micro-batch 5 chunk 0")
@@ -120,9 +127,11 @@ def test_who_is_behind_in_a_collective():
     recs[0].wait_on(recs[0].collective("broadcast", "pp"))
     recs[2].enter_phase("optimizer")
     snaps = {r: snap(recs[r], r, age=12.0) for r in range(4)}
-    assert diagnose(snaps, 4) == ("rank 2 (stage 1, dp 0) stopped progressing in the optimizer phase (busy in it "
-                                  "for 12 s and still answering: a long or endless computation or loop); rank 0 "
-                                  "waits for it in broadcast #2 (pp group)")
+    assert diagnose(snaps, 4) == (
+        "rank 2 (stage 1, dp 0) stopped progressing in the optimizer phase (busy in it "
+        "for 12 s and still answering: a long or endless computation or loop); rank 0 "
+        "waits for it in broadcast #2 (pp group)"
+    )
 
 
 def _deadlock(skip_in_plan: bool):
@@ -142,7 +151,8 @@ def test_a_deadlock_through_a_bad_schedule_names_the_rank_that_skipped_the_send(
     assert diagnose(snaps, 4) == (
         "rank 0 (stage 0, dp 0) deadlocked the job through its schedule: it has no send of F micro-batch 0 to rank "
         "2, which rank 2's schedule receives in the same step; rank 0 waits in recv from rank 2 (B micro-batch 3), "
-        "rank 2 in recv from rank 0 (F micro-batch 3)")
+        "rank 2 in recv from rank 0 (F micro-batch 3)"
+    )
     plain = _deadlock(skip_in_plan=False)
     plain.update({r: snap(FlightRecorder(4), r) for r in (1, 3)})
     assert diagnose(plain, 4).startswith("deadlock: every rank that answered waits and none is busy or silent")
@@ -154,27 +164,35 @@ def test_no_hang_and_short_waits():
     waiting_recv(recs[2], 0, "F", 2, 1)
     snaps = {r: snap(recs[r], r, age=0.01) for r in range(4)}
     assert diagnose(snaps, 4, min_wait_s=1.0).startswith(
-        "no hang: all 4 ranks answered and none is waiting (rank 0 in F micro-batch 2 chunk 0, rank 1 outside")
+        "no hang: all 4 ranks answered and none is waiting (rank 0 in F micro-batch 2 chunk 0, rank 1 outside"
+    )
     del snaps[3]  # silent, but nobody has noticed yet
-    assert diagnose(snaps, 4, min_wait_s=1.0) == ("rank 3 (stage 1, dp 1) stopped progressing: it does not answer; "
-                                                  "no rank waits for it yet")
+    assert diagnose(snaps, 4, min_wait_s=1.0) == (
+        "rank 3 (stage 1, dp 1) stopped progressing: it does not answer; no rank waits for it yet"
+    )
 
 
 def test_offline_tool_reads_the_newest_job_and_ignores_stale_records(tmp_path, capsys):
     recs = _pipeline()
     now = time.time()
     for r in (0, 2, 3):
-        (tmp_path / f"flight_recorder_rank_{r}.json").write_text(json.dumps(
-            {**snap(recs[r], r), "job": "b", "gen": 2, "final": r == 0, "time": now}))
-    (tmp_path / "flight_recorder_rank_1.json").write_text(json.dumps(  # an earlier SIGUSR1 dump
-        {**snap(recs[1], 1), "job": "b", "gen": 1, "final": False, "reason": "SIGUSR1", "time": now - 50}))
+        (tmp_path / f"flight_recorder_rank_{r}.json").write_text(
+            json.dumps({**snap(recs[r], r), "job": "b", "gen": 2, "final": r == 0, "time": now})
+        )
+    (tmp_path / "flight_recorder_rank_1.json").write_text(
+        json.dumps(  # an earlier SIGUSR1 dump
+            {**snap(recs[1], 1), "job": "b", "gen": 1, "final": False, "reason": "SIGUSR1", "time": now - 50}
+        )
+    )
     snaps, world, notes, problems = read_dumps(str(tmp_path))
     assert sorted(snaps) == [0, 2, 3] and world == 4 and problems == []
     assert diagnose_tool.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("diagnosis: rank 1 (stage 0, dp 1) stopped progressing: it does not answer (its last record, "
-                      "'SIGUSR1', predates the others); rank 0 waits for it in all_reduce #813 (dp group), rank 3 in "
-                      "recv from rank 1 (F micro-batch 5); behind them rank 2 in all_reduce #812 (dp group)")
+    assert out[0] == (
+        "diagnosis: rank 1 (stage 0, dp 1) stopped progressing: it does not answer (its last record, "
+        "'SIGUSR1', predates the others); rank 0 waits for it in all_reduce #813 (dp group), rank 3 in "
+        "recv from rank 1 (F micro-batch 5); behind them rank 2 in all_reduce #812 (dp group)"
+    )
     assert out[1] == "ranks (3 of 4 with a current record):" and out[3] == "  rank 1 (stage 0, dp 1): no record"
     assert diagnose_tool.main([str(tmp_path / "none")]) == 1
 
@@ -185,6 +203,7 @@ def test_the_watch_diagnoses_once_through_a_store_and_writes_every_file(tmp_path
 
     from megalite.observability.hang_watch import HangWatch
     from megalite.parallel.state import ParallelState
+
     store = dist.HashStore()
     recs, watches = [FlightRecorder(16), FlightRecorder(16)], []
     waiting_recv(recs[0], 1, "B", 0, 0)
@@ -197,26 +216,31 @@ def test_the_watch_diagnoses_once_through_a_store_and_writes_every_file(tmp_path
     time.sleep(0.05)
     assert watches[0].diagnose("a wait on rank 0 passed --distributed-timeout-minutes", fatal=True) == (
         "rank 1 (stage 1, dp 0) stopped progressing in F micro-batch 0 chunk 0 (busy in it for 0 s and still "
-        "answering: a long or endless computation or loop); rank 0 waits for it in recv from rank 1 (B micro-batch 0)")
+        "answering: a long or endless computation or loop); rank 0 waits for it in recv from rank 1 (B micro-batch 0)"
+    )
     watches[0].publish(0, final=True)  # rank 0 is leaving: its last snapshot answers any later request
     assert watches[1].diagnose("rank 1: timed out", fatal=True) is not None  # computed, not printed again
     err = capfd.readouterr().err.splitlines()
-    assert [line.split(":")[0] for line in err] == ["hang diagnosis", "hang diagnosis (a wait on rank 0 passed "
-                                                                      "--distributed-timeout-minutes)"]
+    assert [line.split(":")[0] for line in err] == [
+        "hang diagnosis",
+        "hang diagnosis (a wait on rank 0 passed --distributed-timeout-minutes)",
+    ]
     assert err[1].endswith(f"are in {tmp_path} (python tools/diagnose.py {tmp_path})")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flight_recorder_rank_0.json", "flight_recorder_rank_1.json"]
     assert watches[0].diagnose("again", fatal=True) is None  # one fatal diagnosis per rank
 
 
 def test_skip_send_fault_drops_exactly_the_first_send(capfd):
-    from megalite.training.faults import ScheduleFault
     from megalite.pipeline.actions import Comm, Compute, P2POp
+    from megalite.training.faults import ScheduleFault
+
     recv, send = P2POp("recv", "B", 0, 1, 0, 1), P2POp("send", "F", 1, 0, 1, 1)
     actions = [Compute("F", 0, 0), Comm((P2POp("send", "F", 0, 0, 1, 1),)), Compute("F", 1, 0), Comm((send, recv))]
     out = ScheduleFault("skip-send", "rank 0: test").actions(actions)
     assert out == [actions[0], Comm(()), actions[2], actions[3]] and len(actions[1].ops) == 1
-    assert capfd.readouterr().err == ("pretrain_gpt.py: rank 0: test: this rank's schedule drops its send of F "
-                                      "micro-batch 0 to pipeline rank 1\n")
+    assert capfd.readouterr().err == (
+        "pretrain_gpt.py: rank 0: test: this rank's schedule drops its send of F micro-batch 0 to pipeline rank 1\n"
+    )
     assert ScheduleFault("hang", "x").actions(actions) == actions
 
 
@@ -232,6 +256,7 @@ def test_each_parallel_state_holds_its_own_recorder():
     from megalite.training import Trainer
     from megalite.training.mock import MockFeed
     from tests.helpers.parity import tiny_config
+
     trainer, other = Trainer(tiny_config(gbs=4, mbs=2), ParallelState.single()), ParallelState.single()
     trainer.train_step(MockFeed(trainer, 1).next())
     kinds = [e["kind"] for e in trainer.ps.recorder.events()]

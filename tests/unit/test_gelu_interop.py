@@ -4,6 +4,7 @@ Megatron-Core's GPT computes the tanh form whenever its default --bias-gelu-fusi
 HF GPT-2's default "gelu_new" is the tanh form too. megalite keeps the exact GeLU by default and
 carries the choice through conversion; logits are compared with what each tool's own model gave.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.interop.hf import config_from_hf, hf_config
-from megalite.interop.interchange import Layout
-from megalite.interop.megatron import args_for, config_from_args, tanh_gelu
 from megalite.checkpointing.run_state import SHAPE_FIELDS, check_model_shape
 from megalite.checkpointing.safe_load import CheckpointError, load_megatron_file
 from megalite.config import ModelConfig
 from megalite.inference import build_model, config_from_dict, read_checkpoint
+from megalite.interop.hf import config_from_hf, hf_config
+from megalite.interop.interchange import Layout
+from megalite.interop.megatron import args_for, config_from_args, tanh_gelu
 from megalite.model.transformer import MLP
 from megalite.parallel.state import ParallelState
 
@@ -32,9 +33,26 @@ FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
 
 
 def convert(loader: str, saver: str, src, dst) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT",
-                           "--loader", loader, "--saver", saver, "--load-dir", str(src), "--save-dir", str(dst)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "checkpoint" / "convert.py"),
+            "--model-type",
+            "GPT",
+            "--loader",
+            loader,
+            "--saver",
+            saver,
+            "--load-dir",
+            str(src),
+            "--save-dir",
+            str(dst),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return done
 
@@ -50,8 +68,20 @@ def megalite_logits(root, tokens: torch.Tensor, **model_changes) -> torch.Tensor
 # -- the model and its flag ------------------------------------------------------------------------------
 def test_flag_selects_the_tanh_form_in_the_mlp():
     from megalite.config.arguments import parse_args
-    base = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--mock-data",
-            "--micro-batch-size", "1", "--global-batch-size", "1"]
+
+    base = [
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--mock-data",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+    ]
     assert not parse_args(base, world_size=1).model.openai_gelu  # megalite's default: the exact GeLU
     cfg = parse_args(base + ["--openai-gelu"], world_size=1)
     assert cfg.model.openai_gelu
@@ -87,22 +117,27 @@ def test_megatron_rule_on_stored_args():
 
 def test_megatron_args_we_write_say_the_same_function():
     layout, tok = Layout(), {"tokenizer_type": "NullTokenizer"}
-    for cfg in (ModelConfig(vocab_size=64), ModelConfig(vocab_size=64, openai_gelu=True),
-                ModelConfig(vocab_size=64, swiglu=True, add_bias_linear=False)):
+    for cfg in (
+        ModelConfig(vocab_size=64),
+        ModelConfig(vocab_size=64, openai_gelu=True),
+        ModelConfig(vocab_size=64, swiglu=True, add_bias_linear=False),
+    ):
         ns = args_for(cfg, layout, tok)
         assert ns.bias_gelu_fusion == cfg.openai_gelu  # what Megatron-Core's MLP reads
         assert config_from_args(ns, 64, "x")[0].openai_gelu == cfg.openai_gelu
     with pytest.raises(CheckpointError, match="--openai-gelu without biases"):
         args_for(ModelConfig(vocab_size=64, openai_gelu=True, add_bias_linear=False), layout, tok)
     with pytest.raises(CheckpointError, match="squared_relu"):
-        config_from_args(argparse.Namespace(**vars(args_for(ModelConfig(vocab_size=64), layout, tok)),
-                                            squared_relu=True), 64, "x")
+        config_from_args(
+            argparse.Namespace(**vars(args_for(ModelConfig(vocab_size=64), layout, tok)), squared_relu=True), 64, "x"
+        )
 
 
 def test_megatron_lm_fixtures_read_their_gelu():
     exact = load_megatron_file(str(FIXTURES / "gpt2" / "ckpt" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"))
-    fused = load_megatron_file(str(FIXTURES / "gpt2_tanh" / "ckpt" / "iter_0000001" / "mp_rank_00" /
-                                   "model_optim_rng.pt"))
+    fused = load_megatron_file(
+        str(FIXTURES / "gpt2_tanh" / "ckpt" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    )
     assert not exact["args"].bias_gelu_fusion and fused["args"].bias_gelu_fusion  # as make_fixture.py ran them
     assert not config_from_args(exact["args"], None, "gpt2")[0].openai_gelu
     assert config_from_args(fused["args"], None, "gpt2_tanh")[0].openai_gelu
@@ -121,10 +156,22 @@ def test_megatron_lm_checkpoint_with_bias_gelu_fusion_converts_with_its_logits(t
 
 # -- Hugging Face ----------------------------------------------------------------------------------------
 def test_hf_activation_names():
-    c = {"architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 16,
-         "vocab_size": 64}
-    for act, tanh in (("gelu", False), ("gelu_python", False), ("gelu_new", True), ("gelu_pytorch_tanh", True),
-                      ("gelu_fast", True), (None, True)):  # no key: GPT2Config's default, "gelu_new"
+    c = {
+        "architectures": ["GPT2LMHeadModel"],
+        "n_layer": 1,
+        "n_embd": 16,
+        "n_head": 2,
+        "n_positions": 16,
+        "vocab_size": 64,
+    }
+    for act, tanh in (
+        ("gelu", False),
+        ("gelu_python", False),
+        ("gelu_new", True),
+        ("gelu_pytorch_tanh", True),
+        ("gelu_fast", True),
+        (None, True),
+    ):  # no key: GPT2Config's default, "gelu_new"
         cfg, arch = config_from_hf({**c, **({"activation_function": act} if act else {})}, "config.json", 128)
         assert cfg.openai_gelu == tanh, act
         assert hf_config(cfg, arch)["activation_function"] == ("gelu_new" if tanh else "gelu")
@@ -137,8 +184,17 @@ def test_hf_activation_names():
 def test_hf_gelu_new_gpt2_converts_both_ways_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    c = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32, initializer_range=0.3,
-                                activation_function="gelu_new", bos_token_id=None, eos_token_id=None)
+    c = transformers.GPT2Config(
+        vocab_size=100,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        initializer_range=0.3,
+        activation_function="gelu_new",
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     hf = transformers.GPT2LMHeadModel(c).eval()
     with torch.no_grad():  # biases and norms away from 0/1, where a mix-up would not show
         for name, p in hf.named_parameters():

@@ -9,6 +9,7 @@
   training log printed, generate.py prints the API's continuation, with or without the cache;
 * bad input is one line on stderr and exit code 2.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,19 +28,37 @@ from megalite.model.kv_cache import KVCache
 from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
-
 GPT2 = dict()
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
-             untie_embeddings_and_output_weights=True, add_bias_linear=False)
-STYLES = {"gpt2": (GPT2, "auto"), "llama": (LLAMA, "auto"), "llama-unfused": (LLAMA, "unfused"),
-          "gpt2-unfused": (GPT2, "unfused")}
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    num_query_groups=2,
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+)
+STYLES = {
+    "gpt2": (GPT2, "auto"),
+    "llama": (LLAMA, "auto"),
+    "llama-unfused": (LLAMA, "unfused"),
+    "gpt2-unfused": (GPT2, "unfused"),
+}
 
 
 def _model(style: dict, backend: str = "auto", seed: int = 3) -> GPTModel:
     """A tiny random model with peaked outputs (large init), so wrong positions change the tokens."""
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=97,
-                      hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3, attention_backend=backend,
-                      **style)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=32,
+        vocab_size=97,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.3,
+        attention_backend=backend,
+        **style,
+    )
     ps = ParallelState.single()
     return GPTModel(cfg, ps, RNGTracker(seed, 0, 0, ps.device), seed).eval()
 
@@ -106,11 +125,12 @@ def test_seed_top_k_1_and_top_p():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 6-iteration run on pydoc text with its own BPE, saved: (checkpoint dir, training log, tokenizer flags)."""
+    from pydoc_data.topics import topics
+
     import pretrain_gpt
     from megalite.config import DataConfig
     from megalite.data.preprocess import PreprocessOptions, preprocess
     from megalite.data.tokenizers.bpe_trainer import save_bpe, train_bpe
-    from pydoc_data.topics import topics
 
     root = tmp_path_factory.mktemp("gen")
     texts = [topics[k] for k in sorted(topics)[:40]]
@@ -118,15 +138,51 @@ def trained(tmp_path_factory):
     with open(root / "docs.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     tok = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
-    preprocess(PreprocessOptions(input=str(root / "docs.jsonl"), output_prefix=str(root / "docs"), tokenizer=tok,
-                                 append_eod=True, workers=1, log_interval=0))
+    preprocess(
+        PreprocessOptions(
+            input=str(root / "docs.jsonl"),
+            output_prefix=str(root / "docs"),
+            tokenizer=tok,
+            append_eod=True,
+            workers=1,
+            log_interval=0,
+        )
+    )
     tok_flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file", merge_file]
     args = tok_flags + [
-        "--data-path", str(root / "docs_text_document"), "--split", "90,8,2", "--num-layers", "2",
-        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", "6", "--eval-interval", "6", "--eval-iters", "2",
-        "--lr", "5e-3", "--lr-warmup-iters", "1", "--log-interval", "3", "--save", str(root / "ck"),
-        "--ckpt-format", "torch"]
+        "--data-path",
+        str(root / "docs_text_document"),
+        "--split",
+        "90,8,2",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "6",
+        "--eval-interval",
+        "6",
+        "--eval-iters",
+        "2",
+        "--lr",
+        "5e-3",
+        "--lr-warmup-iters",
+        "1",
+        "--log-interval",
+        "3",
+        "--save",
+        str(root / "ck"),
+        "--ckpt-format",
+        "torch",
+    ]
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # the run's logger writes to the stdout it finds at start
         assert pretrain_gpt.main(args) == 0
@@ -139,6 +195,7 @@ def _loss_line(text: str) -> str:
 
 def test_evaluate_cli_prints_the_training_runs_validation_loss(trained, capsys):
     from tools import evaluate
+
     ckpt, log, _ = trained
     assert evaluate.main(["--load", ckpt]) == 0
     out = capsys.readouterr().out
@@ -151,18 +208,38 @@ def test_evaluate_cli_prints_the_training_runs_validation_loss(trained, capsys):
 
 def test_generate_cli_prints_the_continuation(trained, capsys):
     from tools import generate as cli
+
     ckpt, _, _ = trained
     cfg, it, full = read_checkpoint(ckpt)
     assert it == 6 and cfg.model.vocab_size == run_tokenizer(cfg).vocab_size
     tokenizer, model = run_tokenizer(cfg), build_model(cfg, full)
     prompt = "The for statement"
-    ids = generate(model, tokenizer.tokenize(prompt), 12, Sampling(temperature=0.9, top_k=40), seed=3,
-                   eod=tokenizer.eod)
+    ids = generate(
+        model, tokenizer.tokenize(prompt), 12, Sampling(temperature=0.9, top_k=40), seed=3, eod=tokenizer.eod
+    )
     expected = tokenizer.detokenize([i for i in ids if i != tokenizer.eod])
     texts = []
     for extra in ([], ["--no-kv-cache"]):
-        assert cli.main(["--load", ckpt, "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0.9",
-                         "--top-k", "40", "--seed", "3"] + extra) == 0
+        assert (
+            cli.main(
+                [
+                    "--load",
+                    ckpt,
+                    "--prompt",
+                    prompt,
+                    "--max-new-tokens",
+                    "12",
+                    "--temperature",
+                    "0.9",
+                    "--top-k",
+                    "40",
+                    "--seed",
+                    "3",
+                ]
+                + extra
+            )
+            == 0
+        )
         captured = capsys.readouterr()
         texts.append(captured.out)
         assert "tokens/s" in captured.err
@@ -198,6 +275,7 @@ BAD_GENERATE = [
 @pytest.mark.parametrize("args,message", BAD_GENERATE, ids=[m for _, m in BAD_GENERATE])
 def test_bad_generate_input_is_one_line_exit_2(trained, tmp_path, capsys, args, message):
     from tools import generate as cli
+
     ckpt, _, _ = trained
     (tmp_path / "empty").mkdir()
     args = [a.format(missing=tmp_path / "missing", empty=tmp_path / "empty") for a in args]
@@ -209,11 +287,14 @@ def test_bad_generate_input_is_one_line_exit_2(trained, tmp_path, capsys, args, 
 
 def test_bad_evaluate_input_is_one_line_exit_2(trained, tmp_path, capsys):
     from tools import evaluate
+
     ckpt, _, _ = trained
-    for args, message in [(["--load", str(tmp_path / "none")], "no such directory"),
-                          (["--load", ckpt, "--eval-iters", "0"], "--eval-iters 0 must be >= 1"),
-                          (["--load", ckpt, "--split", "1,0,0", "--split-name", "test"], "test split has no"),
-                          (["--load", ckpt, "--split-name", "dev"], "invalid choice")]:
+    for args, message in [
+        (["--load", str(tmp_path / "none")], "no such directory"),
+        (["--load", ckpt, "--eval-iters", "0"], "--eval-iters 0 must be >= 1"),
+        (["--load", ckpt, "--split", "1,0,0", "--split-name", "test"], "test split has no"),
+        (["--load", ckpt, "--split-name", "dev"], "invalid choice"),
+    ]:
         assert _exit_code(evaluate.main, args) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
@@ -221,11 +302,20 @@ def test_bad_evaluate_input_is_one_line_exit_2(trained, tmp_path, capsys):
 
 def test_default_run_tokenizer_is_rebuilt_when_its_cache_is_gone(tmp_path, monkeypatch):
     from megalite.config import Config, DataConfig
+
     monkeypatch.setenv("MEGALITE_CACHE", str(tmp_path))
     gone = str(tmp_path / "elsewhere" / "pydoc_topics_text_document")  # the saving machine's cache
-    cfg = Config(data=DataConfig(data_path=(gone,), tokenizer_type="GPT2BPETokenizer",
-                                 vocab_file=gone + "/../vocab.json", merge_file=gone + "/../merges.txt"))
+    cfg = Config(
+        data=DataConfig(
+            data_path=(gone,),
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=gone + "/../vocab.json",
+            merge_file=gone + "/../merges.txt",
+        )
+    )
     cfg = cfg.with_(model=replace(cfg.model, vocab_size=4096))
     tokenizer = run_tokenizer(cfg)
-    assert tokenizer.vocab_size == 4096 and tokenizer.detokenize(tokenizer.tokenize("The for statement")) == \
-        "The for statement"
+    assert (
+        tokenizer.vocab_size == 4096
+        and tokenizer.detokenize(tokenizer.tokenize("The for statement")) == "The for statement"
+    )

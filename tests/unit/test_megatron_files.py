@@ -8,6 +8,7 @@ tensor-2 x pipeline-2 runs saved in both of its optimizer sharding modes. Their 
 signal.SIGTERM, AttnBackend and ModelType, their RNG state numpy arrays and dtypes: all must load, while a file carrying a pickled callable is refused
 without running it, naming the callable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,21 @@ from tests.helpers.convert import FIXTURES, _megatron_model_space_state, run_con
 def in_fresh_interpreter(test):
     """Run ``test`` in a new interpreter: torch's safe-globals registry is process-wide, and megatron.core,
     which other tests import in this process, registers its enums and numpy types there on import."""
+
     @functools.wraps(test)
     def run(*args, **kwargs):
         if os.environ.get("MEGALITE_FRESH_TEST") == test.__name__:
             return test(*args, **kwargs)
-        done = subprocess.run([sys.executable, "-m", "pytest", f"{Path(__file__)}::{test.__name__}", "-q",
-                               "-p", "no:cacheprovider"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "MEGALITE_FRESH_TEST": test.__name__})
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", f"{Path(__file__)}::{test.__name__}", "-q", "-p", "no:cacheprovider"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "MEGALITE_FRESH_TEST": test.__name__},
+        )
         assert done.returncode == 0, done.stdout[-3000:]
+
     return run
 
 
@@ -73,20 +81,59 @@ def test_megatron_lm_checkpoint_converts_with_its_logits(tmp_path, style):
 
 # Megatron-LM's model flags of llama_torch_dist (make_fixture.py's COMMON and STYLES["llama"]), as pretrain_gpt.py takes
 # them (NullTokenizer --vocab-size 100: 101 ids, eod = 100, in both).
-LLAMA_RUN = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--ffn-hidden-size", "24",
-             "--seq-length", "16", "--max-position-embeddings", "16", "--normalization", "RMSNorm", "--swiglu",
-             "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-             "--group-query-attention", "--num-query-groups", "1", "--micro-batch-size", "1",
-             "--global-batch-size", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-             "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0"]
+LLAMA_RUN = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "16",
+    "--num-attention-heads",
+    "2",
+    "--ffn-hidden-size",
+    "24",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--group-query-attention",
+    "--num-query-groups",
+    "1",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1",
+    "--lr",
+    "1e-4",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "100",
+    "--use-distributed-optimizer",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+]
 
 
 def test_megatron_lm_torch_dist_run_resumes_with_its_distributed_optimizer_state(tmp_path):
     """pretrain_gpt.py --load on the directory Megatron-LM's training loop wrote after two iterations:
     weights, Adam's moments and step restored, then one more iteration trains."""
     ckpt = FIXTURES / "llama_torch_dist" / "ckpt"
-    done = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *LLAMA_RUN, "--load", str(ckpt),
-                           "--train-iters", "3"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "pretrain_gpt.py"), *LLAMA_RUN, "--load", str(ckpt), "--train-iters", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stdout + done.stderr
     assert "(iteration 2): weights and distributed-optimizer state" in log, log[-3000:]
@@ -100,11 +147,15 @@ def test_megatron_lm_distributed_optimizer_buckets_map_onto_its_weights():
     optimizer's buckets is the weight saved next to it (fp32 training), moments are there, step is 2."""
     from megalite.interop.torch_dist import TorchDistSource
     from megalite.interop.torch_dist_optim import read_distributed_optimizer
+
     src = TorchDistSource(str(FIXTURES / "llama_torch_dist" / "ckpt"))
     opt = read_distributed_optimizer(src)
     assert opt["step"] == 2.0
-    weights = {**src.pre(), **src.post(),
-               **{f"decoder.layers.{i}.{n}": t for i in range(src.cfg.num_layers) for n, t in src.layer(i).items()}}
+    weights = {
+        **src.pre(),
+        **src.post(),
+        **{f"decoder.layers.{i}.{n}": t for i in range(src.cfg.num_layers) for n, t in src.layer(i).items()},
+    }
     assert set(opt["state"]) == set(weights)
     for name, w in weights.items():
         got = opt["state"][name]
@@ -117,8 +168,9 @@ def test_megatron_lm_file_loads_its_plain_data_without_changing_torch_state():
     before = list(torch.serialization.get_safe_globals())
     torch.serialization.add_safe_globals([argparse.Namespace])  # someone else's registration stays as it was
     try:
-        state = load_megatron_file(str(FIXTURES / "gpt2" / "ckpt" / "iter_0000001" / "mp_rank_00" /
-                                       "model_optim_rng.pt"))
+        state = load_megatron_file(
+            str(FIXTURES / "gpt2" / "ckpt" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+        )
         assert argparse.Namespace in torch.serialization.get_safe_globals()
     finally:
         torch.serialization.clear_safe_globals()
@@ -168,8 +220,10 @@ def test_pickled_callable_is_refused_by_the_converter_without_running(tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-@pytest.mark.parametrize("how,name", [("exec", "builtins.exec"), ("system", f"{os.system.__module__}.system"),
-                                      ("function", "shutil.copyfile")])
+@pytest.mark.parametrize(
+    "how,name",
+    [("exec", "builtins.exec"), ("system", f"{os.system.__module__}.system"), ("function", "shutil.copyfile")],
+)
 def test_pickled_callable_is_refused_without_running(tmp_path, how, name):
     marker = tmp_path / "ran"
     src = _megatron_like(tmp_path / "evil", _Payload(how, marker))
@@ -190,11 +244,13 @@ def test_megatron_names_load_inert_never_imported(tmp_path, monkeypatch):
     class Enumish:
         def __init__(self, v):
             raise AssertionError("the class itself must never be called when loading")
+
     Enumish.__module__, Enumish.__qualname__ = "megatron.fake_for_test", "Enumish"
 
     class Member:  # pickles as an enum member does: (class, (value,))
         def __reduce__(self):
             return Enumish, (3,)
+
     fake = types.ModuleType("megatron.fake_for_test")
     fake.Enumish = Enumish
     monkeypatch.setitem(sys.modules, "megatron.fake_for_test", fake)  # pickle checks the name when saving
@@ -234,6 +290,7 @@ def test_a_wrongly_rebuilt_bucket_layout_is_refused_not_loaded(monkeypatch):
     from the weights saved beside them, and the optimizer state is refused (weights still load)."""
     from megalite.interop import torch_dist_optim as tdo
     from megalite.interop.torch_dist import TorchDistSource
+
     real = tdo.rank_order
 
     def swapped(*args):
@@ -250,11 +307,44 @@ def test_a_wrongly_rebuilt_bucket_layout_is_refused_not_loaded(monkeypatch):
 
 # -- tp 2 x pp 2: the distributed optimizer's state in both of Megatron-LM's sharding modes ------------------
 # the tied/ model's flags (make_fixture.py's "mp" style); Megatron's NullTokenizer 40 is 41 ids with eod
-MP_RUN = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4", "--ffn-hidden-size", "24",
-          "--seq-length", "16", "--max-position-embeddings", "16", "--swiglu", "--group-query-attention",
-          "--num-query-groups", "2", "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-4",
-          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "40", "--make-vocab-size-divisible-by",
-          "8", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0", "--num-threads", "1"]
+MP_RUN = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "16",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "24",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--swiglu",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1",
+    "--lr",
+    "1e-4",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "40",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--use-distributed-optimizer",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--num-threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -266,15 +356,23 @@ def _load(d: Path, caplog):
     """load_checkpoint (pretrain_gpt.py --load's) of ``d`` into a single-rank trainer of its model, with the
     saved run's Adam settings."""
     from dataclasses import replace
+
     from megalite.checkpointing import load_checkpoint
     from megalite.interop.torch_dist import TorchDistSource
     from megalite.parallel.state import ParallelState
     from megalite.training import Trainer
     from tests.helpers.parity import tiny_config
+
     src = TorchDistSource(str(d))
     a, cfg = src.args, tiny_config(gbs=1, mbs=1)
-    optim = replace(cfg.optim, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
-                    clip_grad=a.clip_grad, weight_decay=a.weight_decay)
+    optim = replace(
+        cfg.optim,
+        adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2,
+        adam_eps=a.adam_eps,
+        clip_grad=a.clip_grad,
+        weight_decay=a.weight_decay,
+    )
     t = Trainer(cfg.with_(model=src.cfg, optim=optim), ParallelState.single())
     caplog.clear()
     assert load_checkpoint(t.run_parts, str(d), formats=checkpoint_formats()) == 2
@@ -303,8 +401,8 @@ def test_megatron_lm_tp2_pp2_optimizer_state_loads_in_both_sharding_modes(tp2pp2
                 if style == "tied" and name.endswith("word_embeddings.weight"):
                     continue
                 for k, v in want.items():  # megalite's table has its own padding rows after the vocabulary
-                    assert torch.equal(full[name][k][:len(v)], v.float()), (style, d, name, k)
-                    assert not full[name][k][len(v):].any(), (style, d, name, k)
+                    assert torch.equal(full[name][k][: len(v)], v.float()), (style, d, name, k)
+                    assert not full[name][k][len(v) :].any(), (style, d, name, k)
                 assert full[name]["exp_avg_sq"].abs().max() > 0, (style, d, name)
 
 
@@ -317,9 +415,10 @@ def test_megatron_lm_fully_reshardable_file_it_wrote_wrong_is_refused(tp2pp2, ca
     assert "Adam starts fresh" in caplog.text and "embedding.word_embeddings.weight is not the weight" in caplog.text
     assert t.optimizer.step_state()["adam_step"] == 0.0
     from megalite.interop.torch_dist import TorchDistSource
+
     src = TorchDistSource(str(tp2pp2 / "tied" / "ckpt_full"))
     saved = src.pre()[WORD_NAME]
-    assert torch.equal(dict(t.chunks[0].named_parameters())[WORD_NAME].detach()[:len(saved)], saved)
+    assert torch.equal(dict(t.chunks[0].named_parameters())[WORD_NAME].detach()[: len(saved)], saved)
 
 
 WORD_NAME = "embedding.word_embeddings.weight"
@@ -329,9 +428,21 @@ WORD_NAME = "embedding.word_embeddings.weight"
 def test_megatron_lm_tp2_pp2_run_resumes_with_its_optimizer_state(tp2pp2):
     """pretrain_gpt.py --load on Megatron-LM's tp 2 x pp 2 dp_reshardable directory (tied embedding split over the
     stages), run at tp 1 (any layout loads): weights and distributed-optimizer state restored, iteration 3 trains."""
-    done = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *MP_RUN, "--load",
-                           str(tp2pp2 / "tied" / "ckpt"), "--train-iters", "3"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "pretrain_gpt.py"),
+            *MP_RUN,
+            "--load",
+            str(tp2pp2 / "tied" / "ckpt"),
+            "--train-iters",
+            "3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stdout + done.stderr
     assert "(iteration 2): weights and distributed-optimizer state" in log, log[-3000:]

@@ -1,5 +1,6 @@
 """bf16 and fp16 training in one process: 20-step loss curves within 2% of fp32 at every step, fp32 main
 weights, pipeline p2p in the activation dtype. (3D layouts and the loss scaler: tests/distributed.)"""
+
 import pytest
 import torch
 

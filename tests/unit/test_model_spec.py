@@ -2,6 +2,7 @@
 GPT-2, Llama and MoE model has the spec's name, shape, split and order; the counts are the sums of
 their numel; the FLOP terms are 6 x the weights a token multiplies; the Megatron-LM and Hugging Face
 name maps cover every parameter."""
+
 from __future__ import annotations
 
 from typing import Dict
@@ -11,30 +12,70 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite.model.gpt import GPTModel
-from megalite.model.spec import (COLUMN, GPT2, LLAMA, MIXTRAL, QWEN2_MOE, REPLICATED, ROW, VOCAB, ModelSpec,
-                                 SpecError, hf_architecture, hf_layer_map, hf_top_map, layer_prefix, megatron_name)
+from megalite.model.spec import (
+    COLUMN,
+    GPT2,
+    LLAMA,
+    MIXTRAL,
+    QWEN2_MOE,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    ModelSpec,
+    SpecError,
+    hf_architecture,
+    hf_layer_map,
+    hf_top_map,
+    layer_prefix,
+    megatron_name,
+)
 from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
-LLAMA_STYLE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                   untie_embeddings_and_output_weights=True, add_bias_linear=False)
+LLAMA_STYLE = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+)
 MOE = dict(num_experts=4, moe_router_topk=2, ffn_hidden_size=48)
 CASES: Dict[str, dict] = {
     "gpt2": dict(),
     "gpt2_tanh_untied": dict(openai_gelu=True, untie_embeddings_and_output_weights=True, ffn_hidden_size=96),
     "llama_gqa": dict(LLAMA_STYLE, num_query_groups=2),
     "mixtral": dict(LLAMA_STYLE, num_query_groups=2, **MOE),
-    "qwen2_moe": dict(LLAMA_STYLE, **MOE, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=40,
-                      moe_shared_expert_gate=True, moe_layer_freq=(1, 0, 1, 1), moe_router_pre_softmax=True),
-    "moe_gpt2_bias": dict(**MOE, moe_layer_freq=2, moe_shared_expert_intermediate_size=32,
-                          moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+    "qwen2_moe": dict(
+        LLAMA_STYLE,
+        **MOE,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=40,
+        moe_shared_expert_gate=True,
+        moe_layer_freq=(1, 0, 1, 1),
+        moe_router_pre_softmax=True,
+    ),
+    "moe_gpt2_bias": dict(
+        **MOE,
+        moe_layer_freq=2,
+        moe_shared_expert_intermediate_size=32,
+        moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
+    ),
 }
 HF_ARCH = {"gpt2": GPT2, "gpt2_tanh_untied": GPT2, "llama_gqa": LLAMA, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
 
 
 def config(case: str) -> ModelConfig:
-    return ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=250,
-                       hidden_dropout=0.0, attention_dropout=0.0, **CASES[case])
+    return ModelConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=250,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **CASES[case],
+    )
 
 
 def built(cfg: ModelConfig) -> GPTModel:
@@ -111,8 +152,9 @@ def test_flop_terms_are_six_times_the_weights_a_token_multiplies(case):
     assert spec.mlp_flops_per_token() == 6 * active
     assert mlp == 6 * active / cfg.num_layers
     vocab = cfg.padded_vocab_size(1)
-    assert spec.flops(8, vocab) == pytest.approx(8 * (cfg.num_layers * (proj + core) + 6 * active
-                                                      + 6 * cfg.hidden_size * vocab), rel=1e-15)
+    assert spec.flops(8, vocab) == pytest.approx(
+        8 * (cfg.num_layers * (proj + core) + 6 * active + 6 * cfg.hidden_size * vocab), rel=1e-15
+    )
 
 
 def test_megatron_names_cover_every_parameter(case):
@@ -123,14 +165,18 @@ def test_megatron_names_cover_every_parameter(case):
         legacy = [megatron_name(n, False, per) for n in rel]
         te = [megatron_name(n, True, per) for n in rel]
         for ep_rank in range(2 if per else 1):  # one Megatron name per parameter in each EP rank's file
-            held = [k for k, n in enumerate(rel) if ".local_experts." not in n
-                    or int(n.split(".local_experts.")[1].split(".")[0]) // per == ep_rank]
+            held = [
+                k
+                for k, n in enumerate(rel)
+                if ".local_experts." not in n or int(n.split(".local_experts.")[1].split(".")[0]) // per == ep_rank
+            ]
             assert len({legacy[k] for k in held}) == len({te[k] for k in held}) == len(held)
         assert [n for n in legacy if ".local_experts." not in n] == [n for n in rel if ".local_experts." not in n]
         assert all(int(n.split(".local_experts.")[1].split(".")[0]) < per for n in legacy if ".local_experts." in n)
         fused = [n for n in te if ".layer_norm_" in n]  # Transformer Engine: the norms inside the next linear
         assert len(fused) == len([n for n in rel if n.startswith("input_layernorm.")]) + (
-            0 if per else len([n for n in rel if n.startswith("pre_mlp_layernorm.")]))
+            0 if per else len([n for n in rel if n.startswith("pre_mlp_layernorm.")])
+        )
 
 
 def test_hf_maps_cover_every_parameter_once(case):
@@ -163,6 +209,7 @@ def test_hf_layer_map_round_trips_tensors(case):
         return
     import megalite.checkpointing  # noqa: F401  (interop imports the checkpointing package first)
     from megalite.interop.hf import from_hf_layer, to_hf_layer
+
     arch = HF_ARCH[name]
     g = torch.Generator().manual_seed(0)
     for i in range(cfg.num_layers):

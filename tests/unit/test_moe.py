@@ -2,13 +2,14 @@
 megatron-core's RankGenerator, routing and balancing losses against megatron-core's functions,
 token dropping, the MoE block against a token-by-token computation, expert-bias balancing,
 recomputation and half precision."""
+
 from dataclasses import replace
 
 import pytest
 import torch
 
-from megalite.config.arguments import parse_args
 from megalite.config import ConfigError
+from megalite.config.arguments import parse_args
 from megalite.config.moe import layer_freq
 from megalite.moe import moe_layers, update_expert_bias
 from megalite.moe.experts import _activation
@@ -19,8 +20,21 @@ from megalite.training.mock import MockFeed
 from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_ffn_hidden_size=48)
-BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8"]
+BASE = [
+    "--mock-data",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+]
 
 
 def moe_cfg(model=None, **parallel):
@@ -40,49 +54,83 @@ def test_layer_freq_parses_megatron_patterns_and_nothing_else():
     assert cfg.model.num_moe_layers == 3
 
 
-@pytest.mark.parametrize("flags,world,needle", [
-    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, "--num-experts 6 is not divisible by "
-     "--expert-model-parallel-size 4"),
-    (["--num-experts", "8", "--expert-model-parallel-size", "4"], 2, "does not divide the 2 ranks"),
-    (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5 is more than --num-experts 4"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], 1, "--moe-expert-capacity-factor must be > 0"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "-1"], 1, "--moe-expert-capacity-factor must be > 0"),
-    (["--moe-router-topk", "4"], 1, "--moe-router-topk is a mixture-of-experts flag but --num-experts is not set"),
-    (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size is a mixture-of-experts flag"),
-    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
-    (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], 1, "--moe-layer-freq lists 2 layers"),
-    (["--num-experts", "4", "--moe-shared-expert-gate"], 1, "--moe-shared-expert-gate needs"),
-    (["--num-experts", "4", "--moe-router-score-function", "tanh"], 1, "--moe-router-score-function"),
-    (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "needs --moe-router-score-function sigmoid"),
-    (["--num-experts", "4", "--overlap-moe-expert-parallel-comm"], 1, "add --pipeline-schedule dualpipev"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "nan"], 1, "--moe-expert-capacity-factor must be > 0"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "inf"], 1, "--moe-expert-capacity-factor must be > 0"),
-    (["--num-experts", "4", "--moe-layer-freq", "[1]*99999999999999999999"], 1, "--moe-layer-freq expects"),
-    (["--moe-token-dispatcher-type", "alltoall"], 1, "--moe-token-dispatcher-type is a mixture-of-experts flag"),
-    (["--moe-per-layer-logging"], 1, "--moe-per-layer-logging is a mixture-of-experts flag"),
-    (["--num-experts", "4", "--moe-token-drop-policy", "position"], 1, "has no effect without --moe-expert-capacity"),
-    (["--num-experts", "4", "--moe-router-bias-update-rate", "0.1"], 1, "without --moe-router-enable-expert-bias"),
-    (["--num-experts", "4", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.1"], 1,
-     "--moe-aux-loss-coeff has no effect"),
-    (["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], 1,
-     "--moe-router-pre-softmax has no effect"),
-    (["--num-experts", "4", "--overlap-moe-expert-parallel-comm", "--pipeline-schedule", "dualpipev",
-      "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 2,
-     "set --hidden-dropout 0 --attention-dropout 0"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--ckpt-format", "torch", "--save", "/tmp/x"], 2,
-     "use --ckpt-format sharded"),
-])
+@pytest.mark.parametrize(
+    "flags,world,needle",
+    [
+        (
+            ["--num-experts", "6", "--expert-model-parallel-size", "4"],
+            4,
+            "--num-experts 6 is not divisible by --expert-model-parallel-size 4",
+        ),
+        (["--num-experts", "8", "--expert-model-parallel-size", "4"], 2, "does not divide the 2 ranks"),
+        (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5 is more than --num-experts 4"),
+        (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], 1, "--moe-expert-capacity-factor must be > 0"),
+        (["--num-experts", "4", "--moe-expert-capacity-factor", "-1"], 1, "--moe-expert-capacity-factor must be > 0"),
+        (["--moe-router-topk", "4"], 1, "--moe-router-topk is a mixture-of-experts flag but --num-experts is not set"),
+        (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size is a mixture-of-experts flag"),
+        (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+        (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], 1, "--moe-layer-freq lists 2 layers"),
+        (["--num-experts", "4", "--moe-shared-expert-gate"], 1, "--moe-shared-expert-gate needs"),
+        (["--num-experts", "4", "--moe-router-score-function", "tanh"], 1, "--moe-router-score-function"),
+        (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "needs --moe-router-score-function sigmoid"),
+        (["--num-experts", "4", "--overlap-moe-expert-parallel-comm"], 1, "add --pipeline-schedule dualpipev"),
+        (["--num-experts", "4", "--moe-expert-capacity-factor", "nan"], 1, "--moe-expert-capacity-factor must be > 0"),
+        (["--num-experts", "4", "--moe-expert-capacity-factor", "inf"], 1, "--moe-expert-capacity-factor must be > 0"),
+        (["--num-experts", "4", "--moe-layer-freq", "[1]*99999999999999999999"], 1, "--moe-layer-freq expects"),
+        (["--moe-token-dispatcher-type", "alltoall"], 1, "--moe-token-dispatcher-type is a mixture-of-experts flag"),
+        (["--moe-per-layer-logging"], 1, "--moe-per-layer-logging is a mixture-of-experts flag"),
+        (
+            ["--num-experts", "4", "--moe-token-drop-policy", "position"],
+            1,
+            "has no effect without --moe-expert-capacity",
+        ),
+        (["--num-experts", "4", "--moe-router-bias-update-rate", "0.1"], 1, "without --moe-router-enable-expert-bias"),
+        (
+            ["--num-experts", "4", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.1"],
+            1,
+            "--moe-aux-loss-coeff has no effect",
+        ),
+        (
+            ["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"],
+            1,
+            "--moe-router-pre-softmax has no effect",
+        ),
+        (
+            [
+                "--num-experts",
+                "4",
+                "--overlap-moe-expert-parallel-comm",
+                "--pipeline-schedule",
+                "dualpipev",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+            ],
+            2,
+            "set --hidden-dropout 0 --attention-dropout 0",
+        ),
+        (
+            ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--ckpt-format", "torch", "--save", "/tmp/x"],
+            2,
+            "use --ckpt-format sharded",
+        ),
+    ],
+)
 def test_bad_moe_flags_are_one_line_errors(flags, world, needle):
     with pytest.raises(ConfigError) as e:
         parse_args(BASE + flags, world_size=world)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("world,tp,pp,cp,ep,etp", [(8, 2, 2, 1, 2, 1), (16, 2, 2, 2, 2, 2), (16, 4, 1, 1, 4, 2),
-                                                   (8, 1, 2, 2, 4, 1), (32, 2, 2, 2, 4, 1)])
+@pytest.mark.parametrize(
+    "world,tp,pp,cp,ep,etp",
+    [(8, 2, 2, 1, 2, 1), (16, 2, 2, 2, 2, 2), (16, 4, 1, 1, 4, 2), (8, 1, 2, 2, 4, 1), (32, 2, 2, 2, 4, 1)],
+)
 def test_expert_grid_equals_megatron_core(world, tp, pp, cp, ep, etp):
     pytest.importorskip("megatron.core")
     from megatron.core.parallel_state import RankGenerator
+
     edp = world // pp // (ep * etp)
     gen = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-ep-dp-pp")
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
@@ -90,6 +138,7 @@ def test_expert_grid_equals_megatron_core(world, tp, pp, cp, ep, etp):
 
     def same(a, b):
         return sorted(map(sorted, a)) == sorted(map(sorted, b))
+
     assert same(ours["ep"], gen.get_ranks("ep")) and same(ours["etp"], gen.get_ranks("tp"))
     assert same(ours["edp"], gen.get_ranks("dp")) and same(ours["expert_mp"], gen.get_ranks("tp-ep"))
     assert same(ours["tp_cp"], dense.get_ranks("tp-cp"))
@@ -100,22 +149,27 @@ def _router(model=None):
     return trainer, moe_layers(trainer.chunks)[0]
 
 
-@pytest.mark.parametrize("score,pre,bias", [("softmax", False, False), ("softmax", True, False),
-                                            ("sigmoid", False, True), ("sigmoid", False, False)])
+@pytest.mark.parametrize(
+    "score,pre,bias",
+    [("softmax", False, False), ("softmax", True, False), ("sigmoid", False, True), ("sigmoid", False, False)],
+)
 def test_routing_equals_megatron_core(score, pre, bias):
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
     torch.manual_seed(0)
     logits = torch.randn(40, 4)
-    _, layer = _router({"moe_router_score_function": score, "moe_router_pre_softmax": pre,
-                        "moe_router_enable_expert_bias": bias})
+    _, layer = _router(
+        {"moe_router_score_function": score, "moe_router_pre_softmax": pre, "moe_router_enable_expert_bias": bias}
+    )
     r = layer.router
     if bias:
         r.expert_bias.data = torch.tensor([0.3, -0.2, 0.0, 0.1])
     idx, top, _ = r._scores(logits)
     ours = torch.zeros_like(logits).scatter(1, idx, top)
-    probs, routing = topk_routing_with_score_function(logits, 2, use_pre_softmax=pre, score_function=score,
-                                                      expert_bias=r.expert_bias)
+    probs, routing = topk_routing_with_score_function(
+        logits, 2, use_pre_softmax=pre, score_function=score, expert_bias=r.expert_bias
+    )
     assert torch.equal(ours != 0, routing)
     torch.testing.assert_close(ours, probs.float(), rtol=1e-6, atol=1e-7)
 
@@ -123,6 +177,7 @@ def test_routing_equals_megatron_core(score, pre, bias):
 def test_balancing_losses_equal_megatron_core():
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func, z_loss_func
+
     torch.manual_seed(1)
     s, b, E, k = 8, 3, 4, 2
     logits = torch.randn(s * b, E)
@@ -177,8 +232,13 @@ def test_moe_block_equals_token_by_token_computation():
 
 
 def test_expert_bias_moves_toward_equal_loads():
-    trainer, layer = _router({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid",
-                              "moe_router_bias_update_rate": 0.01})
+    trainer, layer = _router(
+        {
+            "moe_router_enable_expert_bias": True,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_bias_update_rate": 0.01,
+        }
+    )
     layer.router.local_tokens_per_expert = torch.tensor([10.0, 2.0, 4.0, 4.0])  # mean 5
     update_expert_bias(trainer.chunks, trainer.ps)
     assert layer.router.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
@@ -209,8 +269,9 @@ def test_full_recompute_counts_routing_once_and_changes_nothing():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_moe_trains(dtype):
-    cfg = moe_cfg({"params_dtype": dtype, "moe_router_enable_expert_bias": True,
-                   "moe_router_score_function": "sigmoid"})
+    cfg = moe_cfg(
+        {"params_dtype": dtype, "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}
+    )
     steps = _steps(cfg, 3)
     assert all(torch.isfinite(torch.tensor(loss)) for loss, _, _ in steps)
     trainer = Trainer(cfg, ParallelState.single())
@@ -222,8 +283,13 @@ def test_half_precision_moe_trains(dtype):
 def test_balancing_loss_counts_the_unbiased_choices():
     """The expert bias steers which experts compute, never what the balancing loss counts (megatron-core
     counts the top-k of the unbiased scores): a large bias leaves the logged loss unchanged."""
-    _, layer = _router({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid",
-                        "moe_router_load_balancing_type": "seq_aux_loss"})
+    _, layer = _router(
+        {
+            "moe_router_enable_expert_bias": True,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_load_balancing_type": "seq_aux_loss",
+        }
+    )
     torch.manual_seed(4)
     x = torch.randn(12, 32)
     losses = []
@@ -240,6 +306,7 @@ def test_aux_loss_scale_is_held_by_each_runs_routers():
     """The executor sets its own routers' aux-loss scale (loss scale / micro-batches, x cp) each step;
     another run's routers in the same process keep theirs (no process-wide scale)."""
     from megalite.moe import routers_of
+
     first, second = (Trainer(moe_cfg(), ParallelState.single()) for _ in range(2))
     routers = routers_of(first.chunks)
     assert len(routers) == 2 and all(r.aux_loss_scale == 1.0 for r in routers)

@@ -1,6 +1,7 @@
 """The mixture-of-experts parity references in one process: capacity drops change the run and the expert
 bias moves; under a split backward (zero-bubble B) the expert weight GEMMs wait for W. (The layouts against
 these references: tests/distributed/test_moe_parity.py.)"""
+
 import torch
 
 from megalite.parallel.state import ParallelState

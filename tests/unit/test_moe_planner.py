@@ -1,6 +1,7 @@
 """The planner with experts: weights, gradient buffers and optimizer state against the real Trainer's
 (one process, and expert parallelism with the distributed optimizer on gloo ranks), the search over
 expert-parallel sizes, tools/plan.py's MoE flags and preset, --plan-check's layout of an MoE run."""
+
 from __future__ import annotations
 
 import shlex
@@ -10,12 +11,12 @@ import pytest
 
 from megalite.analysis.moe_plan import dispatch_bytes_per_layer
 from megalite.analysis.plan_check import layout_of
-from megalite.analysis.planner import Layout, estimate_memory, estimate_step_time, Hardware, memory_per_rank
+from megalite.analysis.planner import Hardware, Layout, estimate_memory, estimate_step_time, memory_per_rank
 from megalite.analysis.search import candidate_layouts, plan
-from megalite.config.arguments import parse_args
 from megalite.config import ModelConfig
-from megalite.parallel.state import ParallelState
+from megalite.config.arguments import parse_args
 from megalite.config.settings import resolve_settings
+from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 from tests.helpers.parity import LLAMA_STYLE, tiny_config
@@ -35,9 +36,11 @@ def measure(ps: ParallelState, cfg):
     trainer = Trainer(cfg, ps)
     trainer.train_step(MockFeed(trainer, 1).next())
     buffers = trainer.optimizer.grads.parts
-    got = {"weights": sum(p.numel() * p.element_size() for p in trainer.params),
-           "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
-           "optimizer": trainer.optimizer.state_bytes()}
+    got = {
+        "weights": sum(p.numel() * p.element_size() for p in trainer.params),
+        "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+        "optimizer": trainer.optimizer.state_bytes(),
+    }
     layout = layout_of(cfg, resolve_settings(cfg, ps.world_size))
     est = memory_per_rank(cfg.model, layout, cfg.train.global_batch_size, "cpu")[ps.pp_rank]
     return got, {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer}, layout
@@ -50,24 +53,35 @@ def _check(got, est, sharded=False):
     assert est["grads"] == pytest.approx(got["grads"], rel=5e-3)  # the buffers pad each bucket to dp x 64 elements
 
 
-@pytest.mark.parametrize("model", [
-    {},
-    {"params_dtype": "bfloat16"},
-    {"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 32, "params_dtype": "bfloat16"},
-    {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True},
-    {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "params_dtype": "bfloat16"},
-    {"add_bias_linear": True, "swiglu": False, "normalization": "LayerNorm"},
-])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {},
+        {"params_dtype": "bfloat16"},
+        {"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 32, "params_dtype": "bfloat16"},
+        {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True},
+        {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "params_dtype": "bfloat16"},
+        {"add_bias_linear": True, "swiglu": False, "normalization": "LayerNorm"},
+    ],
+)
 def test_state_bytes_equal_the_trainers_in_one_process(model):
     got, est, _ = measure(ParallelState.single(), moe_cfg(model))
     _check(got, est)
 
 
-@pytest.mark.parametrize("world,tp,ep,etp,dist_opt", [(4, 1, 2, None, True), (4, 2, 2, 1, True),
-                                                     (2, 1, 2, None, False)])
+@pytest.mark.parametrize(
+    "world,tp,ep,etp,dist_opt", [(4, 1, 2, None, True), (4, 2, 2, 1, True), (2, 1, 2, None, False)]
+)
 def test_state_bytes_with_expert_parallelism_equal_the_trainers(world, tp, ep, etp, dist_opt, run_distributed):
-    cfg = moe_cfg({"params_dtype": "bfloat16"}, dist_opt=dist_opt, tp=tp, ep=ep, etp=etp,
-                  sequence_parallel=tp > 1, moe_token_dispatcher_type="alltoall")
+    cfg = moe_cfg(
+        {"params_dtype": "bfloat16"},
+        dist_opt=dist_opt,
+        tp=tp,
+        ep=ep,
+        etp=etp,
+        sequence_parallel=tp > 1,
+        moe_token_dispatcher_type="alltoall",
+    )
     results = run_distributed(measure, world, cfg, tp=tp, ep=ep, etp=etp)
     for got, est, layout in results:
         assert (layout.ep, layout.expert_tp) == (ep, etp or tp)
@@ -77,9 +91,19 @@ def test_state_bytes_with_expert_parallelism_equal_the_trainers(world, tp, ep, e
         assert results[0][1]["optimizer"] < plain.optimizer
 
 
-MIXTRAL_SMALL = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=3584,
-                     seq_length=2048, vocab_size=32000, params_dtype="bfloat16", num_experts=8, moe_router_topk=2,
-                     **{k: v for k, v in LLAMA_STYLE.items() if k != "num_query_groups"})
+MIXTRAL_SMALL = dict(
+    num_layers=8,
+    hidden_size=1024,
+    num_attention_heads=16,
+    num_query_groups=4,
+    ffn_hidden_size=3584,
+    seq_length=2048,
+    vocab_size=32000,
+    params_dtype="bfloat16",
+    num_experts=8,
+    moe_router_topk=2,
+    **{k: v for k, v in LLAMA_STYLE.items() if k != "num_query_groups"},
+)
 
 
 def test_experts_split_over_ep_and_their_buffers():
@@ -96,10 +120,20 @@ def test_experts_split_over_ep_and_their_buffers():
     # top-2 routing through experts of the dense MLP's size: more activation memory than the dense model
     assert one.activations > base.activations
     assert dispatch_bytes_per_layer(cfg, 1024, 1, 1, "alltoall", 2) == 0  # no exchange without a group
-    assert 0 < dispatch_bytes_per_layer(cfg, 1024, 4, 1, "alltoall", 2) < dispatch_bytes_per_layer(
-        cfg, 1024, 4, 1, "allgather", 2)
-    slow, fast = (estimate_step_time(cfg, Layout(1, 1, 8, ep=8, moe_dispatcher="alltoall"), 64,
-                                     Hardware(intra_node_gbps=gbps, inter_node_gbps=gbps))[0] for gbps in (5, 500))
+    assert (
+        0
+        < dispatch_bytes_per_layer(cfg, 1024, 4, 1, "alltoall", 2)
+        < dispatch_bytes_per_layer(cfg, 1024, 4, 1, "allgather", 2)
+    )
+    slow, fast = (
+        estimate_step_time(
+            cfg,
+            Layout(1, 1, 8, ep=8, moe_dispatcher="alltoall"),
+            64,
+            Hardware(intra_node_gbps=gbps, inter_node_gbps=gbps),
+        )[0]
+        for gbps in (5, 500)
+    )
     assert slow > fast
 
 
@@ -112,10 +146,32 @@ def test_search_covers_expert_parallel_sizes_and_its_flags_parse():
     plans = plan(cfg, num_gpus=8, gpu_memory_gib=24, global_batch_size=32, micro_batches=(1,), ep_sizes=(2, 4))
     assert plans and {p.layout.ep for p in plans} <= {2, 4}
     best = plans[0].layout
-    flags = ["--mock-data", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
-             "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "3584", "--swiglu",
-             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
-             "--seq-length", "2048", "--global-batch-size", "32", "--num-experts", "8"] + best.flags(8)
+    flags = [
+        "--mock-data",
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "1024",
+        "--num-attention-heads",
+        "16",
+        "--group-query-attention",
+        "--num-query-groups",
+        "4",
+        "--ffn-hidden-size",
+        "3584",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--seq-length",
+        "2048",
+        "--global-batch-size",
+        "32",
+        "--num-experts",
+        "8",
+    ] + best.flags(8)
     parsed = parse_args(flags, world_size=8)
     assert (parsed.parallel.ep, parsed.parallel.expert_tp) == (best.ep, best.expert_tp)
     assert layout_of(parsed, resolve_settings(parsed, 8)).ep == best.ep
@@ -123,8 +179,16 @@ def test_search_covers_expert_parallel_sizes_and_its_flags_parse():
 
 def test_plan_cli_with_the_mixtral_preset(capsys):
     import tools.plan as cli
-    assert cli.main(shlex.split("--num-gpus 64 --gpu-memory 80 --model-size mixtral-8x7b --global-batch-size 256 "
-                                "--seq-length 4096 --expert-model-parallel-size 8 --top 3")) == 0
+
+    assert (
+        cli.main(
+            shlex.split(
+                "--num-gpus 64 --gpu-memory 80 --model-size mixtral-8x7b --global-batch-size 256 "
+                "--seq-length 4096 --expert-model-parallel-size 8 --top 3"
+            )
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "8 experts of ffn 14336 (top-2) in 32 layers" in out and " ep8 " in out
     cmd = out.strip().splitlines()[-1]
@@ -132,14 +196,22 @@ def test_plan_cli_with_the_mixtral_preset(capsys):
     args = cmd.split("pretrain_gpt.py ")[1].split()
     cfg = parse_args(["--mock-data"] + args, world_size=64)
     assert cfg.model.num_experts == 8 and cfg.parallel.ep == 8
-    assert cli.main(shlex.split("--num-gpus 8 --gpu-memory 80 --num-layers 4 --hidden-size 512 "
-                                "--num-attention-heads 8 --global-batch-size 16 --seq-length 1024 "
-                                "--moe-router-topk 2")) == 2
+    assert (
+        cli.main(
+            shlex.split(
+                "--num-gpus 8 --gpu-memory 80 --num-layers 4 --hidden-size 512 "
+                "--num-attention-heads 8 --global-batch-size 16 --seq-length 1024 "
+                "--moe-router-topk 2"
+            )
+        )
+        == 2
+    )
     assert "give --num-experts" in capsys.readouterr().err
 
 
 def test_plan_check_block_for_an_moe_run():
     from megalite.analysis.plan_check import PlanCheck
+
     cfg = moe_cfg({"params_dtype": "bfloat16"})
     check = PlanCheck(cfg, ParallelState.single(), resolve_settings(cfg, 1))
     lines = check.block([[0.0, 12e6, 5e6, 0.05, 0.0]], 3, probed=1.0)

@@ -1,5 +1,6 @@
 """The optimizer layer's pieces in one process: loss-scaler rules, main weights, state round trips,
 attention paths and activation recomputation."""
+
 import shutil
 from dataclasses import replace
 
@@ -15,7 +16,7 @@ from megalite.tensor_parallel.random import RNGTracker, checkpoint
 
 
 def test_dynamic_scaler_follows_megatron_rules():
-    s = DynamicGradScaler(initial_scale=2.0 ** 10, min_scale=4.0, growth_interval=3, hysteresis=2)
+    s = DynamicGradScaler(initial_scale=2.0**10, min_scale=4.0, growth_interval=3, hysteresis=2)
     s.update(True)
     assert s.scale == 1024 and s.hysteresis_tracker == 1  # first overflow: hysteresis absorbs it
     s.update(True)
@@ -68,8 +69,13 @@ def test_state_dict_round_trip_and_fp32_main_weights(dtype):
 
 
 def _attention(backend, groups, dropout=0.0):
-    cfg = ModelConfig(hidden_size=32, num_attention_heads=4, num_query_groups=groups, attention_dropout=dropout,
-                      attention_backend=backend)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=groups,
+        attention_dropout=dropout,
+        attention_backend=backend,
+    )
     ps = ParallelState.single()
     return Attention(cfg, ps.tp, RNGTracker(1, 0, 0, ps.device), seed=3, prefix="a")
 
@@ -113,13 +119,22 @@ def test_checkpoint_reproduces_dropout_masks_of_both_rng_streams():
     assert all(torch.equal(a, b) for a, b in zip(after_forward.values(), tracker.get_states().values()))
 
 
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
-                    reason="torch.compile on CPU needs a C compiler (CI has gcc)")
+@pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")), reason="torch.compile on CPU needs a C compiler (CI has gcc)"
+)
 @pytest.mark.slow
 def test_torch_compile_layers_match_eager():
     from megalite.model.gpt import GPTModel
-    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=8,
+        vocab_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     ps = ParallelState.single()
     tracker = RNGTracker(1, 0, 0, ps.device)
     eager = GPTModel(cfg, ps, tracker, seed=1)

@@ -1,11 +1,11 @@
 """Rank grid membership (Megatron's documented layout) and the one-place-for-groups rule."""
+
 import re
 
 import pytest
 
 from megalite.config import ConfigError
 from megalite.parallel.state import ParallelState, grid_groups
-
 from tests.helpers import REPO
 
 
@@ -80,8 +80,7 @@ def test_cp_memberships_equal_megatron_core_rank_generator(world, tp, cp, pp):
 
     gen = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-dp-pp")
     ours = grid_groups(world, tp, pp, cp)
-    for token, key in [("tp", "tp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"), ("dp-cp", "dp_cp"),
-                       ("tp-pp", "mp")]:
+    for token, key in [("tp", "tp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"), ("dp-cp", "dp_cp"), ("tp-pp", "mp")]:
         assert sorted(sorted(g) for g in gen.get_ranks(token)) == ours[key], token
 
 
@@ -94,34 +93,88 @@ def test_cp1_is_the_old_grid_and_shares_dp_communicator():
 
 
 def test_world_not_divisible_by_cp_is_one_line_error():
-    with pytest.raises(ConfigError, match=r"^world size 8 is not divisible by tensor-model-parallel-size \(2\) x "
-                                          r"pipeline-model-parallel-size \(1\) x context-parallel-size \(3\); "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^world size 8 is not divisible by tensor-model-parallel-size \(2\) x "
+        r"pipeline-model-parallel-size \(1\) x context-parallel-size \(3\); ",
+    ):
         grid_groups(8, tp=2, pp=1, cp=3)
 
 
-@pytest.mark.parametrize("argv,world,message", [
-    (["--context-parallel-size", "4", "--tensor-model-parallel-size", "2"], 4,
-     r"^--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 x --context-parallel-size 4 = 8 ranks, "
-     r"more than the world size 4; "),
-    (["--context-parallel-size", "3"], 4, r"^world size 4 is not divisible by .* x context-parallel-size \(3\); "),
-    (["--context-parallel-size", "4", "--seq-length", "20", "--attention-dropout", "0"], 4,
-     r"^--seq-length 20 is not divisible by 2 x --context-parallel-size = 8 \(each CP rank"),
-    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "36",
-      "--max-position-embeddings", "36", "--attention-dropout", "0"], 4,
-     r"^--seq-length 36 is not divisible by 2 x --context-parallel-size x --tensor-model-parallel-size \(with "
-     r"--sequence-parallel\) = 8 "),
-    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2", "--hidden-size", "32"], 4,
-     r"^--cp-comm-type a2a splits the heads of each rank over the CP group, but --num-attention-heads 2 / "
-     r"--tensor-model-parallel-size 1 is not divisible by --context-parallel-size 4; use --cp-comm-type p2p or "
-     r"all_gather$"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
-     2, r"^--cp-comm-type a2a .* but --num-query-groups 1 / --tensor-model-parallel-size 1 is not divisible"),
-    (["--context-parallel-size", "2"], 2, r"^--cp-comm-type p2p \(ring attention\) does not support "
-     r"--attention-dropout 0.1; set --attention-dropout 0 or use --cp-comm-type all_gather/a2a$"),
-    (["--cp-comm-type", "ring"], 1, r"invalid choice: 'ring'"),
-])
+@pytest.mark.parametrize(
+    "argv,world,message",
+    [
+        (
+            ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2"],
+            4,
+            r"^--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 x --context-parallel-size 4 = 8 ranks, "
+            r"more than the world size 4; ",
+        ),
+        (["--context-parallel-size", "3"], 4, r"^world size 4 is not divisible by .* x context-parallel-size \(3\); "),
+        (
+            ["--context-parallel-size", "4", "--seq-length", "20", "--attention-dropout", "0"],
+            4,
+            r"^--seq-length 20 is not divisible by 2 x --context-parallel-size = 8 \(each CP rank",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--seq-length",
+                "36",
+                "--max-position-embeddings",
+                "36",
+                "--attention-dropout",
+                "0",
+            ],
+            4,
+            r"^--seq-length 36 is not divisible by 2 x --context-parallel-size x --tensor-model-parallel-size \(with "
+            r"--sequence-parallel\) = 8 ",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "4",
+                "--cp-comm-type",
+                "a2a",
+                "--num-attention-heads",
+                "2",
+                "--hidden-size",
+                "32",
+            ],
+            4,
+            r"^--cp-comm-type a2a splits the heads of each rank over the CP group, but --num-attention-heads 2 / "
+            r"--tensor-model-parallel-size 1 is not divisible by --context-parallel-size 4; use --cp-comm-type p2p or "
+            r"all_gather$",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "2",
+                "--cp-comm-type",
+                "a2a",
+                "--group-query-attention",
+                "--num-query-groups",
+                "1",
+            ],
+            2,
+            r"^--cp-comm-type a2a .* but --num-query-groups 1 / --tensor-model-parallel-size 1 is not divisible",
+        ),
+        (
+            ["--context-parallel-size", "2"],
+            2,
+            r"^--cp-comm-type p2p \(ring attention\) does not support "
+            r"--attention-dropout 0.1; set --attention-dropout 0 or use --cp-comm-type all_gather/a2a$",
+        ),
+        (["--cp-comm-type", "ring"], 1, r"invalid choice: 'ring'"),
+    ],
+)
 def test_context_parallel_flags_refused_in_one_line(argv, world, message):
     from megalite.config.arguments import parse_args
+
     with pytest.raises((ConfigError, SystemExit)) as err:
         parse_args(["--mock-data", *argv], world_size=world)
     if err.type is ConfigError:
@@ -131,9 +184,26 @@ def test_context_parallel_flags_refused_in_one_line(argv, world, message):
 def test_context_parallel_flags_map_to_config_and_dp():
     from megalite.config.arguments import parse_args
     from megalite.config.settings import resolve_settings
-    cfg = parse_args(["--mock-data", "--context-parallel-size", "2", "--cp-comm-type", "all_gather",
-                      "--tensor-model-parallel-size", "2", "--global-batch-size", "16", "--micro-batch-size", "2",
-                      "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"], world_size=16)
+
+    cfg = parse_args(
+        [
+            "--mock-data",
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            "all_gather",
+            "--tensor-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--reset-position-ids",
+            "--reset-attention-mask",
+            "--eod-mask-loss",
+        ],
+        world_size=16,
+    )
     assert (cfg.parallel.cp, cfg.parallel.cp_comm_type) == (2, "all_gather")
     assert cfg.data.reset_position_ids and cfg.data.reset_attention_mask and cfg.data.eod_mask_loss
     settings = resolve_settings(cfg, 16)
@@ -145,6 +215,7 @@ def test_context_parallel_flags_map_to_config_and_dp():
 
 def test_rank_grid_coordinates_and_groups():
     from megalite.parallel.grid import RankGrid
+
     grid = RankGrid((("tp", 2), ("cp", 1), ("dp", 2), ("pp", 4)))
     assert grid.world_size == 16 and grid.names == ("tp", "cp", "dp", "pp")
     assert grid.coords_of(13) == {"tp": 1, "cp": 0, "dp": 0, "pp": 3} and grid.rank_of({"tp": 1, "pp": 3}) == 13
@@ -160,6 +231,7 @@ class _Groups:
 
     def __init__(self, monkeypatch):
         import torch.distributed as dist
+
         self.calls = []
         monkeypatch.setattr(dist, "new_group", self.new_group)
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -169,8 +241,9 @@ class _Groups:
         return len(self.calls) - 1
 
 
-@pytest.mark.parametrize("world,tp,pp,cp,ep,etp", [(8, 2, 2, 1, 2, 1), (16, 2, 2, 2, 2, 2), (8, 1, 2, 2, 4, 1),
-                                                   (4, 1, 1, 1, 1, None)])
+@pytest.mark.parametrize(
+    "world,tp,pp,cp,ep,etp", [(8, 2, 2, 1, 2, 1), (16, 2, 2, 2, 2, 2), (8, 1, 2, 2, 4, 1), (4, 1, 1, 1, 1, None)]
+)
 def test_expert_groups_are_created_up_front_the_same_on_every_rank(monkeypatch, world, tp, pp, cp, ep, etp):
     fake = _Groups(monkeypatch)
     per_rank = []
@@ -180,20 +253,23 @@ def test_expert_groups_are_created_up_front_the_same_on_every_rank(monkeypatch, 
         made = list(fake.calls)
         ps.init_shadow_groups()
         assert (ps.ep.ranks, ps.edp.ranks, ps.stage.ranks) == tuple(
-            next(g for g in ps.expert_memberships[a] if rank in g) for a in ("ep", "edp", "stage"))
-        assert fake.calls[:len(made)] == made  # reading the expert axes created nothing more
+            next(g for g in ps.expert_memberships[a] if rank in g) for a in ("ep", "edp", "stage")
+        )
+        assert fake.calls[: len(made)] == made  # reading the expert axes created nothing more
         per_rank.append(list(fake.calls))
     assert all(calls == per_rank[0] for calls in per_rank)  # new_group is collective: same calls, same order
-    every = {tuple(g) for part in (*ps.memberships.values(), *ps.expert_memberships.values()) for g in part
-             if len(g) > 1}
+    every = {
+        tuple(g) for part in (*ps.memberships.values(), *ps.expert_memberships.values()) for g in part if len(g) > 1
+    }
     assert {ranks for ranks, _ in per_rank[0]} == every  # each multi-rank group has a communicator
 
 
 def test_a_run_without_experts_creates_no_expert_group(monkeypatch):
     fake = _Groups(monkeypatch)
     dense = ParallelState(8, 5, tp=2, pp=2)
-    assert {ranks for ranks, _ in fake.calls} == {tuple(g) for part in dense.memberships.values() for g in part
-                                                  if len(g) > 1}
+    assert {ranks for ranks, _ in fake.calls} == {
+        tuple(g) for part in dense.memberships.values() for g in part if len(g) > 1
+    }
     with pytest.raises(RuntimeError, match="no expert groups"):
         dense.ep
     assert dense.ep_size == 1 and dense.etp_size == 2 and dense.edp_size == 2  # the sizes are data
@@ -205,6 +281,7 @@ def test_a_run_without_experts_creates_no_expert_group(monkeypatch):
 
 def test_shadow_groups_are_per_state_and_per_thread(monkeypatch):
     import threading
+
     _Groups(monkeypatch)
     ps = ParallelState(4, 1, tp=2, pp=1, ep=2, etp=1, experts=True)
     ps.init_shadow_groups()

@@ -1,4 +1,5 @@
 """Layer partition over virtual stages, placed on (pipeline rank, chunk) by StageLayout (Megatron layout)."""
+
 import pytest
 
 from megalite.pipeline.partition import layers_of_stage, num_stages, validate_partition
@@ -6,8 +7,9 @@ from megalite.pipeline.stage_layout import StageLayout
 
 
 def _layout(num_layers, pp, vp, first=None, last=None):
-    return {(r, c): list(StageLayout(pp, vp).layers(num_layers, r, c, first, last))
-            for r in range(pp) for c in range(vp)}
+    return {
+        (r, c): list(StageLayout(pp, vp).layers(num_layers, r, c, first, last)) for r in range(pp) for c in range(vp)
+    }
 
 
 def test_megatron_interleaved_example():
@@ -49,22 +51,25 @@ def test_uneven_pp2_both_given():
     assert layout[(0, 0)] == [0, 1] and layout[(1, 0)] == [2, 3, 4]
 
 
-@pytest.mark.parametrize("args, flag", [
-    ((10, 4, 1, None, None), "--num-layers=10 must be divisible"),
-    ((16, 4, 3, None, None), "x vp=3"),
-    ((8, 1, 2, None, None), "needs --pipeline-model-parallel-size > 1"),
-    ((8, 1, 1, 2, None), "need --pipeline-model-parallel-size > 1"),
-    ((8, 4, 1, 0, None), "leaves a pipeline stage empty"),
-    ((8, 4, 1, 7, None), "too big"),
-    ((8, 4, 1, 3, 4), "too big"),
-    ((8, 4, 1, 1, None), "not divisible by 3 middle"),
-    ((8, 4, 2, 3, None), "--decoder-first-pipeline-num-layers=3 must be divisible"),
-    ((8, 4, 2, None, 1), "--decoder-last-pipeline-num-layers=1 must be divisible"),
-    ((6, 2, 1, 2, 3), "must equal --num-layers=6"),
-    ((0, 1, 1, None, None), "--num-layers must be >= 1"),
-    ((8, 0, 1, None, None), "--pipeline-model-parallel-size must be >= 1"),
-    ((8, 2, 0, None, None), "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        ((10, 4, 1, None, None), "--num-layers=10 must be divisible"),
+        ((16, 4, 3, None, None), "x vp=3"),
+        ((8, 1, 2, None, None), "needs --pipeline-model-parallel-size > 1"),
+        ((8, 1, 1, 2, None), "need --pipeline-model-parallel-size > 1"),
+        ((8, 4, 1, 0, None), "leaves a pipeline stage empty"),
+        ((8, 4, 1, 7, None), "too big"),
+        ((8, 4, 1, 3, 4), "too big"),
+        ((8, 4, 1, 1, None), "not divisible by 3 middle"),
+        ((8, 4, 2, 3, None), "--decoder-first-pipeline-num-layers=3 must be divisible"),
+        ((8, 4, 2, None, 1), "--decoder-last-pipeline-num-layers=1 must be divisible"),
+        ((6, 2, 1, 2, 3), "must equal --num-layers=6"),
+        ((0, 1, 1, None, None), "--num-layers must be >= 1"),
+        ((8, 0, 1, None, None), "--pipeline-model-parallel-size must be >= 1"),
+        ((8, 2, 0, None, None), "must be >= 1"),
+    ],
+)
 def test_illegal_layouts(args, flag):
     with pytest.raises(ValueError) as err:
         validate_partition(*args)
@@ -91,7 +96,8 @@ def test_every_layer_exactly_once_in_stage_order():
         count += 1
         by_stage = sorted(
             (StageLayout(pp, vp).stage(r, c), StageLayout(pp, vp).layers(num_layers, r, c, first, last))
-            for r in range(pp) for c in range(vp)
+            for r in range(pp)
+            for c in range(vp)
         )
         flat = [layer for _, rng in by_stage for layer in rng]
         assert flat == list(range(num_layers)), (num_layers, pp, vp, first, last)

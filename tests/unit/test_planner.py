@@ -1,4 +1,5 @@
 """Layout planner: memory estimate against measured CPU runs, the search, the CLI's flags."""
+
 from __future__ import annotations
 
 import shlex
@@ -6,21 +7,30 @@ import shlex
 import pytest
 
 from benchmarks.bench_plan import GPT2, LLAMA, compare
-from megalite.config.arguments import parse_args
-from megalite.config import ModelConfig
-from megalite.analysis.planner import (GiB, Layout, _in_flight_pattern, _simulate, activation_bytes_per_rank,
-                                       estimate_memory)
+from megalite.analysis.planner import (
+    GiB,
+    Layout,
+    _in_flight_pattern,
+    _simulate,
+    activation_bytes_per_rank,
+    estimate_memory,
+)
 from megalite.analysis.search import plan
 from megalite.analysis.simulate import simulate_schedule
+from megalite.config import ModelConfig
+from megalite.config.arguments import parse_args
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 
 
-@pytest.mark.parametrize("name,layout,gbs", [
-    ("gpt2", Layout(1, 1, 1, mbs=2, recompute="selective"), 4),
-    # 2 gloo ranks (bench_plan forks them): marked by hand, as a fixture cannot mark one parameter
-    pytest.param("llama", Layout(1, 2, 1, vp=2, mbs=1), 4, marks=pytest.mark.multiprocess),
-])
+@pytest.mark.parametrize(
+    "name,layout,gbs",
+    [
+        ("gpt2", Layout(1, 1, 1, mbs=2, recompute="selective"), 4),
+        # 2 gloo ranks (bench_plan forks them): marked by hand, as a fixture cannot mark one parameter
+        pytest.param("llama", Layout(1, 2, 1, vp=2, mbs=1), 4, marks=pytest.mark.multiprocess),
+    ],
+)
 @pytest.mark.slow
 def test_memory_estimate_within_10_percent_of_measured(name, layout, gbs):
     """Measured: saved-tensor bytes replayed in schedule order + weights, grad buffer, Adam state."""
@@ -56,17 +66,38 @@ def test_long_schedules_are_simulated_short_but_exactly():
 
 @pytest.mark.slow
 def test_plan_fits_is_sorted_and_its_flags_parse():
-    cfg = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50257,
-                      params_dtype="bfloat16")
+    cfg = ModelConfig(
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=16,
+        seq_length=2048,
+        vocab_size=50257,
+        params_dtype="bfloat16",
+    )
     plans = plan(cfg, num_gpus=16, gpu_memory_gib=40, global_batch_size=64, headroom=0.1)
     assert plans and all(p.memory.total <= 36 * GiB for p in plans)
     assert plans[0].step_s <= 1.02 * min(p.step_s for p in plans)
     layouts = {p.layout for p in plans}
     assert any(x.pp > 1 for x in layouts) and any(x.dist_opt for x in layouts) and any(x.tp > 1 for x in layouts)
     for p in plans[:5]:
-        argv = ["--mock-data", "--vocab-size", "50257", "--num-layers", "24", "--hidden-size", "2048",
-                "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
-                "--global-batch-size", "64", "--bf16"] + p.layout.flags(24)
+        argv = [
+            "--mock-data",
+            "--vocab-size",
+            "50257",
+            "--num-layers",
+            "24",
+            "--hidden-size",
+            "2048",
+            "--num-attention-heads",
+            "16",
+            "--seq-length",
+            "2048",
+            "--max-position-embeddings",
+            "2048",
+            "--global-batch-size",
+            "64",
+            "--bf16",
+        ] + p.layout.flags(24)
         got = parse_args(argv, world_size=16)
         assert (got.parallel.tp, got.parallel.pp, got.parallel.vp) == (p.layout.tp, p.layout.pp, p.layout.vp)
         assert got.optim.use_distributed_optimizer == p.layout.dist_opt
@@ -75,8 +106,26 @@ def test_plan_fits_is_sorted_and_its_flags_parse():
 @pytest.mark.slow
 def test_plan_cli_prints_flags_that_pretrain_gpt_accepts(capsys):
     from tools.plan import main
-    assert main(["--num-gpus", "16", "--gpu-memory", "80", "--model-size", "llama2-7b", "--global-batch-size", "64",
-                 "--seq-length", "4096", "--top", "3"]) == 0
+
+    assert (
+        main(
+            [
+                "--num-gpus",
+                "16",
+                "--gpu-memory",
+                "80",
+                "--model-size",
+                "llama2-7b",
+                "--global-batch-size",
+                "64",
+                "--seq-length",
+                "4096",
+                "--top",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     command = out.strip().splitlines()[-1]
     assert command.startswith("torchrun --nnodes 2")
@@ -85,6 +134,21 @@ def test_plan_cli_prints_flags_that_pretrain_gpt_accepts(capsys):
     assert cfg.model.swiglu and cfg.model.num_layers == 32 and cfg.model.params_dtype == "bfloat16"
     assert main(["--num-gpus", "8", "--gpu-memory", "80", "--global-batch-size", "8", "--seq-length", "128"]) == 2
     assert "--model-size or --num-layers" in capsys.readouterr().err
-    assert main(["--num-gpus", "1", "--gpu-memory", "1", "--model-size", "gpt3-13b", "--global-batch-size", "8",
-                 "--seq-length", "2048"]) == 1
+    assert (
+        main(
+            [
+                "--num-gpus",
+                "1",
+                "--gpu-memory",
+                "1",
+                "--model-size",
+                "gpt3-13b",
+                "--global-batch-size",
+                "8",
+                "--seq-length",
+                "2048",
+            ]
+        )
+        == 1
+    )
     assert "no layout fits" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """pretrain_gpt.py end to end in one process: log lines, evaluation, TensorBoard, timeline
 (the torchrun TP=2 x DP=2 run is in tests/distributed/test_launch.py)."""
+
 import json
 import pathlib
 import re
@@ -16,8 +17,21 @@ def test_single_process_run_logs_evaluates_and_writes_tensorboard(tmp_path, caps
     import pretrain_gpt
 
     tb, timeline = tmp_path / "tb", tmp_path / "timeline.json"
-    rc = pretrain_gpt.main(TINY + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
-                                   "--tensorboard-dir", str(tb), "--timeline-out", str(timeline)])
+    rc = pretrain_gpt.main(
+        TINY
+        + [
+            "--train-iters",
+            "4",
+            "--eval-interval",
+            "2",
+            "--eval-iters",
+            "1",
+            "--tensorboard-dir",
+            str(tb),
+            "--timeline-out",
+            str(timeline),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert len(_losses(out)) == 4
@@ -25,8 +39,9 @@ def test_single_process_run_logs_evaluates_and_writes_tensorboard(tmp_path, caps
     assert out.count("validation loss at iteration") == 2
     events = json.loads(timeline.read_text())
     assert events["source"] == "measured" and events["m"] == 4
-    assert sorted((e["kind"], e["mb"]) for e in events["events"]) == \
-        sorted([("F", i) for i in range(4)] + [("B", i) for i in range(4)])
+    assert sorted((e["kind"], e["mb"]) for e in events["events"]) == sorted(
+        [("F", i) for i in range(4)] + [("B", i) for i in range(4)]
+    )
     ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     acc = ea.EventAccumulator(str(tb))
     acc.Reload()
@@ -50,8 +65,11 @@ def test_test_split_is_evaluated_at_the_end_and_skip_train_only_evaluates(tmp_pa
     assert pretrain_gpt.main(run) == 0
     out = capsys.readouterr().out
     found = re.findall(_EVAL, out)
-    assert [w for w, _ in found] == ["iteration 2", "the end of training for val data",
-                                     "the end of training for test data"], out
+    assert [w for w, _ in found] == [
+        "iteration 2",
+        "the end of training for val data",
+        "the end of training for test data",
+    ], out
     assert found[1][1] != found[2][1]  # two splits, two losses
     assert f"test lm loss {float(found[2][1]):.4f}" in out
     saved = sorted(p.name for p in ckpt.iterdir())
@@ -70,8 +88,9 @@ def test_test_split_is_evaluated_at_the_end_and_skip_train_only_evaluates(tmp_pa
     assert "--skip-train: --load " in capsys.readouterr().err
 
     assert evaluate.main(["--load", str(ckpt), "--split-name", "test"]) == 0
-    tool = re.search(r"validation loss at iteration 3 for test data \| lm loss value: ([0-9.E+-]+) \|",
-                     capsys.readouterr().out)
+    tool = re.search(
+        r"validation loss at iteration 3 for test data \| lm loss value: ([0-9.E+-]+) \|", capsys.readouterr().out
+    )
     assert tool and abs(float(tool.group(1)) - float(found[2][1])) <= 1e-6 * abs(float(found[2][1]))
 
 
@@ -91,8 +110,13 @@ def test_bad_data_is_one_line_error(tmp_path):
         (["--data-path", str(tmp_path / "x_text_document")], "x_text_document.idx"),
         (["--data-path", str(tmp_path / "missing")], "missing"),
     ]:
-        proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + corpus_args + extra, cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "pretrain_gpt.py"] + corpus_args + extra,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error:") and message in lines[0], lines
@@ -105,8 +129,24 @@ def test_save_and_resume_through_the_cli_continues_the_run(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     assert pretrain_gpt.main(common + ["--train-iters", "6"]) == 0
     straight = _losses(capsys.readouterr().out)
-    assert pretrain_gpt.main(common + ["--train-iters", "6", "--exit-interval", "3", "--save", ck,
-                                       "--save-interval", "2", "--ckpt-keep-last", "1"]) == 0
+    assert (
+        pretrain_gpt.main(
+            common
+            + [
+                "--train-iters",
+                "6",
+                "--exit-interval",
+                "3",
+                "--save",
+                ck,
+                "--save-interval",
+                "2",
+                "--ckpt-keep-last",
+                "1",
+            ]
+        )
+        == 0
+    )
     first = _losses(capsys.readouterr().out)
     assert sorted(p.name for p in pathlib.Path(ck).iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
     assert pretrain_gpt.main(common + ["--train-iters", "6", "--load", ck]) == 0
@@ -129,8 +169,22 @@ def test_zero_train_iters_runs_nothing_and_exits_cleanly(capsys):
 def test_non_finite_loss_stops_the_run_or_is_counted(capsys):
     import pretrain_gpt
 
-    diverging = TINY + ["--train-iters", "4", "--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0",
-                        "--clip-grad", "0", "--eval-iters", "1", "--eval-interval", "4"]
+    diverging = TINY + [
+        "--train-iters",
+        "4",
+        "--lr",
+        "1e30",
+        "--min-lr",
+        "0",
+        "--lr-warmup-iters",
+        "0",
+        "--clip-grad",
+        "0",
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "4",
+    ]
     assert pretrain_gpt.main(diverging) == 1
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()

@@ -1,4 +1,5 @@
 """Schedules as data: builders, the registry, communication insertion, validation, text form."""
+
 from collections import Counter
 
 import pytest
@@ -62,10 +63,8 @@ def test_every_schedule_is_deadlock_free_and_complete():
 
 
 def test_no_pipelining_is_gradient_accumulation():
-    assert format_schedule(build_schedule("no_pipelining", 1, 1, 3)) == \
-        "rank 0: F0.0 B0.0 F1.0 B1.0 F2.0 B2.0"
-    assert build_no_pipelining(2) == [[Compute("F", 0, 0), Compute("B", 0, 0),
-                                       Compute("F", 1, 0), Compute("B", 1, 0)]]
+    assert format_schedule(build_schedule("no_pipelining", 1, 1, 3)) == "rank 0: F0.0 B0.0 F1.0 B1.0 F2.0 B2.0"
+    assert build_no_pipelining(2) == [[Compute("F", 0, 0), Compute("B", 0, 0), Compute("F", 1, 0), Compute("B", 1, 0)]]
 
 
 def test_1f1b_pp2_m4_text():
@@ -89,16 +88,14 @@ def test_gpipe_all_forwards_first():
     for order in build_gpipe(3, 2, 4):
         kinds = "".join(a.kind for a in order)
         assert kinds == "F" * 8 + "B" * 8
-    assert [(a.mb, a.chunk) for a in build_gpipe(2, 2, 3)[0][:6]] == \
-        [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+    assert [(a.mb, a.chunk) for a in build_gpipe(2, 2, 3)[0][:6]] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
 
 
 def test_interleaved_matches_megatron_order():
     pp, vp, m = 4, 2, 8
     order = build_interleaved_1f1b(pp, vp, m)
     fwd = [(a.mb, a.chunk) for a in order[0] if a.kind == "F"]
-    assert fwd[:12] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1),
-                        (4, 0), (5, 0), (6, 0), (7, 0)]
+    assert fwd[:12] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1), (4, 0), (5, 0), (6, 0), (7, 0)]
     bwd = [(a.mb, a.chunk) for a in order[0] if a.kind == "B"]
     assert bwd[:5] == [(0, 1), (1, 1), (2, 1), (3, 1), (0, 0)]
     for rank in range(pp):
@@ -150,21 +147,24 @@ def test_default_schedule_name():
     assert default_schedule_name(4, 2) == "interleaved_1f1b"
 
 
-@pytest.mark.parametrize("name, pp, vp, m, text", [
-    ("zero_bubble", 2, 1, 4, "valid: no_pipelining, gpipe, 1f1b, interleaved_1f1b"),
-    ("interleaved_1f1b", 4, 2, 6, "a multiple of --pipeline-model-parallel-size (4)"),
-    ("interleaved_1f1b", 4, 1, 8, "needs vp > 1"),
-    ("1f1b", 4, 2, 8, "needs one chunk per rank (got --virtual-pipeline-model-parallel-size 2)"),
-    ("zb_h1", 4, 2, 8, "needs one chunk per rank"),
-    ("zbv", 4, 1, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=1)"),
-    ("zbv", 4, 3, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=3)"),
-    ("zbv", 1, 2, 8, "zbv needs --pipeline-model-parallel-size >= 2"),
-    ("dualpipev", 4, 2, 7, "dualpipev needs at least 2 x pp = 8 micro-batches per step (got 7)"),
-    ("dualpipev", 4, 1, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=1)"),
-    ("no_pipelining", 2, 1, 4, "needs pp=1"),
-    ("gpipe", 1, 2, 4, "needs --pipeline-model-parallel-size > 1"),
-    ("1f1b", 2, 1, 0, "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "name, pp, vp, m, text",
+    [
+        ("zero_bubble", 2, 1, 4, "valid: no_pipelining, gpipe, 1f1b, interleaved_1f1b"),
+        ("interleaved_1f1b", 4, 2, 6, "a multiple of --pipeline-model-parallel-size (4)"),
+        ("interleaved_1f1b", 4, 1, 8, "needs vp > 1"),
+        ("1f1b", 4, 2, 8, "needs one chunk per rank (got --virtual-pipeline-model-parallel-size 2)"),
+        ("zb_h1", 4, 2, 8, "needs one chunk per rank"),
+        ("zbv", 4, 1, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=1)"),
+        ("zbv", 4, 3, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=3)"),
+        ("zbv", 1, 2, 8, "zbv needs --pipeline-model-parallel-size >= 2"),
+        ("dualpipev", 4, 2, 7, "dualpipev needs at least 2 x pp = 8 micro-batches per step (got 7)"),
+        ("dualpipev", 4, 1, 8, "needs --virtual-pipeline-model-parallel-size 2 (got vp=1)"),
+        ("no_pipelining", 2, 1, 4, "needs pp=1"),
+        ("gpipe", 1, 2, 4, "needs --pipeline-model-parallel-size > 1"),
+        ("1f1b", 2, 1, 0, "must be >= 1"),
+    ],
+)
 def test_validate_schedule_errors(name, pp, vp, m, text):
     with pytest.raises(ValueError) as err:
         validate_schedule(name, pp, vp, m)
@@ -179,8 +179,7 @@ def test_small_m_is_legal_for_gpipe_and_1f1b():
 
 
 def test_format_schedule_flat_list():
-    assert format_schedule([Compute("F", 3, 1), Comm((P2POp("send", "F", 3, 5, 6, 2),))]) == \
-        "F3.1 [sF3->2]"
+    assert format_schedule([Compute("F", 3, 1), Comm((P2POp("send", "F", 3, 5, 6, 2),))]) == "F3.1 [sF3->2]"
 
 
 def test_forward_only_schedules_for_evaluation():
@@ -205,6 +204,7 @@ def test_interleaved_needs_paired_comms():
 
 
 # -- zero-bubble schedules (B: input gradients, W: weight gradients) -------------------------------
+
 
 def test_zero_bubble_schedules_are_deadlock_free_under_executor_semantics():
     """The proof for zb_h1 (pp 1..8) and zbv (pp 2..8), m in 1..3pp, in the executor's model.
@@ -266,17 +266,32 @@ def _torch_zbv_order(pp, m):
         pytest.skip("this torch has no ScheduleZBVZeroBubble")
     oracle = object.__new__(sched.ScheduleZBVZeroBubble)
     oracle.pp_group_size, oracle._n_microbatches, oracle.num_stages, oracle.n_local_stages = pp, m, 2 * pp, 2
-    kinds = {sched._ComputationType.FORWARD: "F", sched._ComputationType.BACKWARD_INPUT: "B",
-             sched._ComputationType.BACKWARD_WEIGHT: "W"}
-    return [[Compute(kinds[a.computation_type], a.microbatch_index, 0 if a.stage_index < pp else 1)
-             for a in oracle._calculate_single_rank_operations(rank) if a is not None] for rank in range(pp)]
+    kinds = {
+        sched._ComputationType.FORWARD: "F",
+        sched._ComputationType.BACKWARD_INPUT: "B",
+        sched._ComputationType.BACKWARD_WEIGHT: "W",
+    }
+    return [
+        [
+            Compute(kinds[a.computation_type], a.microbatch_index, 0 if a.stage_index < pp else 1)
+            for a in oracle._calculate_single_rank_operations(rank)
+            if a is not None
+        ]
+        for rank in range(pp)
+    ]
 
 
 def _simulated_zbv_time(order, layout, costs, max_alive):
     """The analysis simulator's step time of a V compute order, executor semantics (inf: over max_alive)."""
     f, b, w = costs
-    r = simulate(add_communication(order, layout.pp, 2, None, layout), layout.pp, 2, layout=layout,
-                 stage_costs=[(f, b + w, w)] * layout.num_stages, mode="executor")
+    r = simulate(
+        add_communication(order, layout.pp, 2, None, layout),
+        layout.pp,
+        2,
+        layout=layout,
+        stage_costs=[(f, b + w, w)] * layout.num_stages,
+        mode="executor",
+    )
     return r.makespan if max(r.peak_in_flight) <= max_alive else float("inf")
 
 
@@ -293,8 +308,10 @@ def test_zbv_is_the_papers_phase_order_unless_the_greedy_one_is_faster():
         for m in range(1, 4 * pp + 1):
             phases, greedy = _torch_zbv_order(pp, m), greedy_schedule(layout, m, unit, 2 * pp)
             t_phases, t_greedy = (_simulated_zbv_time(o, layout, unit, 2 * pp) for o in (phases, greedy))
-            assert (step_time(phases, layout, unit, 2 * pp), step_time(greedy, layout, unit, 2 * pp)) == \
-                (t_phases, t_greedy), (pp, m)
+            assert (step_time(phases, layout, unit, 2 * pp), step_time(greedy, layout, unit, 2 * pp)) == (
+                t_phases,
+                t_greedy,
+            ), (pp, m)
             got = build_compute("zbv", pp, 2, m)
             assert got == (phases if t_phases <= t_greedy else greedy), (pp, m)
             if m <= 3 * pp:
@@ -320,8 +337,9 @@ def test_zbv_step_time_with_unequal_costs_and_the_activation_cap():
 def test_dualpipev_bubble_equals_zbv_for_one_more_activation():
     for pp in range(2, 9):
         for m in (2 * pp, 3 * pp):
-            d = simulate(build_schedule("dualpipev", pp, 2, m), pp, 2, layout=layout_for("dualpipev", pp, 2),
-                         mode="executor")
+            d = simulate(
+                build_schedule("dualpipev", pp, 2, m), pp, 2, layout=layout_for("dualpipev", pp, 2), mode="executor"
+            )
             v = simulate(build_schedule("zbv", pp, 2, m), pp, 2, layout=layout_for("zbv", pp, 2), mode="executor")
             assert max(d.bubble_fraction) == pytest.approx(max(v.bubble_fraction)), (pp, m)
             assert max(d.peak_in_flight) == 2 * pp + 1 and max(v.peak_in_flight) == 2 * pp, (pp, m)
@@ -378,6 +396,7 @@ def test_stage_layout_v_round_trip_and_layers():
 
 # -- overlapped p2p (--overlap-p2p-communication) ----------------------------------------------------
 
+
 def test_overlapped_placement_is_deadlock_free_under_executor_semantics():
     n = 0
     for name in SCHEDULES:
@@ -407,12 +426,19 @@ def test_overlapped_sends_follow_their_compute_and_receives_come_one_compute_ear
                 dst = s + 1 if a.kind == "F" else s - 1
                 if a.kind != "W" and 0 <= dst < layout.num_stages and layout.rank_of(dst) != rank:
                     nxt = actions[i + 1]
-                    assert isinstance(nxt, Comm) and any(o.op == "send" and o.mb == a.mb and o.src_stage == s
-                                                         for o in nxt.ops), (name, rank, a)
+                    assert isinstance(nxt, Comm) and any(
+                        o.op == "send" and o.mb == a.mb and o.src_stage == s for o in nxt.ops
+                    ), (name, rank, a)
                 src = s - 1 if a.kind == "F" else s + 1
                 if a.kind != "W" and 0 <= src < layout.num_stages and layout.rank_of(src) != rank and k > 0:
-                    posted = next(j for j, b in enumerate(actions) if isinstance(b, Comm) and any(
-                        o.op == "recv" and o.kind == a.kind and o.mb == a.mb and o.dst_stage == s for o in b.ops))
+                    posted = next(
+                        j
+                        for j, b in enumerate(actions)
+                        if isinstance(b, Comm)
+                        and any(
+                            o.op == "recv" and o.kind == a.kind and o.mb == a.mb and o.dst_stage == s for o in b.ops
+                        )
+                    )
                     assert posted < computes[k - 1], (name, rank, a)  # before the compute before it
     # the interleaved pair Comm is gone: a forward's activation no longer waits for the paired backward
     text = format_schedule(build_schedule("interleaved_1f1b", 2, 2, 4, overlap_p2p=True)[1])

@@ -1,4 +1,5 @@
 """Simulator: formulas, deadlock and mismatch detection, timeline, plot tool."""
+
 import importlib.util
 import json
 import os
@@ -18,7 +19,6 @@ from megalite.pipeline.actions import Comm, Compute, P2POp
 from megalite.pipeline.communication import add_communication
 from megalite.pipeline.registry import build_schedule
 from megalite.pipeline.schedules import build_1f1b, interleaved_warmup
-
 from tests.helpers import REPO
 
 
@@ -49,13 +49,13 @@ def test_peak_in_flight():
     for pp in range(1, 9):
         for m in range(1, 3 * pp + 1):
             assert simulate_schedule("gpipe", pp, 1, m).peak_in_flight == [m] * pp
-            assert simulate_schedule("1f1b", pp, 1, m).peak_in_flight == \
-                [min(pp - rank, m) for rank in range(pp)]
+            assert simulate_schedule("1f1b", pp, 1, m).peak_in_flight == [min(pp - rank, m) for rank in range(pp)]
     assert simulate_schedule("gpipe", 3, 2, 5).peak_in_flight == [10] * 3
     for pp, vp, m in [(4, 2, 8), (2, 3, 4), (4, 2, 4), (3, 4, 9)]:
         # warmup forwards plus the first steady forward are in flight before the first backward
-        assert simulate_schedule("interleaved_1f1b", pp, vp, m).peak_in_flight == \
-            [min(interleaved_warmup(pp, vp, m, rank) + 1, m * vp) for rank in range(pp)]
+        assert simulate_schedule("interleaved_1f1b", pp, vp, m).peak_in_flight == [
+            min(interleaved_warmup(pp, vp, m, rank) + 1, m * vp) for rank in range(pp)
+        ]
 
 
 def test_costs_scale_with_vp():
@@ -69,8 +69,12 @@ def test_deadlock_both_ranks_wait_to_receive():
     send_f = Comm((P2POp("send", "F", 0, 0, 1, 1),))
     actions = [
         [Compute("F", 0, 0), recv_b, send_f, Compute("B", 0, 0)],
-        [Comm((P2POp("recv", "F", 0, 0, 1, 0),)), Compute("F", 0, 0), Compute("B", 0, 0),
-         Comm((P2POp("send", "B", 0, 1, 0, 0),))],
+        [
+            Comm((P2POp("recv", "F", 0, 0, 1, 0),)),
+            Compute("F", 0, 0),
+            Compute("B", 0, 0),
+            Comm((P2POp("send", "B", 0, 1, 0, 0),)),
+        ],
     ]
     with pytest.raises(DeadlockError) as err:
         simulate(actions, 2, 1)
@@ -125,16 +129,22 @@ def test_dataflow_errors():
 def test_timeline_format():
     r = simulate_schedule("1f1b", 4, 1, 8)
     t = json.loads(json.dumps(r.to_timeline()))
-    assert {k: t[k] for k in ("schedule", "pp", "vp", "m", "source")} == \
-        {"schedule": "1f1b", "pp": 4, "vp": 1, "m": 8, "source": "simulated"}
+    assert {k: t[k] for k in ("schedule", "pp", "vp", "m", "source")} == {
+        "schedule": "1f1b",
+        "pp": 4,
+        "vp": 1,
+        "m": 8,
+        "source": "simulated",
+    }
     assert len(t["events"]) == 4 * 2 * 8
     assert set(t["events"][0]) == {"rank", "kind", "mb", "chunk", "start", "end"}
     assert timeline_bubble(t) == pytest.approx(r.bubble_fraction)
 
 
 def _run_tool(*args):
-    return subprocess.run([sys.executable, "tools/plot_pipeline.py", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "tools/plot_pipeline.py", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 def _load_tool():
@@ -151,9 +161,26 @@ def test_plot_tool_from_simulator_and_json(tmp_path, capsys):
     # in-process: a fresh interpreter per call would re-import matplotlib (slow);
     # running as a script is covered by test_plot_tool_rejects_bad_schedule.
     tool = _load_tool()
-    assert tool.main(["--schedule", "interleaved_1f1b", "--pp", "2", "--vp", "2",
-                      "--num-microbatches", "4", "--out", str(png), "--save-json", str(js),
-                      "--print"]) == 0
+    assert (
+        tool.main(
+            [
+                "--schedule",
+                "interleaved_1f1b",
+                "--pp",
+                "2",
+                "--vp",
+                "2",
+                "--num-microbatches",
+                "4",
+                "--out",
+                str(png),
+                "--save-json",
+                str(js),
+                "--print",
+            ]
+        )
+        == 0
+    )
     assert "rank 0: F0.0" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     assert json.loads(js.read_text())["source"] == "simulated"
@@ -162,8 +189,7 @@ def test_plot_tool_from_simulator_and_json(tmp_path, capsys):
 
 
 def test_plot_tool_rejects_bad_schedule(tmp_path):
-    out = _run_tool("--schedule", "interleaved_1f1b", "--pp", "4", "--vp", "2",
-                    "--num-microbatches", "6", "--print")
+    out = _run_tool("--schedule", "interleaved_1f1b", "--pp", "4", "--vp", "2", "--num-microbatches", "6", "--print")
     assert out.returncode == 2 and "a multiple of --pipeline-model-parallel-size (4)" in out.stderr
 
 
@@ -181,6 +207,7 @@ def test_stage_costs_model_a_heavier_last_stage():
 
 
 # -- zero-bubble schedules and the executor's semantics ------------------------------------------
+
 
 def test_zb_h1_bubble_is_a_third_of_1f1b_at_the_same_memory():
     """F = B = W = 1 (b_cost 2 split in half): 1F1B idles (pp-1)*3 units, ZB-H1 (pp-1)*1."""
@@ -261,8 +288,25 @@ def test_plot_tool_draws_weight_gradients(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     tool = _load_tool()
     out = tmp_path / "zbv.png"
-    assert tool.main(["--schedule", "zbv", "--pp", "2", "--vp", "2", "-m", "4", "--out", str(out),
-                      "--save-json", str(tmp_path / "t.json")]) == 0
+    assert (
+        tool.main(
+            [
+                "--schedule",
+                "zbv",
+                "--pp",
+                "2",
+                "--vp",
+                "2",
+                "-m",
+                "4",
+                "--out",
+                str(out),
+                "--save-json",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
     events = json.load(open(tmp_path / "t.json"))["events"]
     assert {e["kind"] for e in events} == {"F", "B", "W"} and out.stat().st_size > 0
     assert tool._HATCH["W"] != tool._HATCH["B"] and tool._colour(0, "W") != tool._colour(0, "B")

@@ -1,6 +1,7 @@
 """Stragglers in one process: find_stragglers on made-up numbers (the slow replica of a stage, stages
 compared per unit of work) and the monitor naming a rank slow at two log lines running. (Real ranks slowed
 2x: tests/distributed/test_stragglers.py.)"""
+
 import logging
 
 import pytest
@@ -11,8 +12,10 @@ from megalite.observability.stragglers import RankRow, find_stragglers
 def _rows(values, pp=1, works=None):
     """RankRows of a tp 1 grid (rank = dp + pp_rank * dp_size) with per-iteration compute ``values`` (s)."""
     dp = len(values) // pp
-    return [RankRow(r, r // dp, 0, r % dp, 0, v, works[r // dp] if works else 1.0, (v, 0.0, 0.0), 5)
-            for r, v in enumerate(values)]
+    return [
+        RankRow(r, r // dp, 0, r % dp, 0, v, works[r // dp] if works else 1.0, (v, 0.0, 0.0), 5)
+        for r, v in enumerate(values)
+    ]
 
 
 def test_the_slow_replica_of_a_stage_is_named_and_noise_is_not():
@@ -34,8 +37,8 @@ def test_one_replica_per_stage_compares_stages_per_unit_of_work():
 
 
 def test_a_rank_is_named_when_slow_at_two_log_lines_running(caplog):
-    from megalite.parallel.state import ParallelState
     from megalite.observability.stragglers import StragglerMonitor
+    from megalite.parallel.state import ParallelState
 
     monitor = StragglerMonitor(1.5, ParallelState.single(), 1.0, 5, 100)
     slow, even = _rows([0.010, 0.010, 0.021, 0.0105]), _rows([0.010, 0.010, 0.0105, 0.0105])

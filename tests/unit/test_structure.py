@@ -21,6 +21,7 @@ diagnosis), as tools/diagnose.py does afterwards.
 Functions (methods and nested functions included, measured from ``def`` to their last line) stay under
 FUNCTION_CAP lines: DESIGN.md's about 50, cap 80.
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,7 @@ from typing import Dict, List, Set
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megalite"
-NOT_RUNTIME = ("megalite.analysis", "megalite.interop", "megalite.training", "megalite.inference",
-               "megalite.testing")
+NOT_RUNTIME = ("megalite.analysis", "megalite.interop", "megalite.training", "megalite.inference", "megalite.testing")
 FUNCTION_CAP = 80
 
 
@@ -53,7 +53,7 @@ def _imports() -> Dict[str, Set[str]]:
                 base = node.module or ""
                 if node.level:  # relative import
                     parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 targets = [f"{base}.{a.name}" for a in node.names] + [base]
             else:
                 continue
@@ -127,9 +127,19 @@ def test_the_runtime_is_the_package_but_its_declared_rooms():
     graph = _imports()
     runtime = _runtime(graph)
     assert [room for room in NOT_RUNTIME if room not in graph] == []  # a renamed room must not go unchecked
-    core = ["megalite.model", "megalite.tensor_parallel", "megalite.pipeline", "megalite.optim",
-            "megalite.data_parallel", "megalite.checkpointing", "megalite.data", "megalite.parallel.state",
-            "megalite.config", "megalite.observability.logging", "megalite.parallel.agreement"]
+    core = [
+        "megalite.model",
+        "megalite.tensor_parallel",
+        "megalite.pipeline",
+        "megalite.optim",
+        "megalite.data_parallel",
+        "megalite.checkpointing",
+        "megalite.data",
+        "megalite.parallel.state",
+        "megalite.config",
+        "megalite.observability.logging",
+        "megalite.parallel.agreement",
+    ]
     assert [m for m in core if m not in runtime] == []
 
 
@@ -142,10 +152,13 @@ def test_runtime_never_imports_interop():
 
 
 def test_library_functions_stay_small():
-    long = {f"{p.relative_to(REPO)}:{node.lineno} {node.name}": size
-            for p in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(p.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and (size := node.end_lineno - node.lineno + 1) > FUNCTION_CAP}
+    long = {
+        f"{p.relative_to(REPO)}:{node.lineno} {node.name}": size
+        for p in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (size := node.end_lineno - node.lineno + 1) > FUNCTION_CAP
+    }
     assert long == {}
 
 

@@ -1,6 +1,7 @@
 """The test suite's own rules (tests/conftest.py, tests/helpers): no test module imports another (what two
 share lives in tests/helpers), and the gloo ranks come from the ``run_distributed`` fixture, which marks the
 test multiprocess, never from an import of megalite.testing's launcher."""
+
 from __future__ import annotations
 
 import ast
@@ -25,12 +26,18 @@ def _imports() -> List[Tuple[str, str, List[str]]]:
 
 
 def test_no_test_module_imports_another():
-    imported = [(where, module) for where, module, _ in _imports()
-                if module.startswith("tests.") and not (module == "tests.helpers" or module.startswith("tests.helpers."))]
+    imported = [
+        (where, module)
+        for where, module, _ in _imports()
+        if module.startswith("tests.") and not (module == "tests.helpers" or module.startswith("tests.helpers."))
+    ]
     assert imported == []
 
 
 def test_gloo_ranks_come_from_the_fixture():
-    launcher = [(where, module) for where, module, names in _imports()
-                if module.startswith("megalite.testing") and "run_distributed" in names and where != "conftest.py"]
+    launcher = [
+        (where, module)
+        for where, module, names in _imports()
+        if module.startswith("megalite.testing") and "run_distributed" in names and where != "conftest.py"
+    ]
     assert launcher == []

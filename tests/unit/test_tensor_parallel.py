@@ -1,5 +1,6 @@
 """Tensor-parallel layers in one process (TP 1) against their torch counterparts: outputs and gradients.
 (TP 2 and 4 on gloo ranks: tests/distributed/test_tensor_parallel.py.)"""
+
 from megalite.parallel.state import ParallelState
 from tests.helpers.tensor_parallel import _all_checks
 

@@ -6,6 +6,7 @@ GPT path, term by term as Megatron writes it; the real function is used too when
 Megatron-LM's training package is importable), and torch's FLOP counter run over a
 real forward and backward of the model (unfused attention: plain matmuls it can count).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,16 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megalite.config import ModelConfig
+from megalite.observability.throughput import (
+    Throughput,
+    device_peak_tflops,
+    flops_per_iteration,
+    format_memory_report,
+    peak_tflops_for,
+    recompute_flops_per_iteration,
+)
 from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
-from megalite.observability.throughput import (Throughput, device_peak_tflops, flops_per_iteration, format_memory_report,
-                                 peak_tflops_for, recompute_flops_per_iteration)
 
 
 def megatron_016_flops(args: argparse.Namespace, batch_size: int) -> float:
@@ -30,50 +37,118 @@ def megatron_016_flops(args: argparse.Namespace, batch_size: int) -> float:
     ffn_expansion_factor = 3 if args.swiglu else 2
     query_projection_size = args.kv_channels * args.num_attention_heads
     key_projection_size = value_projection_size = args.kv_channels * args.num_query_groups
-    standard_self_attn_term = forward_backward_expansion_factor * fma_expansion_factor * (
-        args.hidden_size * (query_projection_size + key_projection_size + value_projection_size)
-        + query_projection_size * args.hidden_size)
-    standard_self_attn_core_term = (forward_backward_expansion_factor * fma_expansion_factor
-                                    * query_projection_size / 2 * 2)
+    standard_self_attn_term = (
+        forward_backward_expansion_factor
+        * fma_expansion_factor
+        * (
+            args.hidden_size * (query_projection_size + key_projection_size + value_projection_size)
+            + query_projection_size * args.hidden_size
+        )
+    )
+    standard_self_attn_core_term = (
+        forward_backward_expansion_factor * fma_expansion_factor * query_projection_size / 2 * 2
+    )
     tokens = batch_size * args.seq_length
-    return (tokens * (forward_backward_expansion_factor * fma_expansion_factor * args.hidden_size
-                      * args.ffn_hidden_size * ffn_expansion_factor * args.num_layers
-                      + standard_self_attn_term * args.num_layers
-                      + forward_backward_expansion_factor * fma_expansion_factor * args.hidden_size
-                      * args.padded_vocab_size)
-            + batch_size * args.seq_length * args.seq_length * standard_self_attn_core_term * args.num_layers)
+    return (
+        tokens
+        * (
+            forward_backward_expansion_factor
+            * fma_expansion_factor
+            * args.hidden_size
+            * args.ffn_hidden_size
+            * ffn_expansion_factor
+            * args.num_layers
+            + standard_self_attn_term * args.num_layers
+            + forward_backward_expansion_factor * fma_expansion_factor * args.hidden_size * args.padded_vocab_size
+        )
+        + batch_size * args.seq_length * args.seq_length * standard_self_attn_core_term * args.num_layers
+    )
 
 
 def megatron_015_flops(args: argparse.Namespace, batch_size: int) -> float:
     """Megatron-LM up to core_r0.15.0: the closed form with the full s x s attention square."""
     q_ratio = args.kv_channels * args.num_attention_heads / args.hidden_size
     gated = 3 / 2 if args.swiglu else 1
-    return 12 * batch_size * args.seq_length * args.num_layers * args.hidden_size ** 2 * (
-        (1 + args.num_query_groups / args.num_attention_heads + args.seq_length / args.hidden_size) * q_ratio
-        + args.ffn_hidden_size / args.hidden_size * gated
-        + args.padded_vocab_size / (2 * args.num_layers * args.hidden_size))
+    return (
+        12
+        * batch_size
+        * args.seq_length
+        * args.num_layers
+        * args.hidden_size**2
+        * (
+            (1 + args.num_query_groups / args.num_attention_heads + args.seq_length / args.hidden_size) * q_ratio
+            + args.ffn_hidden_size / args.hidden_size * gated
+            + args.padded_vocab_size / (2 * args.num_layers * args.hidden_size)
+        )
+    )
 
 
 CONFIGS = {  # name: (ModelConfig kwargs, global batch)
-    "gpt3-1.3b": (dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
-                       vocab_size=50257), 512),
-    "llama2-7b": (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096,
-                       ffn_hidden_size=11008, swiglu=True, vocab_size=32000), 1024),
-    "llama2-70b-gqa": (dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
-                            seq_length=4096, ffn_hidden_size=28672, swiglu=True, vocab_size=32000), 1024),
-    "tiny-gqa-swiglu": (dict(num_layers=3, hidden_size=96, num_attention_heads=6, num_query_groups=2,
-                             seq_length=40, swiglu=True, vocab_size=500), 6),
+    "gpt3-1.3b": (
+        dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50257),
+        512,
+    ),
+    "llama2-7b": (
+        dict(
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            seq_length=4096,
+            ffn_hidden_size=11008,
+            swiglu=True,
+            vocab_size=32000,
+        ),
+        1024,
+    ),
+    "llama2-70b-gqa": (
+        dict(
+            num_layers=80,
+            hidden_size=8192,
+            num_attention_heads=64,
+            num_query_groups=8,
+            seq_length=4096,
+            ffn_hidden_size=28672,
+            swiglu=True,
+            vocab_size=32000,
+        ),
+        1024,
+    ),
+    "tiny-gqa-swiglu": (
+        dict(
+            num_layers=3,
+            hidden_size=96,
+            num_attention_heads=6,
+            num_query_groups=2,
+            seq_length=40,
+            swiglu=True,
+            vocab_size=500,
+        ),
+        6,
+    ),
 }
 
 
 def _megatron_args(cfg: ModelConfig, tp: int) -> argparse.Namespace:
     return argparse.Namespace(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        group_query_attention=cfg.num_query_groups is not None, num_query_groups=cfg.query_groups,
-        kv_channels=cfg.head_dim, seq_length=cfg.seq_length, ffn_hidden_size=cfg.ffn_size, swiglu=cfg.swiglu,
-        padded_vocab_size=cfg.padded_vocab_size(tp), num_experts=None, mtp_num_layers=None,
-        multi_latent_attention=False, experimental_attention_variant=None, attention_output_gate=False,
-        moe_ffn_hidden_size=None, moe_latent_size=None, moe_shared_expert_intermediate_size=None)
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=cfg.num_query_groups is not None,
+        num_query_groups=cfg.query_groups,
+        kv_channels=cfg.head_dim,
+        seq_length=cfg.seq_length,
+        ffn_hidden_size=cfg.ffn_size,
+        swiglu=cfg.swiglu,
+        padded_vocab_size=cfg.padded_vocab_size(tp),
+        num_experts=None,
+        mtp_num_layers=None,
+        multi_latent_attention=False,
+        experimental_attention_variant=None,
+        attention_output_gate=False,
+        moe_ffn_hidden_size=None,
+        moe_latent_size=None,
+        moe_shared_expert_intermediate_size=None,
+    )
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -98,18 +173,24 @@ def test_model_flops_known_value_gpt3_1_3b():
 
 
 def test_against_megatron_lm_itself_when_importable():
-    training = pytest.importorskip("megatron.training.training", reason="Megatron-LM's training package is "
-                                   "not installed (megatron-core's wheel does not ship it)")
+    training = pytest.importorskip(
+        "megatron.training.training",
+        reason="Megatron-LM's training package is not installed (megatron-core's wheel does not ship it)",
+    )
     for name, (kw, gbs) in CONFIGS.items():
         cfg = ModelConfig(**kw)
         args = _megatron_args(cfg, 1)
         assert flops_per_iteration(cfg, gbs, args.padded_vocab_size) == pytest.approx(
-            training.num_floating_point_operations(args, gbs), rel=1e-12), name
+            training.num_floating_point_operations(args, gbs), rel=1e-12
+        ), name
 
 
-RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
-             "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
-             "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)}
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+}
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama-gqa"])
@@ -117,11 +198,26 @@ RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
 def test_hardware_flops_equal_torch_flop_counter(model, recompute):
     """One forward + backward counted by torch: model FLOPs (full square) + what recompute re-runs."""
     from megalite.model.gpt import GPTModel
-    base = dict(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=24, vocab_size=300,
-                attention_backend="unfused", hidden_dropout=0.0, attention_dropout=0.0)
+
+    base = dict(
+        num_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=24,
+        vocab_size=300,
+        attention_backend="unfused",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     if model == "llama-gqa":
-        base.update(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
-                    untie_embeddings_and_output_weights=True, add_bias_linear=False)
+        base.update(
+            normalization="RMSNorm",
+            swiglu=True,
+            position_embedding_type="rope",
+            num_query_groups=2,
+            untie_embeddings_and_output_weights=True,
+            add_bias_linear=False,
+        )
     cfg = ModelConfig(**base, **RECOMPUTE[recompute])
     ps = ParallelState.single()
     gpt = GPTModel(cfg, ps, RNGTracker(1, 0, 0, ps.device), seed=1)
@@ -135,8 +231,9 @@ def test_hardware_flops_equal_torch_flop_counter(model, recompute):
     assert measured == pytest.approx(model_flops + extra, rel=1e-9)
     assert (extra > 0) == (recompute != "none")
     if recompute == "full-block":  # 2 of the 3 layers are re-run
-        assert extra == pytest.approx(recompute_flops_per_iteration(
-            ModelConfig(**base, **RECOMPUTE["full-uniform"]), b, causal=False) * 2 / 3)
+        assert extra == pytest.approx(
+            recompute_flops_per_iteration(ModelConfig(**base, **RECOMPUTE["full-uniform"]), b, causal=False) * 2 / 3
+        )
 
 
 def test_peak_table_and_override():
@@ -151,8 +248,14 @@ def test_peak_table_and_override():
 
 
 def test_throughput_figures_and_fields():
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
-                      recompute_granularity="selective")
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=32,
+        vocab_size=256,
+        recompute_granularity="selective",
+    )
     tp = Throughput(cfg, global_batch_size=8, padded_vocab=256, world_size=4, peak_tflops=0.5)
     f = tp.figures(sec_per_iter=0.25)
     assert f["tokens_per_s"] == 8 * 32 / 0.25
@@ -160,17 +263,21 @@ def test_throughput_figures_and_fields():
     assert f["hw_tflops"] > f["tflops"] and f["mfu"] == pytest.approx(f["tflops"] / 0.5)
     fields = tp.log_fields(f)
     assert "hardware TFLOP/s/GPU (with recompute)" in fields and "MFU:" in fields
-    plain = Throughput(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                                   vocab_size=256), 8, 256, 4)
+    plain = Throughput(
+        ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256), 8, 256, 4
+    )
     text = plain.log_fields(plain.figures(0.25))
     assert "MFU" not in text and "hardware" not in text  # no peak, no recompute: nothing extra to say
 
 
 def test_memory_report_line():
-    line = format_memory_report(3, 10, {"allocated": 2 ** 30, "max_allocated": 1.5 * 2 ** 30,
-                                        "reserved": 2 ** 31, "max_reserved": 2 ** 31})
-    assert line == ("[Rank 3] (after 10 iterations) memory (MB) | allocated: 1024.0 | max allocated: 1536.0 | "
-                    "reserved: 2048.0 | max reserved: 2048.0")
+    line = format_memory_report(
+        3, 10, {"allocated": 2**30, "max_allocated": 1.5 * 2**30, "reserved": 2**31, "max_reserved": 2**31}
+    )
+    assert line == (
+        "[Rank 3] (after 10 iterations) memory (MB) | allocated: 1024.0 | max allocated: 1536.0 | "
+        "reserved: 2048.0 | max reserved: 2048.0"
+    )
 
 
 def test_log_line_and_tensorboard_of_a_run(tmp_path, capsys):
@@ -178,13 +285,40 @@ def test_log_line_and_tensorboard_of_a_run(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megalite.config.arguments import parse_args
-    from megalite.observability.logging import setup_logging
     from megalite.data.loading import build_datasets
+    from megalite.observability.logging import setup_logging
     from megalite.training import Trainer
-    cfg = parse_args(["--mock-data", "--vocab-size", "256", "--num-layers", "2", "--hidden-size", "32",
-                      "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
-                      "--global-batch-size", "4", "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-                      "--recompute-activations", "--peak-tflops", "0.001", "--tensorboard-dir", str(tmp_path)])
+
+    cfg = parse_args(
+        [
+            "--mock-data",
+            "--vocab-size",
+            "256",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "2",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "2",
+            "--log-interval",
+            "1",
+            "--eval-iters",
+            "0",
+            "--recompute-activations",
+            "--peak-tflops",
+            "0.001",
+            "--tensorboard-dir",
+            str(tmp_path),
+        ]
+    )
     ps = ParallelState.single()
     setup_logging(True, 0)
     trainer = Trainer(cfg, ps)
@@ -192,8 +326,15 @@ def test_log_line_and_tensorboard_of_a_run(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(" iteration")]
     assert len(lines) == 2
     line = lines[-1]
-    order = [line.index(k) for k in ("throughput per GPU (TFLOP/s/GPU):", "tokens per second:",
-                                      "hardware TFLOP/s/GPU (with recompute):", "MFU:")]
+    order = [
+        line.index(k)
+        for k in (
+            "throughput per GPU (TFLOP/s/GPU):",
+            "tokens per second:",
+            "hardware TFLOP/s/GPU (with recompute):",
+            "MFU:",
+        )
+    ]
     assert order == sorted(order)  # our fields follow Megatron's
     ms = float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", line).group(1))
     mfu = float(re.search(r"MFU: ([\d.]+)%", line).group(1))

@@ -1,4 +1,5 @@
 """Tokenizers: GPT-2 BPE against HF tokenizers, SentencePiece, Null, build_tokenizer errors."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,7 @@ from megalite.data.tokenizers.gpt2_bpe import EOT_TOKEN, bytes_to_unicode, read_
 
 
 def _gpt2(files):
-    return build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=files[0],
-                                      merge_file=files[1]))
+    return build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=files[0], merge_file=files[1]))
 
 
 def test_bytes_to_unicode_is_gpt2_table():
@@ -58,16 +58,18 @@ def test_null_tokenizer_megatron_semantics():
         tok.tokenize("101")
 
 
-@pytest.mark.parametrize("cfg, flag", [
-    (DataConfig(tokenizer_type="GPT2BPETokenizer"), "--vocab-file"),
-    (DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=__file__), "--merge-file"),
-    (DataConfig(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-model"),
-    (DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model="/nonexistent.model"),
-     "--tokenizer-model"),
-    (DataConfig(tokenizer_type="HuggingFaceTokenizer"), "--tokenizer-model"),
-    (DataConfig(tokenizer_type="NullTokenizer"), "--vocab-size"),
-    (DataConfig(tokenizer_type="Bogus"), "--tokenizer-type"),
-])
+@pytest.mark.parametrize(
+    "cfg, flag",
+    [
+        (DataConfig(tokenizer_type="GPT2BPETokenizer"), "--vocab-file"),
+        (DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=__file__), "--merge-file"),
+        (DataConfig(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-model"),
+        (DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model="/nonexistent.model"), "--tokenizer-model"),
+        (DataConfig(tokenizer_type="HuggingFaceTokenizer"), "--tokenizer-model"),
+        (DataConfig(tokenizer_type="NullTokenizer"), "--vocab-size"),
+        (DataConfig(tokenizer_type="Bogus"), "--tokenizer-type"),
+    ],
+)
 def test_build_tokenizer_names_missing_flag(cfg, flag):
     with pytest.raises(ValueError, match=flag) as e:
         build_tokenizer(cfg)
@@ -78,6 +80,7 @@ def test_build_tokenizer_names_missing_flag(cfg, flag):
 def sp_model(tmp_path_factory, data_texts):
     pytest.importorskip("sentencepiece")
     from megalite.data.tokenizers.sentencepiece import train_sentencepiece
+
     return train_sentencepiece(data_texts, str(tmp_path_factory.mktemp("sp") / "tok"), 500).model
 
 
@@ -99,8 +102,7 @@ def test_trained_sentencepiece_keeps_newlines_tabs_and_spaces(sp_model):
 
 
 def test_sentencepiece_tokenizer_megatron_specials(sp_model):
-    tok = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer",
-                                     tokenizer_model=sp_model))
+    tok = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model))
     # <CLS> <SEP> <EOD> <MASK> <PAD> appended; bos/eos exist in the model already.
     assert tok.vocab_size == 505 and tok.eod == 502 and tok.pad == 504
     ids = tok.tokenize("one<EOD>two")
@@ -112,8 +114,7 @@ def test_huggingface_tokenizer_from_json(tmp_path, data_bpe_files):
     tokenizers = pytest.importorskip("tokenizers")
     hf = tokenizers.ByteLevelBPETokenizer(*data_bpe_files)
     hf.save(str(tmp_path / "tokenizer.json"))
-    tok = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer",
-                                     tokenizer_model=str(tmp_path)))
+    tok = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
     gpt2 = _gpt2(data_bpe_files)
     assert tok.vocab_size == gpt2.vocab_size and tok.eod == gpt2.eod
     assert tok.tokenize("Some text, 日本") == gpt2.tokenize("Some text, 日本")
@@ -122,12 +123,27 @@ def test_huggingface_tokenizer_from_json(tmp_path, data_bpe_files):
 def test_train_tokenizer_tool_bpe(tmp_path, data_texts):
     import subprocess
     import sys
+
     from tests.helpers import REPO
+
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in data_texts) + "not json\n")
-    out = subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(corpus),
-                          "--vocab-size", "400", "--output-dir", str(tmp_path / "tok")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/train_tokenizer.py",
+            "--input",
+            str(corpus),
+            "--vocab-size",
+            "400",
+            "--output-dir",
+            str(tmp_path / "tok"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     tok = _gpt2((str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt")))
     assert tok.vocab_size == 400 and tok.detokenize(tok.tokenize(data_texts[0])) == data_texts[0]
@@ -137,7 +153,9 @@ def test_megatron_sentencepiece_vocabulary_counts_its_extra_ids(sp_model):
     """A Megatron run's SentencePieceTokenizer holds the model's pieces, the added <CLS> <SEP> <EOD> <MASK>,
     and --vocab-extra-ids <extra_id_N> tokens: a converter keeps all of those rows."""
     import argparse
+
     from megalite.interop.tokenizer_vocab import megatron_vocab
+
     plain = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model)).vocab_size
     ns = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model, vocab_size=None)
     assert megatron_vocab(ns, 1024)[0] == plain

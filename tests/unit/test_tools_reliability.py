@@ -4,6 +4,7 @@ SentencePiece must see every document, however long; the BPE trainer says why
 it stops short; plot_pipeline without matplotlib and every bad input to the
 tools end with one line on stderr, exit code 2 and no traceback.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -24,18 +25,17 @@ import torch
 
 from megalite.data.tokenizers.bpe_trainer import train_bpe
 from megalite.data.tokenizers.sentencepiece import SP_MAX_SENTENCE_BYTES, split_for_sentencepiece
-
 from tests.helpers import REPO
 
 
 def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def _long_corpus() -> list[str]:
     """pydoc's topics (a third of them over the limit) plus a long single line and a long word."""
     from pydoc_data.topics import topics
+
     words = " ".join(f"word{i % 97}" for i in range(3000))  # ~20 KB on one line
     return [topics[k] for k in sorted(topics)] + [words, "日本語" * 1500]  # no whitespace, 13 KB
 
@@ -75,8 +75,7 @@ def test_sentencepiece_trains_on_every_character_of_long_documents(tmp_path):
     out = _run("-c", _SP_SCRIPT, str(tmp_path / "docs.json"), str(tmp_path / "tok"))
     assert out.returncode == 0, out.stderr[-2000:]
     used = json.loads(out.stdout.splitlines()[-1])
-    assert (used["documents"], used["characters"], used["bytes"]) == \
-        (len(docs), sum(map(len, docs)), sum(sizes))
+    assert (used["documents"], used["characters"], used["bytes"]) == (len(docs), sum(map(len, docs)), sum(sizes))
     assert used["split_documents"] == sum(s > SP_MAX_SENTENCE_BYTES for s in sizes)
     log = out.stderr
     assert "too long" not in log.lower() and "Skipped" not in log
@@ -96,8 +95,17 @@ def test_train_tokenizer_sentencepiece_reports_what_it_used(tmp_path):
     corpus = tmp_path / "c.jsonl.gz"
     with gzip.open(corpus, "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
-    out = _run("tools/train_tokenizer.py", "--input", str(corpus), "--type", "sentencepiece",
-               "--vocab-size", "600", "--output-dir", str(tmp_path / "tok"))
+    out = _run(
+        "tools/train_tokenizer.py",
+        "--input",
+        str(corpus),
+        "--type",
+        "sentencepiece",
+        "--vocab-size",
+        "600",
+        "--output-dir",
+        str(tmp_path / "tok"),
+    )
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if "SentencePiece trained on" in ln)
     assert f"on {len(docs)} documents, {sum(map(len, docs))} characters" in line
@@ -127,14 +135,15 @@ def _assert_one_line_error(out: subprocess.CompletedProcess, tool: str, expected
     assert lines[0].startswith(f"{tool}: error: ") and expected in lines[0], lines[0]
 
 
-_NO_MATPLOTLIB = ("import runpy, sys; sys.modules['matplotlib'] = None; "
-                  "sys.argv = ['tools/plot_pipeline.py'] + sys.argv[1:]; "
-                  "runpy.run_path('tools/plot_pipeline.py', run_name='__main__')")
+_NO_MATPLOTLIB = (
+    "import runpy, sys; sys.modules['matplotlib'] = None; "
+    "sys.argv = ['tools/plot_pipeline.py'] + sys.argv[1:]; "
+    "runpy.run_path('tools/plot_pipeline.py', run_name='__main__')"
+)
 
 
 def test_plot_pipeline_without_matplotlib_says_how_to_install(tmp_path):
-    out = _run("-c", _NO_MATPLOTLIB, "--schedule", "1f1b", "--pp", "2", "--out",
-               str(tmp_path / "t.png"))
+    out = _run("-c", _NO_MATPLOTLIB, "--schedule", "1f1b", "--pp", "2", "--out", str(tmp_path / "t.png"))
     _assert_one_line_error(out, "plot_pipeline.py", "pip install matplotlib")
     assert not (tmp_path / "t.png").exists()
     out = _run("-c", _NO_MATPLOTLIB, "--schedule", "1f1b", "--pp", "2", "--print")
@@ -142,12 +151,22 @@ def test_plot_pipeline_without_matplotlib_says_how_to_install(tmp_path):
 
 
 def test_train_tokenizer_without_sentencepiece_says_how_to_install(tmp_path):
-    script = ("import runpy, sys; sys.modules['sentencepiece'] = None; "
-              "sys.argv = ['tools/train_tokenizer.py'] + sys.argv[1:]; "
-              "runpy.run_path('tools/train_tokenizer.py', run_name='__main__')")
+    script = (
+        "import runpy, sys; sys.modules['sentencepiece'] = None; "
+        "sys.argv = ['tools/train_tokenizer.py'] + sys.argv[1:]; "
+        "runpy.run_path('tools/train_tokenizer.py', run_name='__main__')"
+    )
     (tmp_path / "c.txt").write_text("some text\n")
-    out = _run("-c", script, "--input", str(tmp_path / "c.txt"), "--type", "sentencepiece",
-               "--output-dir", str(tmp_path / "tok"))
+    out = _run(
+        "-c",
+        script,
+        "--input",
+        str(tmp_path / "c.txt"),
+        "--type",
+        "sentencepiece",
+        "--output-dir",
+        str(tmp_path / "tok"),
+    )
     _assert_one_line_error(out, "train_tokenizer.py", "pip install sentencepiece")
 
 
@@ -155,8 +174,8 @@ def test_train_tokenizer_without_sentencepiece_says_how_to_install(tmp_path):
 def bad_inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     from pydoc_data.topics import topics
-    (d / "ok.jsonl").write_text("".join(json.dumps({"text": topics[k]}) + "\n"
-                                        for k in sorted(topics)[:20]))
+
+    (d / "ok.jsonl").write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)[:20]))
     (d / "empty.jsonl").write_text("")
     (d / "blank.txt").write_text("\n  \n\n")
     (d / "other_key.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
@@ -178,24 +197,42 @@ _BAD_INPUTS = [
     (TT, "--input {d}/blank.txt --output-dir {d}/o", "every document is empty"),
     (TT, "--input {d}/other_key.jsonl --output-dir {d}/o", "--json-key 'text'"),
     (TT, "--input {d}/garbage.jsonl.gz --output-dir {d}/o", "cannot read --input {d}/garbage"),
-    (TT, "--input {d}/ok.jsonl --vocab-size 100 --output-dir {d}/o",
-     "--vocab-size 100 is too small for --type bpe: it needs at least 257"),
-    (TT, "--input {d}/ok.jsonl --type sentencepiece --vocab-size 259 --output-dir {d}/o",
-     "--vocab-size 259 is too small for --type sentencepiece: it needs at least 260"),
-    (TT, "--input {d}/ok.jsonl --type sentencepiece --vocab-size 270 --output-dir {d}/o",
-     "vocabulary size 270 is too small for this corpus"),
+    (
+        TT,
+        "--input {d}/ok.jsonl --vocab-size 100 --output-dir {d}/o",
+        "--vocab-size 100 is too small for --type bpe: it needs at least 257",
+    ),
+    (
+        TT,
+        "--input {d}/ok.jsonl --type sentencepiece --vocab-size 259 --output-dir {d}/o",
+        "--vocab-size 259 is too small for --type sentencepiece: it needs at least 260",
+    ),
+    (
+        TT,
+        "--input {d}/ok.jsonl --type sentencepiece --vocab-size 270 --output-dir {d}/o",
+        "vocabulary size 270 is too small for this corpus",
+    ),
     (TT, "--input {d}/ok.jsonl --min-frequency 0 --output-dir {d}/o", "--min-frequency must be"),
     (TT, "--input {d}/ok.jsonl --max-documents 0 --output-dir {d}/o", "--max-documents must be"),
     (TT, "--input {d}/ok.jsonl --output-dir {d}/a_file", "--output-dir {d}/a_file is not a writ"),
     (TT, "--input {d}/ok.jsonl --output-dir {d}/a_file/sub", "(Not a directory)"),
-    (TT, "--input {d}/mostly_invalid.jsonl --output-dir {d}/o",
-     "99 of 100 .jsonl lines are not a JSON object with a string under --json-key 'text' (first: "
-     "{d}/mostly_invalid.jsonl:2: not JSON); more than half are invalid, so nothing is trained: check --input "
-     "and --json-key"),
-    (PD, "--input {d}/ok.jsonl --output-prefix {d}/a_file/sub/o " + NULL,
-     "--output-prefix {d}/a_file/sub/o: {d}/a_file is a file, not a directory; give a prefix in a directory"),
-    (PD, "--input {d}/ok.jsonl --output-prefix /proc/megalite-test/o " + NULL,
-     "--output-prefix /proc/megalite-test/o: cannot write in /proc/megalite-test ("),
+    (
+        TT,
+        "--input {d}/mostly_invalid.jsonl --output-dir {d}/o",
+        "99 of 100 .jsonl lines are not a JSON object with a string under --json-key 'text' (first: "
+        "{d}/mostly_invalid.jsonl:2: not JSON); more than half are invalid, so nothing is trained: check --input "
+        "and --json-key",
+    ),
+    (
+        PD,
+        "--input {d}/ok.jsonl --output-prefix {d}/a_file/sub/o " + NULL,
+        "--output-prefix {d}/a_file/sub/o: {d}/a_file is a file, not a directory; give a prefix in a directory",
+    ),
+    (
+        PD,
+        "--input {d}/ok.jsonl --output-prefix /proc/megalite-test/o " + NULL,
+        "--output-prefix /proc/megalite-test/o: cannot write in /proc/megalite-test (",
+    ),
     (PD, "--input {d}/missing.jsonl --output-prefix {d}/o " + NULL, "--input {d}/missing.jsonl: file not found"),
     (PP, "--timeline {d}/missing.json --out {d}/t.png", "cannot read --timeline {d}/missing"),
     (PP, "--timeline {d}/not_json.json --out {d}/t.png", "is not JSON"),
@@ -205,8 +242,9 @@ _BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("tool, args, expected", _BAD_INPUTS,
-                         ids=[f"{Path(t).stem}:{e[:30]}" for t, _, e in _BAD_INPUTS])
+@pytest.mark.parametrize(
+    "tool, args, expected", _BAD_INPUTS, ids=[f"{Path(t).stem}:{e[:30]}" for t, _, e in _BAD_INPUTS]
+)
 def test_bad_tool_input_is_one_line_and_exit_2(bad_inputs, tool, args, expected):
     out = _run(tool, *args.format(d=bad_inputs).split())
     _assert_one_line_error(out, Path(tool).name, expected.format(d=bad_inputs))
@@ -219,7 +257,8 @@ def test_train_tokenizer_says_how_many_invalid_lines_it_skipped(tmp_path):
     assert out.returncode == 0 and (tmp_path / "o" / "vocab.json").is_file(), out.stderr
     assert out.stderr.strip().splitlines() == [
         f"train_tokenizer.py: warning: skipped 1 of 10 .jsonl lines: not a JSON object with a string under "
-        f"--json-key 'text' (first: {tmp_path}/c.jsonl:10: no key 'text' (keys: body))"]
+        f"--json-key 'text' (first: {tmp_path}/c.jsonl:10: no key 'text' (keys: body))"
+    ]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
@@ -227,8 +266,11 @@ def test_preprocess_into_a_read_only_directory_is_one_line(bad_inputs, tmp_path)
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o555)
     out = _run(PD, "--input", str(bad_inputs / "ok.jsonl"), "--output-prefix", str(ro / "o"), *NULL.split())
-    _assert_one_line_error(out, "preprocess_data.py", f"--output-prefix {ro}/o: cannot write in {ro} (Permission "
-                                                      "denied); give a prefix in a writable directory")
+    _assert_one_line_error(
+        out,
+        "preprocess_data.py",
+        f"--output-prefix {ro}/o: cannot write in {ro} (Permission denied); give a prefix in a writable directory",
+    )
 
 
 # -- in one process: the tools' main(), bad flags refused before any work --------------------------------------
@@ -243,28 +285,43 @@ def _main_error(main, argv, capsys) -> tuple:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("tool", ["generate", "evaluate"])
-@pytest.mark.parametrize("device, message", [
-    ("cuda", "'cuda' needs CUDA, which this machine lacks (no GPU visible, or torch built without CUDA); use "
-             "--device cpu"),
-    ("cuda:1", "'cuda:1' needs CUDA, which this machine lacks (no GPU visible, or torch built without CUDA); use "
-               "--device cpu"),
-    ("gpu", "unknown device 'gpu'; give cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        (
+            "cuda",
+            "'cuda' needs CUDA, which this machine lacks (no GPU visible, or torch built without CUDA); use "
+            "--device cpu",
+        ),
+        (
+            "cuda:1",
+            "'cuda:1' needs CUDA, which this machine lacks (no GPU visible, or torch built without CUDA); use "
+            "--device cpu",
+        ),
+        ("gpu", "unknown device 'gpu'; give cpu, cuda or cuda:N"),
+    ],
+)
 def test_device_the_machine_lacks_is_one_line(tool, device, message, tmp_path, capsys):
     main = importlib.import_module(f"tools.{tool}").main
     code, err = _main_error(main, ["--load", str(tmp_path), "--device", device], capsys)
     assert (code, err) == (2, [f"{tool}.py: error: argument --device: {message}"])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
-    (["--micro-batch-size", "-1"], "--micro-batch-size -1 must be >= 1"),
-    (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6 is not a multiple of "
-                                                               "--micro-batch-size 4"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+        (["--micro-batch-size", "-1"], "--micro-batch-size -1 must be >= 1"),
+        (
+            ["--global-batch-size", "6", "--micro-batch-size", "4"],
+            "--global-batch-size 6 is not a multiple of --micro-batch-size 4",
+        ),
+    ],
+)
 def test_evaluate_blames_the_batch_flag_not_the_data(flags, message, monkeypatch, capsys):
     from megalite.config import Config, DataConfig
     from tools import evaluate
+
     stored = Config(data=DataConfig(mock_data=True))  # the run's config, as read_checkpoint returns it
     monkeypatch.setattr(evaluate, "read_checkpoint", lambda load, step: (stored, 1, {}))
     code, err = _main_error(evaluate.main, ["--load", "ckpt", "--device", "cpu", *flags], capsys)
@@ -273,10 +330,16 @@ def test_evaluate_blames_the_batch_flag_not_the_data(flags, message, monkeypatch
 
 def test_plan_names_the_global_batch_when_no_data_parallel_size_divides_it(capsys):
     from tools import plan
+
     argv = ["--num-gpus", "5", "--gpu-memory", "80", "--model-size", "gpt3-125m", "--seq-length", "1024"]
     code, err = _main_error(plan.main, argv + ["--global-batch-size", "8"], capsys)
-    assert (code, err) == (2, ["tools/plan.py: error: --global-batch-size 8 is not divisible by any data-parallel "
-                               "size (the data-parallel sizes this model allows on 5 GPUs are 5); use e.g. 10"])
+    assert (code, err) == (
+        2,
+        [
+            "tools/plan.py: error: --global-batch-size 8 is not divisible by any data-parallel "
+            "size (the data-parallel sizes this model allows on 5 GPUs are 5); use e.g. 10"
+        ],
+    )
     assert plan.main(argv + ["--global-batch-size", "10"]) == 0  # the suggestion plans
 
 
@@ -289,9 +352,19 @@ _spec.loader.exec_module(convert_cli)
 def hf_folders(tmp_path_factory):
     """A GPT-2 style HF folder (its weights never read: the flags are refused first), and a truncated copy."""
     from safetensors.torch import save_file
+
     d = tmp_path_factory.mktemp("hf")
-    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2,
-              "n_positions": 16, "vocab_size": 64, "activation_function": "gelu", "tie_word_embeddings": True}
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_layer": 1,
+        "n_embd": 16,
+        "n_head": 2,
+        "n_positions": 16,
+        "vocab_size": 64,
+        "activation_function": "gelu",
+        "tie_word_embeddings": True,
+    }
     for name in ("ok", "truncated"):
         (d / name).mkdir()
         (d / name / "config.json").write_text(json.dumps(config))
@@ -301,22 +374,49 @@ def hf_folders(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("folder, flags, message", [
-    ("truncated", [], "{d}/truncated/model.safetensors is not a complete safetensors file (Error while "
-                      "deserializing header: incomplete metadata, file not fully covered); it may be truncated (an "
-                      "interrupted download or copy): fetch it again"),
-    ("ok", ["--target-tensor-parallel-size", "0"], "--target-tensor-parallel-size must be >= 1, got 0"),
-    ("ok", ["--target-pipeline-parallel-size", "0"], "--target-pipeline-parallel-size must be >= 1, got 0"),
-    ("ok", ["--target-tensor-parallel-size", "-2"], "--target-tensor-parallel-size must be >= 1, got -2"),
-    ("ok", ["--target-virtual-pipeline-model-parallel-size", "0"],
-     "--target-virtual-pipeline-model-parallel-size must be >= 1, got 0"),
-    ("ok", ["--target-decoder-last-pipeline-num-layers", "-1"],
-     "--target-decoder-last-pipeline-num-layers must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "folder, flags, message",
+    [
+        (
+            "truncated",
+            [],
+            "{d}/truncated/model.safetensors is not a complete safetensors file (Error while "
+            "deserializing header: incomplete metadata, file not fully covered); it may be truncated (an "
+            "interrupted download or copy): fetch it again",
+        ),
+        ("ok", ["--target-tensor-parallel-size", "0"], "--target-tensor-parallel-size must be >= 1, got 0"),
+        ("ok", ["--target-pipeline-parallel-size", "0"], "--target-pipeline-parallel-size must be >= 1, got 0"),
+        ("ok", ["--target-tensor-parallel-size", "-2"], "--target-tensor-parallel-size must be >= 1, got -2"),
+        (
+            "ok",
+            ["--target-virtual-pipeline-model-parallel-size", "0"],
+            "--target-virtual-pipeline-model-parallel-size must be >= 1, got 0",
+        ),
+        (
+            "ok",
+            ["--target-decoder-last-pipeline-num-layers", "-1"],
+            "--target-decoder-last-pipeline-num-layers must be >= 0, got -1",
+        ),
+    ],
+)
 def test_convert_refuses_bad_files_and_sizes_in_one_line(hf_folders, folder, flags, message, tmp_path, capsys):
     # convert.py's exit status for bad input is 1 (tests/unit/test_convert.py)
-    code, err = _main_error(convert_cli.main, ["--model-type", "GPT", "--loader", "hf", "--saver", "megalite",
-                                               "--load-dir", str(hf_folders / folder),
-                                               "--save-dir", str(tmp_path / "out"), *flags], capsys)
+    code, err = _main_error(
+        convert_cli.main,
+        [
+            "--model-type",
+            "GPT",
+            "--loader",
+            "hf",
+            "--saver",
+            "megalite",
+            "--load-dir",
+            str(hf_folders / folder),
+            "--save-dir",
+            str(tmp_path / "out"),
+            *flags,
+        ],
+        capsys,
+    )
     assert (code, err) == (1, [f"convert.py: error: {message.format(d=hf_folders)}"])
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp-convert").exists()

@@ -2,6 +2,7 @@
 converter (in a fresh interpreter), the messages that name the format, and pickled code in either of its
 pickles refused without running. (Against megatron-core itself: tests/distributed/test_torch_dist.py.)
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,18 @@ def test_torch_dist_bad_inputs_name_the_format(tmp_path):
     pickled code in either of its pickles refused without running."""
     t = make_trainer("llama")
     save_checkpoint(parts(t), str(tmp_path / "ml"))
-    p = _convert("--loader", "megalite", "--saver", "megatron", "--target-format", "torch_dist", "--load-dir",
-                 tmp_path / "ml", "--save-dir", tmp_path / "td")
+    p = _convert(
+        "--loader",
+        "megalite",
+        "--saver",
+        "megatron",
+        "--target-format",
+        "torch_dist",
+        "--load-dir",
+        tmp_path / "ml",
+        "--save-dir",
+        tmp_path / "td",
+    )
     assert p.returncode == 0, p.stderr
     td = tmp_path / "td" / "iter_0000000"
     # megalite's loader (converter and inference) sends the user to the one that reads it

@@ -1,4 +1,5 @@
 """LR schedule, gradient buffer, log line, mock data and sampler contracts (one process)."""
+
 import math
 import re
 
@@ -75,9 +76,20 @@ def test_grad_buffer_accumulates_bf16_grads_in_fp32_main_grad():
 
 def test_log_line_has_megatron_keys_in_order():
     line = format_log_line(10, 100, 160, 123.45, 1.23, 1e-4, 16, 2.5, 0.75, 0, 0, 5000.0, 65536.0)
-    keys = ["iteration", "consumed samples:", "elapsed time per iteration (ms):",
-            "throughput per GPU (TFLOP/s/GPU):", "learning rate:", "global batch size:", "lm loss:",
-            "loss scale:", "grad norm:", "number of skipped iterations:", "number of nan iterations:", "tokens per second:"]
+    keys = [
+        "iteration",
+        "consumed samples:",
+        "elapsed time per iteration (ms):",
+        "throughput per GPU (TFLOP/s/GPU):",
+        "learning rate:",
+        "global batch size:",
+        "lm loss:",
+        "loss scale:",
+        "grad norm:",
+        "number of skipped iterations:",
+        "number of nan iterations:",
+        "tokens per second:",
+    ]
     positions = [line.index(k) for k in keys]
     assert positions == sorted(positions)
     assert re.search(r" iteration +10/ +100 \| consumed samples: +160 \|", line)
@@ -99,7 +111,7 @@ def test_global_batch_union_is_layout_independent(mbs, dp):
     m = gbs // (mbs * dp)
     per_rank = [list(PretrainingSampler(64, 16, mbs, r, dp)) for r in range(dp)]
     for it in range(3):
-        union = sorted(i for r in range(dp) for mb in per_rank[r][it * m:(it + 1) * m] for i in mb)
+        union = sorted(i for r in range(dp) for mb in per_rank[r][it * m : (it + 1) * m] for i in mb)
         assert union == list(range(16 + it * gbs, 16 + (it + 1) * gbs))
 
 
@@ -109,13 +121,15 @@ def test_sampler_resumed_at_consumed_samples_reads_what_the_run_would_have(dp_ra
     resumed = list(PretrainingSampler(100, 40, 2, dp_rank, 2))
     assert resumed == full[10:]  # 40 consumed samples = 10 micro-steps of 2 x dp 2
     assert {i for mb in full for i in mb}.isdisjoint(
-        {i for mb in PretrainingSampler(100, 0, 2, 1 - dp_rank, 2) for i in mb})
+        {i for mb in PretrainingSampler(100, 0, 2, 1 - dp_rank, 2) for i in mb}
+    )
 
 
 def test_validation_follows_megatrons_plan():
     """Each evaluation reads the next eval_iters batches; the split is sized for all of them plus one."""
     from megalite.config import TrainConfig
-    from megalite.data.loading import validation_plan, valid_samples_before
+    from megalite.data.loading import valid_samples_before, validation_plan
+
     t = TrainConfig(train_iters=10, global_batch_size=4, eval_interval=3, eval_iters=2)
     assert validation_plan(t) == (40, (10 // 3 + 1) * 2 * 4, 2 * 4)
     # evaluations at 3, 6, 9 and at the end (10): each starts after the ones before
@@ -127,6 +141,7 @@ def test_mock_data_vocabulary_is_the_tokenizers_when_one_is_given():
     """--mock-data --vocab-size N: N ids; with --tokenizer-type NullTokenizer, Megatron's N + 1 (eod = N)."""
     from megalite.config.arguments import parse_args
     from megalite.data.loading import resolve_data
+
     assert resolve_data(parse_args(["--mock-data", "--vocab-size", "100"])).model.vocab_size == 100
     cfg = resolve_data(parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]))
     assert cfg.model.vocab_size == 101

@@ -4,6 +4,7 @@ Nothing waits for the first stage's input gradient (its input is token ids), so
 splitting its backward into B and W buys no schedule freedom and only costs the
 split's extra passes; its B must compute nothing and its W the whole backward.
 """
+
 import torch
 
 from megalite.parallel.state import ParallelState
@@ -37,8 +38,9 @@ def test_first_stage_backward_runs_whole_in_w_and_matches_a_plain_backward():
 
     trainer.optimizer.zero_grad(2)
     trainer.executor.run(actions, get_batch, 2)
-    assert between and all(float(g.abs().max()) == 0.0 for g in between.values()), \
+    assert between and all(float(g.abs().max()) == 0.0 for g in between.values()), (
         "the first stage's B computed gradients: its backward was split although nothing waits for it"
+    )
     split = _grads(trainer)
 
     plain, batches = _trainer_and_batches("1f1b")

@@ -1,4 +1,5 @@
 """The small tokenizer interface every tokenizer in megalite implements."""
+
 from __future__ import annotations
 
 import abc

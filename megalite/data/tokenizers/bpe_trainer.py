@@ -7,6 +7,7 @@ incrementally. The best pair is taken from a max-heap with lazy deletion:
 stale entries are skipped when their count no longer matches. Ties go to the
 lexicographically smallest pair, so training is deterministic.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -18,8 +19,7 @@ from typing import Iterable, Sequence
 
 import regex
 
-from megalite.data.tokenizers.gpt2_bpe import (EOT_TOKEN, GPT2_PATTERN, MERGES_HEADER,
-                                               bytes_to_unicode)
+from megalite.data.tokenizers.gpt2_bpe import EOT_TOKEN, GPT2_PATTERN, MERGES_HEADER, bytes_to_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -99,23 +99,27 @@ class _PairStats:
                 self.where.pop(p, None)
 
 
-def _early_stop_message(reached: int, wanted: int, merges: int, words: int,
-                        best: tuple[Pair, int] | None, min_frequency: int) -> str:
+def _early_stop_message(
+    reached: int, wanted: int, merges: int, words: int, best: tuple[Pair, int] | None, min_frequency: int
+) -> str:
     """One line: how far training got, why it stopped, what to do."""
-    head = (f"BPE stopped at a vocabulary of {reached} of the {wanted} requested after "
-            f"{merges} merges: ")
+    head = f"BPE stopped at a vocabulary of {reached} of the {wanted} requested after {merges} merges: "
     if best is None:
-        return head + (f"no pair left to merge (each of the corpus's {words} distinct words is "
-                       "already one token); give more text or ask for a smaller --vocab-size")
+        return head + (
+            f"no pair left to merge (each of the corpus's {words} distinct words is "
+            "already one token); give more text or ask for a smaller --vocab-size"
+        )
     times = "time" if best[1] == 1 else "times"
-    return head + (f"the most frequent remaining pair occurs {best[1]} {times}, below "
-                   f"--min-frequency {min_frequency} ({words} distinct words); give more text, "
-                   "lower --min-frequency or ask for a smaller --vocab-size")
+    return head + (
+        f"the most frequent remaining pair occurs {best[1]} {times}, below "
+        f"--min-frequency {min_frequency} ({words} distinct words); give more text, "
+        "lower --min-frequency or ask for a smaller --vocab-size"
+    )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
-              special_tokens: Sequence[str] = (EOT_TOKEN,)
-              ) -> tuple[dict[str, int], list[Pair]]:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, special_tokens: Sequence[str] = (EOT_TOKEN,)
+) -> tuple[dict[str, int], list[Pair]]:
     """Train a byte-level BPE; return (vocab token -> id, ordered merges).
 
     The vocabulary is the 256 byte symbols (GPT-2 order), then one token per
@@ -137,9 +141,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
     while len(vocab) < target:
         best = stats.pop_best()
         if best is None or best[1] < min_frequency:
-            logger.warning("%s", _early_stop_message(
-                len(vocab) + len(special_tokens), vocab_size, len(merges), len(words),
-                best, min_frequency))
+            logger.warning(
+                "%s",
+                _early_stop_message(
+                    len(vocab) + len(special_tokens), vocab_size, len(merges), len(words), best, min_frequency
+                ),
+            )
             break
         pair = best[0]
         new = pair[0] + pair[1]
@@ -149,8 +156,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
         stats.apply(pair, new, words, freqs)
     for tok in special_tokens:
         vocab.setdefault(tok, len(vocab))
-    logger.info("BPE: %d merges, vocabulary %d (%d distinct words)",
-                len(merges), len(vocab), len(words))
+    logger.info("BPE: %d merges, vocabulary %d (%d distinct words)", len(merges), len(vocab), len(words))
     return vocab, merges
 
 

@@ -5,6 +5,7 @@ is turned into bytes, each byte into one printable unicode character (so the
 vocabulary is plain JSON), and merges are applied lowest rank first. The same
 files load in HF ``tokenizers``' ByteLevelBPETokenizer and give the same ids.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,10 @@ import regex
 from megalite.data.tokenizers.base import Tokenizer
 
 # GPT-2's pre-tokenization pattern (contractions, letters, numbers, other, spaces).
-GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
-                r"""|\s+(?!\S)|\s+""")
+GPT2_PATTERN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
 EOT_TOKEN = "<|endoftext|>"
 MERGES_HEADER = "#version: 0.2"
 _CACHE_LIMIT = 65_536  # entries; bounds worker memory (~20 MB) on code-like text
@@ -33,8 +36,9 @@ def bytes_to_unicode() -> dict[int, str]:
     insertion order (printable bytes first) is the id order of the base
     vocabulary our trainer writes, as in GPT-2's own vocab.json.
     """
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -64,16 +68,19 @@ def read_merges(merge_file: str) -> list[tuple[str, str]]:
         try:
             lines = list(f)
         except UnicodeDecodeError:
-            raise ValueError(f"--merge-file {merge_file} is not UTF-8 text; give GPT-2's "
-                             "merges.txt (one 'a b' pair a line)") from None
+            raise ValueError(
+                f"--merge-file {merge_file} is not UTF-8 text; give GPT-2's merges.txt (one 'a b' pair a line)"
+            ) from None
     for lineno, line in enumerate(lines, 1):
         line = line.rstrip("\r\n")
         if (lineno == 1 and line.startswith("#version")) or not line:
             continue
         parts = line.split(" ")
         if len(parts) != 2:
-            raise ValueError(f"--merge-file {merge_file} line {lineno}: expected two symbols "
-                             f"separated by one space, got {line[:60]!r}; give GPT-2's merges.txt")
+            raise ValueError(
+                f"--merge-file {merge_file} line {lineno}: expected two symbols "
+                f"separated by one space, got {line[:60]!r}; give GPT-2's merges.txt"
+            )
         merges.append((parts[0], parts[1]))
     return merges
 
@@ -87,12 +94,17 @@ def read_vocab(vocab_file: str) -> dict[str, int]:
             # json's own message ("Expecting value: line 1 column 1") names no file
             reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
             where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-            raise ValueError(f"--vocab-file {vocab_file} is not JSON ({reason}{where}); give "
-                             "GPT-2's vocab.json (an object mapping each token to its id)") from None
+            raise ValueError(
+                f"--vocab-file {vocab_file} is not JSON ({reason}{where}); give "
+                "GPT-2's vocab.json (an object mapping each token to its id)"
+            ) from None
     if not isinstance(encoder, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()):
-        raise ValueError(f"--vocab-file {vocab_file} is JSON but not a vocabulary; give GPT-2's "
-                         "vocab.json (an object mapping each token to its integer id)")
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in encoder.items()
+    ):
+        raise ValueError(
+            f"--vocab-file {vocab_file} is JSON but not a vocabulary; give GPT-2's "
+            "vocab.json (an object mapping each token to its integer id)"
+        )
     return encoder
 
 
@@ -107,8 +119,9 @@ class GPT2BPETokenizer(Tokenizer):
     def __init__(self, vocab_file: str, merge_file: str):
         self.encoder: dict[str, int] = read_vocab(vocab_file)
         if EOT_TOKEN not in self.encoder:
-            raise ValueError(f"--vocab-file {vocab_file}: vocabulary has no {EOT_TOKEN} token "
-                             "(GPT2BPETokenizer's end-of-document)")
+            raise ValueError(
+                f"--vocab-file {vocab_file}: vocabulary has no {EOT_TOKEN} token (GPT2BPETokenizer's end-of-document)"
+            )
         self.decoder = {v: k for k, v in self.encoder.items()}
         self.bpe_ranks = {pair: i for i, pair in enumerate(read_merges(merge_file))}
         self.byte_encoder = bytes_to_unicode()

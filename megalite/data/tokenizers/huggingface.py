@@ -1,4 +1,5 @@
 """HuggingFaceTokenizer: a tokenizer.json (HF ``tokenizers``) or a local transformers dir."""
+
 from __future__ import annotations
 
 import os
@@ -24,18 +25,22 @@ class HuggingFaceTokenizer(Tokenizer):
         self._hf = None
         if os.path.isfile(json_path):
             from tokenizers import Tokenizer as HFTok
+
             self._tok = HFTok.from_file(json_path)
             vocab = self._tok.get_vocab(with_added_tokens=True)
         elif os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, n)) for n in _VOCAB_FILES):
-            raise ValueError(f"HuggingFaceTokenizer: {path} holds no tokenizer files ({', '.join(_VOCAB_FILES)}); "
-                             f"give --tokenizer-model a folder with them, or --tokenizer-type NullTokenizer "
-                             f"--vocab-size N for token ids")
+            raise ValueError(
+                f"HuggingFaceTokenizer: {path} holds no tokenizer files ({', '.join(_VOCAB_FILES)}); "
+                f"give --tokenizer-model a folder with them, or --tokenizer-type NullTokenizer "
+                f"--vocab-size N for token ids"
+            )
         else:
             try:
                 from transformers import AutoTokenizer
             except ImportError as e:
-                raise ValueError(f"HuggingFaceTokenizer: {path} has no tokenizer.json and "
-                                 "transformers is not installed") from e
+                raise ValueError(
+                    f"HuggingFaceTokenizer: {path} has no tokenizer.json and transformers is not installed"
+                ) from e
             self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
             vocab = self._hf.get_vocab()
         self._vocab_size = max(vocab.values()) + 1

@@ -1,4 +1,5 @@
 """NullTokenizer: text is already token ids, written as space-separated integers."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -32,8 +33,7 @@ class NullTokenizer(Tokenizer):
         ids = [int(tok) for tok in text.split()]
         for i in ids:
             if not 0 <= i <= self._n:
-                raise ValueError(f"NullTokenizer: id {i} outside [0, {self._n}] "
-                                 f"(--vocab-size {self._n})")
+                raise ValueError(f"NullTokenizer: id {i} outside [0, {self._n}] (--vocab-size {self._n})")
         return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:

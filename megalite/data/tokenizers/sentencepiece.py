@@ -6,6 +6,7 @@ pieces and recognizes them literally in text; eod is <EOD>.
 ``Llama2Tokenizer`` uses the model's own ids: every text starts with bos, eod
 is the model's eos, and the vocabulary is exactly the model's.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 def _load(model_file: str):
     import sentencepiece as spm  # optional dependency: only needed for these tokenizers
+
     if not os.path.isfile(model_file):
         if os.path.isdir(model_file):
             raise ValueError(f"--tokenizer-model {model_file} is a directory, not a file")
@@ -34,7 +36,8 @@ def _load(model_file: str):
         raise ValueError(
             f"--tokenizer-model {model_file} is not a SentencePiece model ({reason}); give the "
             f".model file written by SentencePiece's trainer (e.g. tools/train_tokenizer.py "
-            f"--type sentencepiece)") from None
+            f"--type sentencepiece)"
+        ) from None
 
 
 def _piece_or(sp, piece_id: int, fallback: str) -> str:
@@ -145,12 +148,10 @@ SP_MAX_SENTENCE_BYTES = 4192
 # Units a document is cut at, coarsest first: lines, then whitespace-ended words,
 # then characters. With split_by_whitespace (the default) no learned piece spans
 # whitespace, so cutting there loses no statistics.
-_CUT_LEVELS = (re.compile(r"[^\n]*\n|[^\n]+"), re.compile(r"\S*\s+|\S+"),
-               re.compile(r".", re.S))
+_CUT_LEVELS = (re.compile(r"[^\n]*\n|[^\n]+"), re.compile(r"\S*\s+|\S+"), re.compile(r".", re.S))
 
 
-def split_for_sentencepiece(text: str, max_bytes: int = SP_MAX_SENTENCE_BYTES,
-                            level: int = 0) -> Iterator[str]:
+def split_for_sentencepiece(text: str, max_bytes: int = SP_MAX_SENTENCE_BYTES, level: int = 0) -> Iterator[str]:
     """Cut ``text`` into pieces of at most ``max_bytes`` UTF-8 bytes that join back to it.
 
     Pieces are packed greedily from whole lines; a line longer than the limit
@@ -190,10 +191,12 @@ class SentencePieceInput:
     model: str = ""
 
     def summary(self) -> str:
-        return (f"SentencePiece trained on {self.documents} documents, {self.characters} "
-                f"characters ({self.bytes} bytes) fed as {self.pieces} pieces of <= "
-                f"{self.max_bytes} bytes ({self.split_documents} documents longer than that "
-                "were cut at line/whitespace boundaries, none dropped)")
+        return (
+            f"SentencePiece trained on {self.documents} documents, {self.characters} "
+            f"characters ({self.bytes} bytes) fed as {self.pieces} pieces of <= "
+            f"{self.max_bytes} bytes ({self.split_documents} documents longer than that "
+            "were cut at line/whitespace boundaries, none dropped)"
+        )
 
 
 def _pieces(texts: Iterable[str], stats: SentencePieceInput) -> Iterator[str]:
@@ -214,8 +217,9 @@ def _pieces(texts: Iterable[str], stats: SentencePieceInput) -> Iterator[str]:
             yield piece
 
 
-def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,
-                        model_type: str = "bpe") -> SentencePieceInput:
+def train_sentencepiece(
+    texts: Iterable[str], model_prefix: str, vocab_size: int, model_type: str = "bpe"
+) -> SentencePieceInput:
     """Train a SentencePiece model offline; return what it was fed (``.model`` is its path).
 
     Uses Llama's id layout (unk 0, bos 1, eos 2, no pad) and full character
@@ -225,6 +229,7 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     small for the corpus's characters.
     """
     import sentencepiece as spm
+
     stats = SentencePieceInput()
     pieces = _pieces(texts, stats)
     first = next(pieces, None)
@@ -234,23 +239,37 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=itertools.chain([first], pieces), model_prefix=tmp_prefix,
-            vocab_size=vocab_size, model_type=model_type, character_coverage=1.0,
-            byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            sentence_iterator=itertools.chain([first], pieces),
+            model_prefix=tmp_prefix,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=1.0,
+            byte_fallback=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
             # Llama's settings: text kept as it is (the default NFKC rule would fold newlines and
             # tabs into spaces, so decode(encode(text)) would lose them), digits split, runs of
             # spaces kept as pieces.
-            normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            split_digits=True,
             allow_whitespace_only_pieces=True,
-            max_sentence_length=stats.max_bytes, input_sentence_size=0,
-            hard_vocab_limit=False, minloglevel=2, num_threads=os.cpu_count() or 1)
+            max_sentence_length=stats.max_bytes,
+            input_sentence_size=0,
+            hard_vocab_limit=False,
+            minloglevel=2,
+            num_threads=os.cpu_count() or 1,
+        )
     except RuntimeError as e:
         need = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(e))
         if need:
             raise ValueError(
                 f"vocabulary size {need[1]} is too small for this corpus: 3 special tokens, "
                 f"256 byte-fallback pieces and its {int(need[2]) - 259} distinct characters "
-                f"need at least {need[2]}; raise --vocab-size") from None
+                f"need at least {need[2]}; raise --vocab-size"
+            ) from None
         raise RuntimeError(f"SentencePiece training failed: {str(e).splitlines()[0]}") from None
     for ext in (".vocab", ".model"):  # .model last: its presence means complete
         os.replace(tmp_prefix + ext, model_prefix + ext)
