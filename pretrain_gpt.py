@@ -29,6 +29,7 @@ from megalite.config.preflight import check_output_paths
 from megalite.data.loading import DatasetError, build_datasets, resolve_data
 from megalite.observability.hang_watch import start_hang_watch
 from megalite.observability.logging import setup_logging
+from megalite.observability.stop_line import say_stop, write_line
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer, TrainingStopped
 from megalite.training.faults import ExitConditions, ExitSignals, InjectedFault, restart_round, watch_launcher
@@ -36,8 +37,10 @@ from megalite.training.faults import ExitConditions, ExitSignals, InjectedFault,
 PROG = "pretrain_gpt.py"
 
 
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+def _error(message: str, knows: bool = True, chosen: bool = True) -> None:
+    """Why the job stops, said once for the whole job (observability.stop_line: under torchrun the first
+    rank that ``knows`` writes it; elsewhere the ``chosen`` rank does)."""
+    say_stop(f"{PROG}: error: {message}", knows=knows, chosen=chosen)
 
 
 def _is_comm_failure(e: RuntimeError) -> bool:
@@ -75,14 +78,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = resolve_data(parse_args(argv))
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        if rank == "0":  # every rank finds the same error: say it once
-            _error(str(e))
+        _error(str(e), chosen=rank == "0")  # every rank finds the same error: said once
         return 2
     try:
         check_output_paths(cfg)
     except ConfigError as e:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: paths may differ between nodes
-            _error(str(e))
+        _error(str(e), chosen=os.environ.get("LOCAL_RANK", "0") == "0")  # paths may differ between nodes
         return 2
     signals = ExitSignals(save_on_signal=cfg.train.exit_signal_handler).install()
     launcher = watch_launcher()
@@ -102,8 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first = first.split(". ")[0]  # gloo appends generic advice after the first sentence
         if signals.watch is not None:  # before the line: the ranks that can still talk name the culprit
             signals.watch.on_failure(f"rank {rank}: {first[:80]}")
-        _error(
-            f"rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
+        write_line(  # each rank that saw it: which ranks lost contact is part of the diagnosis
+            f"{PROG}: error: rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
             f"(a rank that died first has its own message above)"
         )
         return 1
@@ -122,8 +123,7 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     try:
         check_fault_injection(cfg.train, ps.world_size)
     except ConfigError as e:
-        if ps.rank == 0:
-            _error(str(e))
+        _error(str(e), chosen=ps.rank == 0)
         ps.destroy()
         return 2
     m = cfg.model
@@ -139,8 +139,7 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     )
     refused = plan_preflight(cfg, ps)  # --plan-check: a layout that cannot fit stops every rank, one line
     if refused is not None:
-        if refused.report:
-            _error(str(refused))
+        _error(str(refused), knows=refused.report)
         ps.destroy()
         return 2
     trainer = Trainer(cfg, ps)
@@ -148,13 +147,11 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
         try:
             loaded = trainer.checkpointer.load()
         except CheckpointError as e:
-            if getattr(e, "report", True):  # the rank that knows says it; the others follow silently
-                _error(str(e))
+            _error(str(e), knows=getattr(e, "report", True))  # the others wait for its line
             ps.destroy()
             return 2
         if loaded is None and cfg.train.skip_train and cfg.checkpoint.load:  # every rank finds the same
-            if ps.rank == 0:
-                _error(f"--skip-train: --load {cfg.checkpoint.load} holds no checkpoint to evaluate")
+            _error(f"--skip-train: --load {cfg.checkpoint.load} holds no checkpoint to evaluate", chosen=ps.rank == 0)
             ps.destroy()
             return 2
     if restart_round() > 0:  # torchrun --max-restarts started this round after a failed one
@@ -166,8 +163,7 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     try:
         datasets = build_datasets(cfg, ps)
     except DatasetError as e:  # bad data files, split or caches: every rank stops, one says why
-        if e.report:
-            _error(str(e))
+        _error(str(e), knows=e.report)
         ps.destroy()
         return 2
     try:
@@ -178,13 +174,11 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
             test_ds=datasets.test,
         )
     except TrainingStopped as e:
-        if e.report:  # the rank that knows the problem says it once
-            _error(str(e))
+        _error(str(e), knows=e.report)  # the rank that knows the problem says it once
         ps.destroy()
         return 1
     except CheckpointError as e:  # a save failed (a full disk...): latest still names the previous checkpoint
-        if getattr(e, "report", True):
-            _error(str(e))
+        _error(str(e), knows=getattr(e, "report", True))
         ps.destroy()
         return 1
     ps.destroy()

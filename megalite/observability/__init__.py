@@ -5,5 +5,6 @@ and timeline), ``flight_recorder.py`` (one per-rank ring of actions, transfers, 
 phases; held by the ParallelState), ``hang_watch.py`` + ``diagnosis.py`` (the watch thread, the store
 side channel and the diagnosis read from the rings), ``stragglers.py`` (per-rank compute gathered at
 each log line), ``profiling.py`` (torch.profiler, CUDA memory snapshots, wandb), ``throughput.py``
-(FLOPs from the model spec, MFU, GPU memory). Nothing here changes what a step computes.
+(FLOPs from the model spec, MFU, GPU memory), ``stop_line.py`` (why a job stopped, said once for the
+whole job, whichever rank gets there first). Nothing here changes what a step computes.
 """

@@ -185,6 +185,19 @@ def elastic_round_store(world_size: int, timeout: timedelta) -> Optional["dist.S
     )
 
 
+def job_store(timeout_s: float = 5.0) -> Optional["dist.Store"]:
+    """This restart round's view of torchrun's store, reachable before any process group exists, or None
+    (not under torchrun's agent store, or the store cannot be reached within ``timeout_s``).
+
+    A side channel every rank of a torchrun job shares from its first line on: the line that says why
+    the job stopped is claimed there, so it is written once whichever rank gets there first.
+    """
+    try:
+        return elastic_round_store(int(os.environ.get("WORLD_SIZE", "1")), timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, KeyError, OSError):  # no store to share: each rank decides alone
+        return None
+
+
 class ParallelState:
     """This rank's place in the (tp, cp, dp, pp) grid (and the experts' grid), its process groups
     and its flight recorder.

@@ -13,9 +13,12 @@ import sys
 
 import pytest
 
+from megalite.checkpointing.save_lock import release_save_locks
 from tests.helpers import REPO
 from tests.helpers.bad_inputs import DATA, MOCK, _argv, write_data_dir
 from tests.helpers.pretrain_cli import TINY, _losses
+
+SLOW_RANK0 = os.path.join("tests", "helpers", "slow_rank0.py")  # rank 0 starts 5 s late
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_torchrun_tp2_dp2_matches_single_process(launch):
         assert abs(x - y) <= 1e-5 * abs(x), (a, b)
 
 
-def _torchrun(launch, nproc, argv):
+def _torchrun(launch, nproc, argv, wrapper=()):
     return launch(
         [
             sys.executable,
@@ -67,6 +70,7 @@ def _torchrun(launch, nproc, argv):
             "--standalone",
             "--nproc-per-node",
             str(nproc),
+            *wrapper,
             "pretrain_gpt.py",
             "--num-threads",
             "1",
@@ -79,12 +83,35 @@ def _torchrun(launch, nproc, argv):
     )
 
 
-def test_bad_flag_under_torchrun_is_said_once(launch):
-    proc = _torchrun(launch, 2, MOCK + ["--hidden-dropout", "1.5"])
+def test_bad_flag_under_torchrun_is_said_once_when_rank_0_is_slow(launch):
+    """Rank 0 starts 5 s late: the other ranks exit on the flag first and torchrun stops rank 0 (which
+    was the only rank to say it: the job ended with exit codes only); now the first rank says it."""
+    proc = _torchrun(launch, 3, MOCK + ["--hidden-dropout", "1.5"], wrapper=[SLOW_RANK0])
     assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py:")]
-    assert ours == ["pretrain_gpt.py: error: --hidden-dropout must be in [0, 1), got 1.5"]
+    ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py:" in line]
+    assert ours == ["pretrain_gpt.py: error: --hidden-dropout must be in [0, 1), got 1.5"], proc.stderr[-3000:]
     assert "[rank" not in proc.stderr  # no per-rank traceback
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_read_by_two_replicas_is_said_once(tmp_path, launch):
+    """At dp2 both replicas read the same damaged shard: it was said by each (two copies, at times glued
+    on one line); now once, on its own line."""
+    import pretrain_gpt
+
+    ck = tmp_path / "ck"
+    run = MOCK + ["--eval-iters", "0", "--num-threads", "1", "--lr-warmup-iters", "1", "--train-iters", "2"]
+    assert pretrain_gpt.main(run + ["--save", str(ck)]) == 0
+    release_save_locks()
+    shard = ck / "iter_0000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[1000:200000:7] = bytes(b ^ 0xFF for b in data[1000:200000:7])
+    shard.write_bytes(data)
+    proc = _torchrun(launch, 2, run + ["--load", str(ck)])
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py:" in line]
+    assert len(ours) == 1 and ours[0].count("pretrain_gpt.py:") == 1, proc.stderr[-3000:]
+    assert ours[0].startswith(f"pretrain_gpt.py: error: {shard}: ") and "the checkpoint is damaged" in ours[0]
 
 
 def test_out_of_vocabulary_ids_stop_every_rank_the_same_way_at_tp2(data_dir, launch):
