@@ -16,9 +16,11 @@ set -euo pipefail
 NNODES=${NNODES:-1}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 
-# Launcher: c10d rendezvous at node 0 (on one node: localhost).
+# Launcher: c10d rendezvous at node 0 (on one node: localhost); a node not there within RDZV_TIMEOUT seconds
+# (default 300) ends the job with torchrun's RendezvousTimeoutError instead of 600 s of silence.
 LAUNCH_ARGS=(--nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$GPUS_PER_NODE"
-             --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}")
+             --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}"
+             --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-300}")
 
 # Data: preprocessed corpus or synthetic tokens (GPT-2 vocabulary size).
 if [ -n "${DATA_PREFIX:-}" ]; then

@@ -13,6 +13,10 @@
 #
 # A rank that dies makes torchrun restart the workers on every node (up to MAX_RESTARTS times, default 3);
 # they resume from the latest checkpoint in CHECKPOINT_DIR, which every node must see (a shared file system).
+# A node that is lost (or never started) leaves the others waiting in torchrun's rendezvous after their
+# error lines, RDZV_TIMEOUT seconds (default 300: the time to start every node), then torchrun ends with
+# RendezvousTimeoutError. Ctrl-C ends it sooner; run the command on every node again to resume from
+# CHECKPOINT_DIR (with another NNODES too: the sharded checkpoint loads at any data-parallel size).
 set -euo pipefail
 NNODES=${NNODES:?set NNODES (number of nodes)}
 NODE_RANK=${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}
@@ -25,7 +29,7 @@ CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/gpt-350m}
 # Launcher: one torchrun per node, GPUS_PER_NODE processes each; the job id keeps two jobs apart.
 LAUNCH_ARGS=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
              --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${JOB_ID:-megalite}"
-             --max-restarts "$MAX_RESTARTS")
+             --max-restarts "$MAX_RESTARTS" --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-300}")
 
 # Data: preprocessed corpus or synthetic tokens.
 if [ -n "${DATA_PREFIX:-}" ]; then

@@ -18,6 +18,9 @@
 # A rank that dies makes torchrun restart the workers on every node (up to MAX_RESTARTS times, default 3);
 # they resume from the latest checkpoint in CHECKPOINT_DIR (shared by the nodes). A resubmitted job resumes
 # from it too.
+# A lost node leaves the others waiting in torchrun's rendezvous after their error lines, RDZV_TIMEOUT seconds
+# (default 120: srun starts every node at once), then torchrun ends with RendezvousTimeoutError and the job
+# step fails; scancel ends it sooner, and resubmitting resumes from CHECKPOINT_DIR.
 set -euo pipefail
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
@@ -32,7 +35,7 @@ REPO=${REPO:-${SLURM_SUBMIT_DIR:-.}}
 # Launcher: srun starts one torchrun per node (--ntasks-per-node=1); c10d rendezvous keyed by the job id.
 LAUNCH_ARGS=(--nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE"
              --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
-             --max-restarts "$MAX_RESTARTS")
+             --max-restarts "$MAX_RESTARTS" --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-120}")
 
 # Data: preprocessed corpus or synthetic tokens.
 if [ -n "${DATA_PREFIX:-}" ]; then

@@ -135,3 +135,19 @@ def test_launch_scripts_restart_and_resume(name, tmp_path):
     launcher, flags = argv[:script_at], argv[script_at + 1 :]
     assert launcher[launcher.index("--max-restarts") + 1] == "5"
     assert flags[flags.index("--save") + 1] == flags[flags.index("--load") + 1] == "/ck"
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt3_1.3b.sh", "llama2_7b.sh", "pretrain_gpt_multi_node.sh", "pretrain_gpt_slurm.sh"]
+)
+def test_c10d_launches_set_a_rendezvous_timeout(name, tmp_path):
+    """A lost node left the survivors of a --max-restarts round waiting silently in torchrun's rendezvous for
+    its 600 s default: every c10d launch sets join_timeout, RDZV_TIMEOUT seconds (the script's comment says
+    what the user sees then)."""
+    env, _ = CASES[name]
+    for given, expected in ((None, "120" if name == "pretrain_gpt_slurm.sh" else "300"), ("45", "45")):
+        argv = _launch(REPO / "examples" / name, {**env, **({"RDZV_TIMEOUT": given} if given else {})}, tmp_path)
+        launcher = argv[: next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))]
+        assert launcher[launcher.index("--rdzv-backend") + 1] == "c10d"
+        assert launcher[launcher.index("--rdzv-conf") + 1] == f"join_timeout={expected}"
+    assert "RendezvousTimeoutError" in (REPO / "examples" / name).read_text()
