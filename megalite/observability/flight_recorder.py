@@ -65,8 +65,10 @@ class FlightRecorder:
         """Start an event; returns its id (-1 when recording is off)."""
         if not self.enabled:
             return -1
-        i = next(self._ids)  # atomic under the GIL: a paired forward records from a second thread
-        self._next = max(self._next, i + 1)
+        # next() on a count is atomic under the GIL: a paired forward records from a second thread, and two
+        # events must never share a slot (_next, read by events(), may lag one event behind in such a race)
+        i = next(self._ids)
+        self._next = i + 1
         s = self._slots[i % self.capacity]
         s[_KIND], s[_FIELDS], s[_START], s[_END] = kind, fields, time.time(), None
         s[_ID] = i  # last: a reader on another thread sees either the old event or the whole new one
