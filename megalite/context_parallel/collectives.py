@@ -39,7 +39,7 @@ def _all_to_all(x: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
     """x [CP, ...]: part j goes to CP rank j; returns y [CP, ...] with part j from CP rank j."""
     x = x.contiguous()
     y = torch.empty_like(x)
-    dist.all_to_all_single(y, x, group=cp.group)
+    cp.collective(dist.all_to_all_single, y, x)
     return y
 
 

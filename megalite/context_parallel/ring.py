@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -55,18 +55,20 @@ class RingTiming:
 timing: Optional[RingTiming] = None  # off unless a benchmark sets it
 
 
-def exchange(cp: AxisGroup, send: torch.Tensor, recv: torch.Tensor, tag: int) -> List:
-    """Start sending ``send`` to the next CP rank and receiving ``recv`` from the previous one."""
+def exchange(cp: AxisGroup, send: torch.Tensor, recv: torch.Tensor, tag: int):
+    """Start sending ``send`` to the next CP rank and receiving ``recv`` from the previous one; the handle
+    waits for both. Recorded as a collective of the CP group (every member exchanges in the same order),
+    so a rank stuck in the ring names the rank it waits for."""
     nxt, prv = cp.ranks[(cp.rank + 1) % cp.size], cp.ranks[(cp.rank - 1) % cp.size]
-    return dist.batch_isend_irecv(
+    works = dist.batch_isend_irecv(
         [dist.P2POp(dist.isend, send, nxt, cp.group, tag), dist.P2POp(dist.irecv, recv, prv, cp.group, tag)]
     )
+    return cp.started("ring_exchange", works)
 
 
-def _wait(works: List) -> None:
+def _wait(works) -> None:
     t0 = time.perf_counter()
-    for w in works:
-        w.wait()
+    works.wait()
     if timing is not None:
         timing.wait_s += time.perf_counter() - t0
 

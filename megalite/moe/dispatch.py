@@ -57,7 +57,7 @@ def all_to_all(x: torch.Tensor, group: AxisGroup, send: List[int], recv: List[in
         return x
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, recv, send, group=group.group)
+    group.collective(dist.all_to_all_single, out, x, recv, send)
     return out
 
 

@@ -101,7 +101,7 @@ def update_expert_bias(chunks, ps: ParallelState, rate: Optional[float] = None) 
 
     loads = torch.stack([m.router.local_tokens_per_expert.to(ps.device).float() for m in layers])
     if ps.stage.size > 1:
-        dist.all_reduce(loads, group=ps.stage.group)
+        ps.stage.collective(dist.all_reduce, loads)
     for m, load in zip(layers, loads):
         r = m.cfg.moe_router_bias_update_rate if rate is None else rate
         with torch.no_grad():

@@ -58,7 +58,7 @@ def sum_over(t: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Sum of ``t`` over ``group`` (no gradient: counts)."""
     if group.size > 1:
         t = t.clone()
-        dist.all_reduce(t, group=group.group)
+        group.collective(dist.all_reduce, t)
     return t
 
 

@@ -18,6 +18,11 @@ than the neighbour's schedule receives (sends). One sentence says it, e.g.::
     rank 3 (stage 1, dp 1) stopped progressing in F micro-batch 5 chunk 0 (busy in it for 41 s ...);
     rank 1 waits for it in recv from rank 3 (F micro-batch 5), rank 2 in all_reduce #812 (dp group)
 
+The collectives inside the model (tensor and sequence parallel, the CP ring's exchanges and its
+all-gather/all-to-all, the MoE dispatch) are recorded by their AxisGroup, so a rank stuck inside a
+layer is named with the TP/CP/EP collective its peers wait in (``all_reduce #12 (tp group)``,
+``ring_exchange #3 (cp group)``).
+
 Used at runtime (megalite.observability.hang_watch) and offline on the dumped files (tools/diagnose.py): the same
 function, so both say the same.
 """
@@ -94,7 +99,8 @@ class Diagnosis:
             posted = self.snaps.get(p, {}).get("sent" if e["on"] == "recv" else "received", {}).get(str(rank), -1)
             return [p] if posted <= e.get("n", 0) else []  # the peer posted its side: the transfer is in flight
         if e.get("on") == "coll":
-            members = self.snaps[rank].get("groups", {}).get(e.get("group"), [])
+            groups, name = self.snaps[rank].get("groups", {}), str(e.get("group"))
+            members = groups.get(name) or groups.get(name.split("/")[0], [])  # tp/shadow: tp's members
             return [
                 q
                 for q in members
@@ -115,7 +121,7 @@ class Diagnosis:
 
     def culprits(self) -> List[int]:
         """Ranks the blocked ranks end up waiting for: the silent ones, else the running ones (a rank waiting
-        inside a computation for a silent one, e.g. in an unrecorded tensor-parallel collective, looks busy)."""
+        for a silent one in a wait nobody records looks busy; the model's TP/CP/EP collectives are recorded)."""
         found = set()
         for r in self.blocked:
             found.update(q for q in self._reachable(r) if q not in self.blocked)

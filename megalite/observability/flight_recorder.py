@@ -9,8 +9,10 @@
              send / recv    a posted transfer: peer (global rank), what (F|B), mb, stage, run, n
                             (n: the transfer's ordinal between this pair, in this direction)
              wait           this rank blocks: on a recv/send (peer ...) or a collective (group, seq)
-             coll           a collective: op, group (its name: dp, pp, tp, world ...), seq (per group,
-                            from 1, counted on every member alike), async
+             coll           a collective: op, group (its name: dp, pp, tp, cp, ep, expert_mp, world ...;
+                            ``tp/shadow``: a paired forward's second communicator), seq (per group, from
+                            1, counted on every member alike), async. The model's own collectives (TP/SP,
+                            CP ring/all-gather/all-to-all, MoE dispatch) are recorded by their AxisGroup
              phase          an iteration phase: data, schedule, grad reduce, optimizer, checkpoint,
                             evaluation ... (``enter_phase`` marks the top level, ``phase()`` nests)
 
@@ -27,6 +29,7 @@ rank's groups already receives; start_hang_watch sizes it from --flight-recorder
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -47,6 +50,7 @@ class FlightRecorder:
         self.enabled = self.capacity > 0
         self._slots: List[list] = [[-1, None, None, 0.0, None] for _ in range(self.capacity)]
         self._next = 0
+        self._ids = itertools.count()
         self._wait = -1  # the latest wait event: what the hang watch checks against the timeout
         self.seq: Dict[str, int] = {}  # collectives started per group name
         self.sent: Dict[int, int] = {}  # sends posted per peer (global rank)
@@ -61,7 +65,9 @@ class FlightRecorder:
         """Start an event; returns its id (-1 when recording is off)."""
         if not self.enabled:
             return -1
-        i = self._next
+        # next() on a count is atomic under the GIL: a paired forward records from a second thread, and two
+        # events must never share a slot (_next, read by events(), may lag one event behind in such a race)
+        i = next(self._ids)
         self._next = i + 1
         s = self._slots[i % self.capacity]
         s[_KIND], s[_FIELDS], s[_START], s[_END] = kind, fields, time.time(), None
@@ -101,6 +107,11 @@ class FlightRecorder:
         self.done(w)
         self.done(eid)
         return out
+
+    def started(self, op: str, group: str, works: list) -> "_RecordedWork":
+        """Transfers ``works`` already posted on ``group`` (the CP ring's send/recv pair), recorded as one
+        asynchronous collective ``op``; the handle's ``wait()`` waits for all of them (recorded)."""
+        return _RecordedWork(works, self, self.collective(op, group, True))
 
     def transfer(self, op: str, peer: int, what: str, mb: int, stage: int) -> int:
         """A posted send or recv to/from global rank ``peer`` (its ordinal between the pair is stamped)."""
@@ -200,7 +211,10 @@ class _RecordedWork:
 
     def wait(self, *args, **kwargs):
         w = self._rec.wait_on(self._eid)
-        out = self._work.wait(*args, **kwargs)
+        if isinstance(self._work, list):  # started(): several transfers, one wait
+            out = [work.wait(*args, **kwargs) for work in self._work]
+        else:
+            out = self._work.wait(*args, **kwargs)
         self._rec.done(w)
         self._rec.done(self._eid)
         return out

@@ -103,6 +103,8 @@ class AxisGroup:
     shadow: Optional["dist.ProcessGroup"] = None  # the same members' second communicator (shadow_groups)
     # the owning ParallelState's per-thread flags (.shadow: inside its shadow_groups on this thread)
     threads: Optional[threading.local] = field(default=None, repr=False, compare=False)
+    name: str = ""  # the axis name (tp, cp, ep ...): the flight recorder's group of these collectives
+    recorder: Optional[FlightRecorder] = field(default=None, repr=False, compare=False)  # ps.recorder
 
     @property
     def group(self) -> Optional["dist.ProcessGroup"]:
@@ -114,6 +116,40 @@ class AxisGroup:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def label(self) -> str:
+        """The recorder's name of the communicator this thread uses: the shadow one counts its own
+        sequence (a forward beside a backward on another thread orders its collectives independently)."""
+        return self.name + "/shadow" if self.group is not self.handle else self.name
+
+    def collective(self, fn, *args, **kwargs):
+        """``fn(*args, group=<this thread's communicator>, **kwargs)``, recorded in the flight recorder as
+        a collective of this group (per-group sequence number; its wait, or the handle's, recorded), so a
+        hang inside the model names the collective and the members it waits for."""
+        if self.recorder is None:
+            return fn(*args, group=self.group, **kwargs)
+        return self.recorder.call(self.label, fn, *args, group=self.group, **kwargs)
+
+    def started(self, op: str, works: list):
+        """Record point-to-point ``works`` already posted on this group (e.g. the CP ring's exchange) as
+        collective ``op``; the returned handle's ``wait()`` waits for all of them, recorded."""
+        if self.recorder is None:
+            return _Works(works)
+        return self.recorder.started(op, self.label, works)
+
+
+class _Works:
+    """Posted transfers waited for together (no recorder)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 def dense_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> RankGrid:
@@ -279,12 +315,13 @@ class ParallelState:
         for name, shares in declared:
             partition = self._partition(name)
             same = [a for a in shares if self._partition(a) == partition]
-            if same:  # decided from the whole partition, never this rank's own group: every rank agrees
-                self.axes[name] = self.axes[same[0]]
-                continue
-            handle = self._new_groups(partition)
+            # decided from the whole partition, never this rank's own group: every rank agrees. A shared
+            # communicator still gets an AxisGroup of its own, named for the recorder (ep, not tp)
+            handle = self.axes[same[0]].handle if same else self._new_groups(partition)
             ranks = next((g for g in partition if self.rank in g), [self.rank])  # embedding: not every rank
-            self.axes[name] = AxisGroup(ranks, ranks.index(self.rank), handle, threads=self._threads)
+            self.axes[name] = AxisGroup(
+                ranks, ranks.index(self.rank), handle, threads=self._threads, name=name, recorder=self.recorder
+            )
 
     def init_shadow_groups(self) -> None:
         """A second communicator for each group a forward computes with (idempotent; every rank calls it

@@ -144,7 +144,7 @@ class PipelineExecutor:
             st.p2p, start = st.p2p + (now - start), now
             event = recorder.record(action.kind, mb=action.mb, chunk=action.chunk, run=recorder.run)
             if fault is not None:
-                fault.during(action)
+                fault.during(action, self.chunks[action.chunk])
             if action.kind == "F":
                 self._forward(
                     action, get_batch, num_microbatches, forward_only, inputs, outputs, p2p.payloads, received, st

@@ -13,8 +13,8 @@ the region are split along the sequence (dim 0) and the pair becomes::
 
     gather_from_sequence_parallel_region      fwd: all-gather (0)     bwd: reduce-scatter (0)
     reduce_scatter_to_sequence_parallel_region fwd: reduce-scatter (0) bwd: all-gather (0)
- With a group of size 1 every function is the
-identity, so the single-process model runs the same code.
+With a group of size 1 every function is the identity, so the single-process model runs the same
+code. Every collective goes through its AxisGroup (``g.collective``): the flight recorder sees it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     if g.size == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=g.group)
+    g.collective(dist.all_reduce, x)
     return x
 
 
@@ -48,7 +48,7 @@ def _gather_last(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(g.size)]
-    dist.all_gather(parts, x, group=g.group)
+    g.collective(dist.all_gather, parts, x)
     return torch.cat(parts, dim=-1)
 
 
@@ -58,7 +58,7 @@ def all_gather_first(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * g.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_flat(out, x, group=g.group)
+    g.collective(all_gather_flat, out, x)
     return out
 
 
@@ -68,7 +68,7 @@ def reduce_scatter_first(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] // g.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_flat(out, x, group=g.group)
+    g.collective(reduce_scatter_flat, out, x)
     return out
 
 

@@ -21,7 +21,7 @@ from megalite.parallel.state import AxisGroup
 
 def _all_reduce(x: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if g.size > 1:
-        dist.all_reduce(x, op=op, group=g.group)
+        g.collective(dist.all_reduce, x, op=op)
     return x
 
 

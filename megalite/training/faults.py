@@ -22,7 +22,8 @@ its process group on keys of its own (parallel_state.elastic_round_store) and re
 
     kill         the rank dies (SIGKILL) as the iteration begins
     exception    it raises an error (one line, exit 1)
-    hang         its first forward of the iteration computes without end (it still answers the watch)
+    hang         its first forward of the iteration computes without end inside its first layer (it still
+                 answers the watch; its TP/CP/EP peers block in the layer's collectives)
     skip-send    its schedule for the iteration lacks its first send: a deadlock through a bad schedule
 """
 
@@ -211,16 +212,30 @@ class ScheduleFault:
                 break
         return out
 
-    def during(self, action) -> None:
-        """hang: the first forward of the run computes without end (as a stuck kernel or loop would)."""
-        if self.kind == "hang" and action.kind == "F":
-            _stderr(
-                f"pretrain_gpt.py: {self.what}: this rank computes without end in F micro-batch {action.mb} "
-                f"chunk {action.chunk}"
+    def during(self, action, chunk: Optional[torch.nn.Module] = None) -> None:
+        """hang: the first forward of the run computes without end inside its chunk's first layer (as a
+        stuck kernel or loop would), after the collectives before it (the embedding's) and before the
+        layer's own (TP, SP, CP, EP): its peers block in those. A chunk without layers hangs at once."""
+        if self.kind != "hang" or action.kind != "F":
+            return
+        layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+        where = f"F micro-batch {action.mb} chunk {action.chunk}"
+        if not layers:
+            _hang(f"pretrain_gpt.py: {self.what}: this rank computes without end in {where}")
+        name, layer = next(iter(layers.items()))
+        layer.register_forward_pre_hook(
+            lambda module, args: _hang(
+                f"pretrain_gpt.py: {self.what}: this rank computes without end in {where}, layer {name}"
             )
-            x = torch.full((64, 64), 0.01)
-            while True:
-                x = torch.tanh(x @ x + 0.01)
+        )
+
+
+def _hang(line: str) -> None:
+    """Say ``line`` and compute forever (the watch thread still answers: torch releases the GIL)."""
+    _stderr(line)
+    x = torch.full((64, 64), 0.01)
+    while True:
+        x = torch.tanh(x @ x + 0.01)
 
 
 def inject_fault(train_cfg, iteration: int, rank: int, executor=None) -> None:

@@ -1,6 +1,8 @@
 """A hung job names the rank it waits for: a stopped rank, a killed rank, a rank whose schedule skips a send
 and a rank in an endless computation, each in the one printed diagnosis and again by tools/diagnose.py from the
-files the ranks wrote. SIGUSR1 to every rank of a healthy job prints one diagnosis and the job goes on. Four pp 2 torchrun jobs at once (the killed rank's has dp 2 as well),
+files the ranks wrote. SIGUSR1 to every rank of a healthy job prints one diagnosis and the job goes on. Four pp 2
+torchrun jobs at once (the killed rank's has dp 2 as well) and a tp 2 x cp 2 one whose rank 1 hangs inside a layer,
+named with the tensor- and context-parallel collectives its peers wait in (issue 33),
 --distributed-timeout-minutes 0.2 (about 1.5 min on 2 loaded cores).
 """
 
@@ -80,6 +82,16 @@ def test_hung_stopped_killed_and_deadlocked_ranks_are_named(tmp_path, torchrun_j
         "hang",
         ["--inject-fault-at-iteration", "3", "--inject-fault-rank", "1", "--inject-fault-kind", "hang"],
     )
+    # the hang inside a layer at tp 2 x cp 2: its tp peer waits in the layer's all-reduce, its cp peer in the ring
+    layer = _start(
+        torchrun_job,
+        tmp_path,
+        "layer",
+        ["--pipeline-model-parallel-size", "1", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+        + ["--attention-dropout", "0", "--inject-fault-at-iteration", "3", "--inject-fault-rank", "1"]
+        + ["--inject-fault-kind", "hang"],
+        nproc=4,
+    )
     victims = []
     for job, sig in ((stopped, signal.SIGSTOP), (killed, signal.SIGKILL)):
         job.wait_training()
@@ -94,7 +106,7 @@ def test_hung_stopped_killed_and_deadlocked_ranks_are_named(tmp_path, torchrun_j
         victims.append(sorted(job.workers())[1])  # rank 1 (torchrun starts the ranks in order)
         os.kill(victims[-1], sig)
     try:
-        for job in (stopped, killed, skip, hang):
+        for job in (stopped, killed, skip, hang, layer):
             _wait_for_diagnosis(job)
     finally:
         _kill(victims[:1])  # the stopped rank, whatever happened to its job
@@ -143,5 +155,12 @@ def test_hung_stopped_killed_and_deadlocked_ranks_are_named(tmp_path, torchrun_j
     )
     assert len(_printed(hang)) == 1 and busy.fullmatch(_printed(hang)[0]), hang.err.read_text()
     assert busy.fullmatch(_offline(hang))
-    for job in (skip, hang):
+    inside = re.compile(
+        r"rank 1 \(stage 0, dp 0, tp 1, cp 0\) stopped progressing in F micro-batch 0 chunk 0 \(busy in it for \d+ "
+        r"s and still answering: a long or endless computation or loop\); rank 0 waits for it in all_reduce #\d+ "
+        r"\(tp group\), rank 3 in ring_exchange #\d+ \(cp group\); behind them rank 2 in all_reduce #\d+ \(tp group\)"
+    )
+    assert len(_printed(layer)) == 1 and inside.fullmatch(_printed(layer)[0]), layer.err.read_text()
+    assert inside.fullmatch(_offline(layer))
+    for job in (skip, hang, layer):
         assert job.no_rank_traceback(), job.err.read_text()

@@ -262,3 +262,42 @@ def test_each_parallel_state_holds_its_own_recorder():
     kinds = [e["kind"] for e in trainer.ps.recorder.events()]
     assert kinds == ["phase", "F", "B", "F", "B", "phase", "phase"] and trainer.ps.recorder.run == 1
     assert other.recorder.events() == [] and other.recorder is not trainer.ps.recorder
+
+
+class _Work:
+    """A posted transfer's handle: counts its waits."""
+
+    waits = 0
+
+    def wait(self):
+        _Work.waits += 1
+
+
+def test_an_axis_group_records_its_collectives_and_a_paired_forward_counts_its_own():
+    """AxisGroup.collective records on ps.recorder under the axis name; on the second communicator (a paired
+    forward's thread) as ``<axis>/shadow``, whose members the diagnosis reads from the axis; started() (the CP
+    ring's send/recv pair) is one collective with one recorded wait for all its transfers."""
+    import threading
+
+    from megalite.parallel.state import AxisGroup
+
+    recs, threads = [FlightRecorder(32), FlightRecorder(32)], threading.local()
+    g = AxisGroup([0, 1], 0, handle="main", shadow="second", threads=threads, name="tp", recorder=recs[0])
+    assert g.collective(lambda x, group=None: (x, group), 1) == (1, "main") and g.label == "tp"
+    g.started("ring_exchange", [_Work(), _Work()]).wait()
+    assert _Work.waits == 2 and [e["kind"] for e in recs[0].events()] == ["coll", "wait", "coll", "wait"]
+    assert all(e["end"] is not None for e in recs[0].events()) and recs[0].seq == {"tp": 2}
+    threads.shadow = True
+    assert g.collective(lambda x, group=None: group, 1) == "second" and g.label == "tp/shadow"
+    recs[0].wait_on(recs[0].collective("all_gather", g.label))  # rank 0 blocks in the paired forward's #2
+    recs[1].record("F", mb=1, chunk=0)  # rank 1 computes, its forward's collectives at #1
+    recs[1].collective("all_gather", "tp/shadow")
+    snaps = {}
+    for r, rec in enumerate(recs):
+        s = rec.snapshot()
+        grid, groups = {"tp": 2, "cp": 1, "dp": 1, "pp": 1}, {"tp": [0, 1], "world": [0, 1]}
+        snaps[r] = {**s, "rank": r, "grid": grid, "groups": groups, "time": s["time"] + 30, "world_size": 2}
+    assert diagnose(snaps, 2) == (
+        "rank 1 (stage 0, dp 0, tp 1) stopped progressing in F micro-batch 1 chunk 0 (busy in it for 30 s and still "
+        "answering: a long or endless computation or loop); rank 0 waits for it in all_gather #2 (tp/shadow group)"
+    )

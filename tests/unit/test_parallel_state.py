@@ -89,7 +89,8 @@ def test_cp1_is_the_old_grid_and_shares_dp_communicator():
         g = grid_groups(world, tp, pp)
         assert g["dp_cp"] == g["dp"] and g["cp"] == [[r] for r in range(world)]
     ps = ParallelState(16, rank=13, tp=2, pp=4, create_groups=False)
-    assert ps.dp_cp is ps.dp and ps.cp_size == 1 and ps.cp.ranks == [13]
+    assert ps.dp_cp.ranks == ps.dp.ranks and ps.dp_cp.handle is ps.dp.handle and ps.cp_size == 1 and ps.cp.ranks == [13]
+    assert (ps.dp_cp.name, ps.dp.name) == ("dp_cp", "dp") and ps.dp_cp.recorder is ps.recorder
 
 
 def test_world_not_divisible_by_cp_is_one_line_error():
