@@ -70,3 +70,23 @@ def test_a_full_disk_in_an_async_save_says_so(tmp_path, capsys, monkeypatch):
     assert rc == 1 and len(err) == 1, err
     assert "No space left on device" in err[0] and "inline_container" not in err[0], err[0]
     assert not (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_megatron_torch_dist_moe_checkpoint_names_the_format_and_the_way_round(tmp_path, capsys):
+    from tests.helpers.convert import FIXTURES
+    from tests.unit.test_megatron_files import LLAMA_RUN
+
+    ck = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "llama_torch_dist" / "ckpt", ck)
+    common = ck / "iter_0000002" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].num_experts = 4  # what Megatron-LM records for an MoE model (its expert tensors aside)
+    torch.save(state, common)
+    capsys.readouterr()
+    rc = pretrain_gpt.main(LLAMA_RUN + ["--load", str(ck), "--train-iters", "3"])
+    release_save_locks()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "torch_dist checkpoint of an MoE model (num_experts 4)" in err[0], err[0]
+    assert "--ckpt-convert-format torch" in err[0] and "tools/checkpoint/convert.py" in err[0], err[0]
+    assert "megalite's model does not have" not in err[0], err[0]
