@@ -51,9 +51,9 @@ def _logging_outputs(cfg: Config, rank: int) -> List[Tuple[str, str, bool]]:
         out.append(("--tensorboard-dir", lg.tensorboard_dir, True))
     if lg.timeline_out:
         out.append(("--timeline-out", lg.timeline_out, False))
-    if lg.profile and rank in lg.profile_ranks:  # the traces go to the first of these that is set
-        flag = "--profile-dir" if lg.profile_dir else "--tensorboard-dir" if lg.tensorboard_dir else "--profile"
-        out.append((flag, lg.profile_dir or lg.tensorboard_dir or "profile", True))
+    # the traces go to --profile-dir, else --tensorboard-dir (probed above), else ./profile
+    if lg.profile and rank in lg.profile_ranks and (lg.profile_dir or not lg.tensorboard_dir):
+        out.append(("--profile-dir", lg.profile_dir or "profile", True))
     if lg.wandb_project:
         out.append(("--wandb-save-dir", lg.wandb_save_dir or _under_save(cfg, "wandb"), True))
     if lg.record_memory_history:

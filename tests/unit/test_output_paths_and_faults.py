@@ -21,6 +21,7 @@ CASES = [
         "--profile --profile-step-start 0 --profile-step-end 1 --tensorboard-dir $T/d --profile-dir $T/afile/x",
         "--profile-dir $T/afile/x cannot be created",
     ),
+    ("--profile --profile-step-start 0 --profile-step-end 1", "--profile-dir profile is a file"),
     ("--debug-dir $T/afile", "--debug-dir $T/afile is a file"),
     ("--record-memory-history --memory-snapshot-path $T", "--memory-snapshot-path $T is a directory"),
     ("--ckpt-step -1", "--ckpt-step must be >= 0, got -1"),
@@ -37,6 +38,7 @@ CASES = [
 @pytest.fixture
 def outdir(tmp_path):
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "profile").write_text("x")  # in the way of the traces' default directory, ./profile
     return tmp_path
 
 
