@@ -64,3 +64,18 @@ def test_faults_that_can_fire_are_accepted():
     )
     with pytest.raises(ConfigError, match="--skip-train"):
         parse_args(MOCK + "--inject-fault-at-iteration 1 --skip-train --load x".split(), world_size=1)
+
+
+def test_the_diagnosis_never_names_records_it_could_not_write(tmp_path, capfd):
+    """A --debug-dir that went bad after the probe (a full disk, a file put there): the line says the
+    record was not written instead of sending the user to files that do not exist."""
+    from megalite.observability.flight_recorder import FlightRecorder
+    from megalite.observability.hang_watch import HangWatch
+    from megalite.parallel.state import ParallelState
+
+    (tmp_path / "debug").write_text("x")
+    watch = HangWatch(ParallelState(1, 0, create_groups=False), FlightRecorder(16), str(tmp_path / "debug"), 6.0)
+    watch.diagnose("test", fatal=True)
+    err = capfd.readouterr().err
+    assert f"could not write its flight record to {tmp_path / 'debug'}" in err, err
+    assert "flight records of the ranks that answered are in" not in err, err
