@@ -74,7 +74,6 @@ def test_a_full_disk_in_an_async_save_says_so(tmp_path, capsys, monkeypatch):
 
 def test_a_megatron_torch_dist_moe_checkpoint_names_the_format_and_the_way_round(tmp_path, capsys):
     from tests.helpers.convert import FIXTURES
-    from tests.unit.test_megatron_files import LLAMA_RUN
 
     ck = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "llama_torch_dist" / "ckpt", ck)
@@ -83,7 +82,7 @@ def test_a_megatron_torch_dist_moe_checkpoint_names_the_format_and_the_way_round
     state["args"].num_experts = 4  # what Megatron-LM records for an MoE model (its expert tensors aside)
     torch.save(state, common)
     capsys.readouterr()
-    rc = pretrain_gpt.main(LLAMA_RUN + ["--load", str(ck), "--train-iters", "3"])
+    rc = pretrain_gpt.main(RUN + ["--load", str(ck), "--train-iters", "3"])  # refused before any shape check
     release_save_locks()
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
