@@ -22,8 +22,10 @@ every rank at the same iteration that all writes finished; ``Checkpointer.wait``
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -80,6 +82,27 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# torch.save's zip writer (caffe2's PyTorchStreamWriter) reports a short write without its errno:
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" or "... failed writing file
+# data/0: file write failed". On a local or network disk a short write is the disk (or quota) filling.
+_SHORT_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos \d+ vs \d+|file write failed)")
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """True when ``e`` (or what it was raised from or during) says the disk or the quota is full."""
+    for _ in range(8):
+        if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS:
+            return True
+        if _SHORT_WRITE.search(str(e)):
+            return True
+        nxt = e.__cause__ or e.__context__
+        if nxt is None:
+            return False
+        e = nxt
+    return False
+
+
 def save_failed(root: str, iteration: int, error: Optional[BaseException]) -> CheckpointError:
     """The one line every rank raises when a save failed (``error``: this rank's, None: another rank's)."""
     where = f"saving the checkpoint of iteration {iteration} to {root} failed"
@@ -92,6 +115,8 @@ def save_failed(root: str, iteration: int, error: Optional[BaseException]) -> Ch
     e = _root_cause(error)
     if isinstance(e, OSError) and e.strerror:
         what = f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+    elif _out_of_space(e):  # torch's own words ("enforce fail at inline_container.cc") mean nothing to a user
+        what = "No space left on device: torch.save could not write all of a checkpoint file"
     else:
         what = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200] or type(e).__name__
     return CheckpointError(f"{where} ({what}){tail}")

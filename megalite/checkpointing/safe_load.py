@@ -243,6 +243,10 @@ _ALLOWED = {  # exactly what torch.distributed.checkpoint's index is made of
 }
 
 
+class _NotAllowed(pickle.UnpicklingError):
+    """The index names code outside the allow-list: a matter of trust, not of damage."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name and (
@@ -253,7 +257,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             )
         ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+        raise _NotAllowed(f"{module}.{name} is not allowed in a checkpoint index")
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -267,8 +271,20 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        except _NotAllowed as e:
             raise CheckpointError(f"refusing to load {path}: {e}; only load checkpoints you trust to be data") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
+            # a cut-off copy or a disk error, not tampering: the index cannot be read at all
+            raise CheckpointError(
+                f"{path} is damaged or truncated ({os.path.getsize(path)} bytes; {str(e) or type(e).__name__}): "
+                f"the checkpoint's index cannot be read; copy the checkpoint again, or load another "
+                f"iteration with --ckpt-step"
+            ) from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise CheckpointError(
+                f"{path} is damaged: it holds a {type(metadata).__name__}, not a checkpoint index; copy the "
+                f"checkpoint again, or load another iteration with --ckpt-step"
+            )
         if getattr(metadata, "storage_meta", None) is None and hasattr(dcp_metadata, "StorageMeta"):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         if getattr(metadata, "storage_meta", None) is not None and hasattr(self, "load_id"):

@@ -17,6 +17,7 @@ __all__ = [
     "check_profiling_flags",
     "require_wandb",
     "check_fault_injection",
+    "check_fault_flags",
     "check_tokenizer_given",
     "check_training_documents",
     "parse_perturb",
@@ -64,6 +65,36 @@ def check_fault_injection(train_cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"--inject-fault-rank {train_cfg.inject_fault_rank} is not a rank of this world of "
             f"{world_size}; give 0..{world_size - 1}"
+        )
+
+
+def check_fault_flags(cfg: Config) -> None:
+    """Refuse --inject-fault-* flags that could never fire (ConfigError): a test that injects no fault passes.
+
+    The fault strikes as iteration K begins, so K must be one of the run's --train-iters; skip-send
+    drops a pipeline send, so it needs pipeline stages; and a kind or rank without the iteration names
+    no moment at all. Rank against the world is check_fault_injection's (it needs the world size).
+    """
+    t = cfg.train
+    at, kind = t.inject_fault_at_iteration, t.inject_fault_kind
+    if at is None:
+        given = [
+            f
+            for f, set_ in (("--inject-fault-kind", kind != "kill"), ("--inject-fault-rank", t.inject_fault_rank))
+            if set_
+        ]
+        if given:
+            raise ConfigError(f"{given[0]} needs --inject-fault-at-iteration K (the iteration the fault strikes)")
+        return
+    if t.skip_train or at > t.train_iters:
+        runs = "no iterations (--skip-train)" if t.skip_train else f"iterations 1 to {t.train_iters} (--train-iters)"
+        raise ConfigError(
+            f"--inject-fault-at-iteration {at} never comes: the run trains {runs}; give an iteration it reaches"
+        )
+    if kind == "skip-send" and cfg.parallel.pp == 1:
+        raise ConfigError(
+            "--inject-fault-kind skip-send drops a pipeline send, but --pipeline-model-parallel-size is 1 "
+            "(no sends); use --pipeline-model-parallel-size > 1 or another --inject-fault-kind"
         )
 
 

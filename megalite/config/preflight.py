@@ -43,15 +43,39 @@ def _probe_file(flag: str, path: str) -> None:
     _probe_dir(f"{flag} (its directory)", os.path.dirname(os.path.abspath(path)))
 
 
+def _logging_outputs(cfg: Config, rank: int) -> List[Tuple[str, str, bool]]:
+    """The logging section's outputs this rank writes (TensorBoard, timeline, traces, wandb, snapshot)."""
+    lg = cfg.logging
+    out: List[Tuple[str, str, bool]] = []
+    if lg.tensorboard_dir:
+        out.append(("--tensorboard-dir", lg.tensorboard_dir, True))
+    if lg.timeline_out:
+        out.append(("--timeline-out", lg.timeline_out, False))
+    # the traces go to --profile-dir, else --tensorboard-dir (probed above), else ./profile
+    if lg.profile and rank in lg.profile_ranks and (lg.profile_dir or not lg.tensorboard_dir):
+        out.append(("--profile-dir", lg.profile_dir or "profile", True))
+    if lg.wandb_project:
+        out.append(("--wandb-save-dir", lg.wandb_save_dir or _under_save(cfg, "wandb"), True))
+    if lg.record_memory_history:
+        out.append(("--memory-snapshot-path", lg.memory_snapshot_path, False))
+    return out
+
+
+def _under_save(cfg: Config, name: str) -> str:
+    """The default ``<--save>/name`` (else ``./name``) of an output that lives beside the checkpoints."""
+    return os.path.join(cfg.checkpoint.save, name) if cfg.checkpoint.save else name
+
+
 def output_dirs(cfg: Config, rank: int) -> List[Tuple[str, str, bool]]:
     """(flag, path, is_dir) for every output this rank will write."""
     out: List[Tuple[str, str, bool]] = []
     if cfg.checkpoint.save:
         out.append(("--save", cfg.checkpoint.save, True))
-    if cfg.logging.tensorboard_dir:
-        out.append(("--tensorboard-dir", cfg.logging.tensorboard_dir, True))
-    if cfg.logging.timeline_out:
-        out.append(("--timeline-out", cfg.logging.timeline_out, False))
+    # The flight records are written when the job fails, the worst moment to learn the path is bad;
+    # the default (<--save>/debug or $TMPDIR) is created only if a failure writes there.
+    if cfg.parallel.debug_dir:
+        out.append(("--debug-dir", cfg.parallel.debug_dir, True))
+    out.extend(_logging_outputs(cfg, rank))
     # Index caches are written by global rank 0 only; the others read them.
     if rank == 0 and cfg.data.data_cache_path and not cfg.data.mock_data:
         out.append(("--data-cache-path", cfg.data.data_cache_path, True))

@@ -581,7 +581,7 @@ class CheckpointConfig:
     ckpt_format: str = CHECKPOINTING(  # the run formats of checkpointing/formats.py; the first is the default
         "--ckpt-format", format_names()[0], ckpt_format_help(), choices=format_names()
     )
-    ckpt_step: Optional[int] = CHECKPOINTING("--ckpt-step", None, "load this iteration, not the latest")
+    ckpt_step: Optional[int] = CHECKPOINTING("--ckpt-step", None, "load this iteration, not the latest", ge=0)
     finetune: bool = CHECKPOINTING(
         "--finetune", False, "load the weights only: iteration 0, fresh optimizer and random state"
     )

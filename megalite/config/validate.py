@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Tuple
 
 from megalite.checkpointing.format_info import format_info, layout_free_format
 from megalite.config import Config, ConfigError
-from megalite.config.checks import check_profiling_flags
+from megalite.config.checks import check_fault_flags, check_profiling_flags
 from megalite.config.flags import FieldFlags, flag_fields
 from megalite.config.settings import RunSettings, resolve_settings
 from megalite.config.validate_moe import validate_moe
@@ -112,6 +112,7 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
     _validate_balance(cfg)
     _validate_context_parallel(cfg)
     check_profiling_flags(cfg, world_size)  # --profile-*, --wandb-* (checks.py)
+    check_fault_flags(cfg)  # --inject-fault-* that could never fire
     settings = resolve_settings(cfg, world_size)  # split of layers, micro-batches, schedule
     _validate_zero_bubble(cfg, settings)
     _validate_precision_and_memory(cfg)

@@ -120,6 +120,21 @@ class _RegionPlanner(DefaultLoadPlanner):
         return t
 
 
+def _refuse_moe(ns: argparse.Namespace, root: str, d: str) -> None:
+    """Refuse an MoE model in this format with its way round (CheckpointError): megalite reads Megatron's MoE
+    from the legacy torch format, which Megatron-LM itself re-saves a torch_dist checkpoint into."""
+    experts = getattr(ns, "num_experts", None)
+    if not experts:
+        return
+    raise CheckpointError(
+        f"{d} is a Megatron-Core torch_dist checkpoint of an MoE model (num_experts {experts}), which megalite "
+        f"does not read in this format yet; have Megatron-LM re-save it in its legacy torch format (its "
+        f"pretrain_gpt.py with the model's flags and --load {root} --ckpt-convert-format torch "
+        f"--ckpt-convert-save DIR), then convert that checkpoint with tools/checkpoint/convert.py --model-type GPT "
+        f"--loader megatron --saver megalite --load-dir <it> --save-dir OUT"
+    )
+
+
 class TorchDistSource(ModelSource):
     """A torch_dist checkpoint read layer by layer (any layout it was saved from)."""
 
@@ -144,6 +159,7 @@ class TorchDistSource(ModelSource):
                 f"{d}/{COMMON} stores no argparse Namespace 'args': the model's shape is not "
                 f"recorded (it was not saved by Megatron-LM's training loop)"
             )
+        _refuse_moe(ns, root, d)
         ns = with_tokenizer_files(ns, tokenizer_files)
         self.args, self.common = ns, common
         self.md = SafeFileSystemReader(d).read_metadata()  # the allow-listed index, before DCP reads anything

@@ -265,6 +265,9 @@ class HangWatch:
         if self._claim(fatal):
             where = os.path.dirname(path) if path else self.debug_dir
             _stderr(f"hang diagnosis: {sentence}")
+            if path is None:  # never claim files that are not there (a full disk, a --debug-dir gone bad)
+                _stderr(f"hang diagnosis ({reason}): this rank could not write its flight record to {where}")
+                return sentence
             _stderr(
                 f"hang diagnosis ({reason}): flight records of the ranks that answered are in {where} "
                 f"(python tools/diagnose.py {where})"

@@ -8,7 +8,9 @@ straggler gather). Time spent evaluating or saving is not counted as iteration t
 A mixture of experts adds Megatron-LM's MoE fields: the balancing losses (without their coefficients,
 mean over MoE layers) and the routed tokens per expert. Their statistics restart every iteration, so
 every rank reduces them every iteration (``reduce_moe_stats``, one all-reduce over the world) and the
-log line shows their mean over the interval, as Megatron's total_loss_dict does.
+log line shows their mean over the interval, as Megatron's total_loss_dict does. So are the skipped and nan
+iterations: the interval's count, reset at each log line as Megatron's (the run's totals stay in TrainState
+and the checkpoint), so tools that read Megatron's logs read megalite's alike.
 """
 
 from __future__ import annotations
@@ -157,8 +159,8 @@ class Reporter:
                 t.global_batch_size,
                 loss,
                 last["grad_norm"],
-                self.state.skipped_iters,
-                self.state.nan_iters,
+                sum(not w.get("updated", True) for w in window),  # per interval, as Megatron (it resets both)
+                sum(w["loss"] is not None and not math.isfinite(w["loss"]) for w in window),
                 figures["tokens_per_s"],
                 last["loss_scale"],
                 format_moe_fields(moe) if moe else "",

@@ -24,6 +24,7 @@ collectives live in the optimizer layer, logging.py and agreement.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -115,6 +116,11 @@ def resolve_stage_split(cfg: Config, ps: ParallelState, settings: RunSettings) -
     return cfg.with_(parallel=replace(par, pipeline_stage_layers=saved))
 
 
+def _run_forward_only(executor: PipelineExecutor, actions: list, m: int, batches: list) -> list:
+    """One global batch forward only (evaluation) through ``actions``; this rank's micro-batch losses."""
+    return executor.run(actions, lambda mb: batches[mb], m, forward_only=True).losses
+
+
 class Trainer:
     """Everything one rank needs to train: model chunks, optimizer, schedule, counters, and the
     components that decide when to log, evaluate, save and stop."""
@@ -182,7 +188,11 @@ class Trainer:
         self.last_stats: Optional[StepStats] = None
         self.run_parts = RunParts(cfg, ps, self.chunks, self.optimizer, self.scheduler, self.state, self.tracker)
         self.checkpointer = Checkpointer(self.run_parts, checkpoint_formats())  # with Megatron's torch_dist
-        self.evaluator = Evaluator(cfg, ps, self.chunks, self.m, self.needs_data, self._forward_only, self._loss)
+        # functions of the parts, not bound methods of self: a Trainer in a cycle with its evaluator would keep
+        # the model's memory after the caller dropped it, until Python's cycle collector happened to run
+        fwd = functools.partial(_run_forward_only, self.executor, self.eval_actions, self.m)
+        loss = functools.partial(logged_loss, ps=ps, v_shape=self.executor.layout.v_shape)
+        self.evaluator = Evaluator(cfg, ps, self.chunks, self.m, self.needs_data, fwd, loss)
         self.plan_check = PlanCheck(cfg, ps, settings)  # --plan-check: the planner's figures beside the measured
 
     # -- one iteration ---------------------------------------------------------------------------
@@ -224,7 +234,7 @@ class Trainer:
         }
 
     def _forward_only(self, batches: list) -> list:
-        return self.executor.run(self.eval_actions, lambda mb: batches[mb], self.m, forward_only=True).losses
+        return _run_forward_only(self.executor, self.eval_actions, self.m, batches)
 
     def _loss(self, losses: list) -> Optional[float]:
         return logged_loss(losses, self.ps, self.executor.layout.v_shape)
