@@ -72,10 +72,11 @@ def number(
     gt: Optional[float] = None,
     ge: Optional[float] = None,
     lt: Optional[float] = None,
+    le: Optional[float] = None,
     hint: str = "",
 ) -> Callable[[str], float]:
     """An argparse ``type`` for a finite number of ``kind`` (int or float) above ``gt`` / at least ``ge`` and
-    below ``lt``: anything else (nan, inf, out of range, not a number) is one argparse error line, which
+    below ``lt`` / at most ``le``: anything else (nan, inf, out of range, not a number) is one argparse error line, which
     argparse prefixes with the flag's name; ``hint`` is added to a range error (e.g. what unit is meant)."""
     what = "an integer" if kind is int else "a number"
     hint = f" ({hint})" if hint else ""
@@ -88,8 +89,10 @@ def number(
         if not math.isfinite(v):  # nan passes every comparison below as False: refuse it by name
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}{hint}")
         low = f"> {gt:g}" if gt is not None else f">= {ge:g}" if ge is not None else None
-        if (gt is not None and not v > gt) or (ge is not None and not v >= ge) or (lt is not None and not v < lt):
-            bounds = " and ".join(b for b in (low, f"< {lt:g}" if lt is not None else None) if b)
+        high = f"< {lt:g}" if lt is not None else f"<= {le:g}" if le is not None else None
+        outside = (gt is not None and not v > gt) or (ge is not None and not v >= ge)
+        if outside or (lt is not None and not v < lt) or (le is not None and not v <= le):
+            bounds = " and ".join(b for b in (low, high) if b)
             raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}{hint}")
         return v
 
