@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.analysis.divergence import CaptureError, compare, load_capture  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
-from megalite.config.cli import OneLineArgumentParser, one_line  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, number, one_line  # noqa: E402
 
 PROG = "compare_runs.py"
 TOOL = str(Path(__file__).resolve())
@@ -76,14 +76,14 @@ def parse_args(argv: Sequence[str]):
     g.add_argument("--nproc", type=int, default=1, metavar="N", help="processes of the --capture-dir run")
     g.add_argument("--read", nargs=2, metavar=("DIR_A", "DIR_B"), help="compare two captures written earlier")
     g = p.add_argument_group("comparison")
-    g.add_argument("--rtol", type=float, help="relative band (default 1e-4 fp32, 1e-2 fp16, 5e-2 bf16)")
-    g.add_argument("--atol", type=float, help="absolute band added to it (default 0)")
+    g.add_argument("--rtol", type=number(ge=0), help="relative band (default 1e-4 fp32, 1e-2 fp16, 5e-2 bf16)")
+    g.add_argument("--atol", type=number(ge=0), help="absolute band added to it (default 0)")
     g.add_argument("--quiet", action="store_true", help="print only the verdict line")
     g.add_argument("--keep-dropout", action="store_true", help="keep the flags' dropout (off by default)")
     g.add_argument(
         "--perturb", metavar="NAME=EPS", help="self-test: add EPS x a fixed normal pattern to parameter NAME on side B"
     )
-    g.add_argument("--timeout", type=float, default=900.0, help="seconds a side may run (default 900)")
+    g.add_argument("--timeout", type=number(gt=0), default=900.0, help="seconds a side may run (default 900)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ours, common = _split(list(argv))
     args = p.parse_args(ours)

@@ -42,7 +42,9 @@ from megalite.analysis.calibrate import CalibrationError, load_calibration  # no
 from megalite.analysis.planner import GiB, Hardware  # noqa: E402
 from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, number  # noqa: E402
 from megalite.config.moe import layer_freq  # noqa: E402
+from megalite.config.validate import check_model  # noqa: E402
 from megalite.config.validate_moe import check_moe_model  # noqa: E402
 from megalite.observability.throughput import peak_tflops_for  # noqa: E402
 from megalite.pipeline.registry import SCHEDULES  # noqa: E402
@@ -93,11 +95,14 @@ _MOE_FLAGS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-gpus", type=int, required=True, help="devices in the job")
-    p.add_argument("--gpu-memory", type=float, required=True, help="memory per device, GiB (H100: 80, H200: 141)")
-    p.add_argument("--global-batch-size", type=int, required=True)
-    p.add_argument("--seq-length", type=int, required=True)
+    """The planner's flags; every number is read by config.cli.number (finite, in its range: one line if not).
+    The model flags' own ranges and rules are pretrain_gpt.py's (model_config applies them)."""
+    p = OneLineArgumentParser(prog="tools/plan.py", description=__doc__.split("\n\n")[0])
+    positive, count = number(gt=0), number(int, ge=1)
+    p.add_argument("--num-gpus", type=count, required=True, help="devices in the job")
+    p.add_argument("--gpu-memory", type=positive, required=True, help="memory per device, GiB (H100: 80, H200: 141)")
+    p.add_argument("--global-batch-size", type=count, required=True)
+    p.add_argument("--seq-length", type=count, required=True)
     p.add_argument("--model-size", choices=sorted(PRESETS), help="a preset shape (or give the model flags)")
     g = p.add_argument_group("model flags (pretrain_gpt.py's names; override the preset)")
     for flag in (
@@ -106,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         "num-attention-heads",
         "num-query-groups",
         "ffn-hidden-size",
-        "vocab-size",
     ):
-        g.add_argument(f"--{flag}", type=int)
+        g.add_argument(f"--{flag}", type=int)  # ranges and rules: pretrain_gpt.py's (model_config)
+    # pretrain_gpt.py takes 0 as "the tokenizer's"; the plan has no tokenizer, and counts the embedding with it
+    g.add_argument("--vocab-size", type=count, help="the tokenizer's vocabulary (default 50257, or the preset's)")
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
@@ -121,28 +127,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-layer-freq", type=layer_freq, help="which layers are MoE (pretrain_gpt.py's syntax)")
     h = p.add_argument_group("hardware and search")
     h.add_argument("--gpu", default="H100", help="device name for the bf16 peak table (A100, H100, H200, B200)")
-    h.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (overrides --gpu)")
-    h.add_argument("--efficiency", type=float, default=0.5, help="fraction of the peak the matmuls reach")
-    h.add_argument("--gpus-per-node", type=int, default=8, help="tensor parallelism stays inside a node")
-    h.add_argument("--intra-node-gbps", type=float, default=300.0, help="per-device NVLink bandwidth, GB/s")
-    h.add_argument("--inter-node-gbps", type=float, default=25.0, help="per-device network bandwidth, GB/s")
+    h.add_argument("--peak-tflops", type=positive, help="peak TFLOP/s per device (overrides --gpu)")
+    h.add_argument(
+        "--efficiency",
+        type=number(gt=0, le=1, hint="a fraction of the peak: 0.5 for 50%"),
+        default=0.5,
+        help="fraction of the peak the matmuls reach",
+    )
+    h.add_argument("--gpus-per-node", type=count, default=8, help="tensor parallelism stays inside a node")
+    h.add_argument("--intra-node-gbps", type=positive, default=300.0, help="per-device NVLink bandwidth, GB/s")
+    h.add_argument("--inter-node-gbps", type=positive, default=25.0, help="per-device network bandwidth, GB/s")
     h.add_argument(
         "--headroom",
-        type=float,
+        type=number(ge=0, lt=1, hint="a fraction of --gpu-memory: 0.15 keeps 15% free"),
         default=0.15,
         help="memory kept free for temporaries, allocator slack and the CUDA context (fraction)",
     )
-    h.add_argument("--top", type=int, default=10, help="rows to print")
+    h.add_argument("--top", type=count, default=10, help="rows to print")
     h.add_argument(
         "--context-parallel-sizes",
-        type=int,
+        type=count,
         nargs="+",
         metavar="CP",
         help="context-parallel sizes to search (default: 1, and 2, 4, 8 from --seq-length 8192)",
     )
     h.add_argument(
         "--expert-model-parallel-size",
-        type=int,
+        type=count,
         nargs="+",
         metavar="EP",
         dest="ep_sizes",
@@ -150,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     h.add_argument(
         "--expert-tensor-parallel-size",
-        type=int,
+        type=count,
         nargs="+",
         metavar="ETP",
         dest="etp_sizes",
@@ -226,6 +237,7 @@ def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelCon
         raise ValueError("--moe-* flags describe a mixture of experts: give --num-experts too")
     dtype = a.params_dtype or (meta or {}).get("params_dtype", "bfloat16")
     cfg = ModelConfig(seq_length=a.seq_length, params_dtype=dtype, attention_backend="auto", **kw)
+    check_model(cfg)  # pretrain_gpt.py's rules for the model: no launch command for a model it refuses
     if cfg.is_moe:
         check_moe_model(cfg)  # pretrain_gpt.py's rules for the model (one line each)
         for flag, sizes in (
@@ -241,6 +253,19 @@ def model_config(a: argparse.Namespace, meta: Optional[dict] = None) -> ModelCon
     elif a.ep_sizes or a.etp_sizes:
         raise ValueError("--expert-model/tensor-parallel-size describe a mixture of experts: give --num-experts too")
     return cfg
+
+
+def check_cp_sizes(cp_sizes: Sequence[int], num_gpus: int, seq_length: int) -> None:
+    """Each --context-parallel-sizes value must divide --num-gpus and split --seq-length into 2 x CP chunks
+    (pretrain_gpt.py's rule); otherwise the search has no split at all, and the batch would be blamed."""
+    for cp in cp_sizes:
+        if num_gpus % cp:
+            raise ValueError(f"--context-parallel-sizes {cp} does not divide --num-gpus {num_gpus}")
+        if seq_length % (2 * cp):
+            raise ValueError(
+                f"--context-parallel-sizes {cp}: --seq-length {seq_length} is not divisible by 2 x {cp} "
+                "(each CP rank holds two chunks of the sequence)"
+            )
 
 
 def model_flags(cfg: ModelConfig, global_batch_size: int) -> List[str]:
@@ -298,6 +323,7 @@ def calibrated(calibration, layout, global_batch_size: int) -> tuple:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Plan, print the table and the best layout's command; 0, 1 (nothing fits) or 2 (bad input, one line)."""
     a = build_parser().parse_args(argv)
     try:
         docs = read_documents(a.calibrate or [])
@@ -307,8 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         peak = a.peak_tflops or peak_tflops_for(a.gpu)
         if peak is None:
             raise ValueError(f"--gpu {a.gpu!r} is not in the peak table (A100, H100, H200, B200); give --peak-tflops")
-        if min(a.num_gpus, a.gpu_memory, a.global_batch_size, a.seq_length) <= 0:
-            raise ValueError("--num-gpus, --gpu-memory, --global-batch-size and --seq-length must be > 0")
+        check_cp_sizes(a.context_parallel_sizes or (), a.num_gpus, a.seq_length)
     except (ValueError, CalibrationError) as e:
         print(f"tools/plan.py: error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ or a traceback.
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Callable, Optional
 
 import torch
 
@@ -63,3 +65,35 @@ def check_device(name: str) -> str:
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (the CLIs' error contract)."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def number(
+    kind: type = float,
+    gt: Optional[float] = None,
+    ge: Optional[float] = None,
+    lt: Optional[float] = None,
+    le: Optional[float] = None,
+    hint: str = "",
+) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number of ``kind`` (int or float) above ``gt`` / at least ``ge`` and
+    below ``lt`` / at most ``le``: anything else (nan, inf, out of range, not a number) is one argparse error line, which
+    argparse prefixes with the flag's name; ``hint`` is added to a range error (e.g. what unit is meant)."""
+    what = "an integer" if kind is int else "a number"
+    hint = f" ({hint})" if hint else ""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(v):  # nan passes every comparison below as False: refuse it by name
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}{hint}")
+        low = f"> {gt:g}" if gt is not None else f">= {ge:g}" if ge is not None else None
+        high = f"< {lt:g}" if lt is not None else f"<= {le:g}" if le is not None else None
+        outside = (gt is not None and not v > gt) or (ge is not None and not v >= ge)
+        if outside or (lt is not None and not v < lt) or (le is not None and not v <= le):
+            bounds = " and ".join(b for b in (low, high) if b)
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}{hint}")
+        return v
+
+    return parse

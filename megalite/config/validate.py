@@ -13,7 +13,7 @@ from dataclasses import fields
 from typing import Iterator, Optional, Tuple
 
 from megalite.checkpointing.format_info import format_info, layout_free_format
-from megalite.config import Config, ConfigError
+from megalite.config import Config, ConfigError, ModelConfig
 from megalite.config.checks import check_fault_flags, check_profiling_flags
 from megalite.config.flags import FieldFlags, flag_fields
 from megalite.config.settings import RunSettings, resolve_settings
@@ -25,18 +25,16 @@ def _number(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _ranged_fields(cfg: Config) -> Iterator[Tuple[str, FieldFlags, object]]:
-    """(flag, declaration, value) of every field that declares a range, in section and field order."""
-    for section in fields(cfg):
-        values = getattr(cfg, section.name)
-        for f, cli in flag_fields(values):
-            if cli.own is not None and (cli.gt, cli.ge, cli.lt) != (None, None, None):
-                yield cli.own.name, cli, getattr(values, f.name)
+def _ranged_fields(section: object) -> Iterator[Tuple[str, FieldFlags, object]]:
+    """(flag, declaration, value) of every field of one config section that declares a range, in field order."""
+    for f, cli in flag_fields(section):
+        if cli.own is not None and (cli.gt, cli.ge, cli.lt) != (None, None, None):
+            yield cli.own.name, cli, getattr(section, f.name)
 
 
-def check_ranges(cfg: Config) -> None:
-    """Raise ConfigError for the first field outside its declared range (None means unset: skipped)."""
-    for flag, cli, v in _ranged_fields(cfg):
+def check_section_ranges(section: object) -> None:
+    """Raise ConfigError for the first field of one config section outside its declared range (None: unset)."""
+    for flag, cli, v in _ranged_fields(section):
         if v is None:
             continue
         if cli.gt is not None and not v > cli.gt:
@@ -45,6 +43,34 @@ def check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{flag} must be in [{cli.ge:g}, {cli.lt:g}), got {_number(v)}")
         if cli.ge is not None and not v >= cli.ge:
             raise ConfigError(f"{flag} must be >= {cli.ge:g}, got {_number(v)}")
+
+
+def check_ranges(cfg: Config) -> None:
+    """Raise ConfigError for the first field outside its declared range, in section and field order."""
+    for section in fields(cfg):
+        check_section_ranges(getattr(cfg, section.name))
+
+
+def check_model(m: ModelConfig) -> None:
+    """The model's own rules, with no rank grid, data or device: its flags' declared ranges, heads and
+    query groups, rope's even head dimension, the activation, the position table. ``validate`` applies
+    them for pretrain_gpt.py; tools/plan.py applies the same to the model it plans (a model the run
+    would refuse must not get a launch command). ConfigError (one line) at the first broken rule."""
+    check_section_ranges(m)
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}"
+        )
+    if m.num_query_groups is not None and (m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups):
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.num_query_groups}"
+        )
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rope needs an even head dim, got {m.head_dim}; change --hidden-size")
+    if m.openai_gelu and m.swiglu:
+        raise ConfigError("--openai-gelu selects the GeLU of the plain MLP, but --swiglu uses SiLU; drop one of them")
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_positions:
+        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}")
 
 
 def _positive(**values: Optional[float]) -> None:
@@ -79,35 +105,20 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
             f"size {world_size}; lower the parallel sizes or launch more processes"
         )
     grid_groups(world_size, par.tp, par.pp, par.cp)
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}"
-        )
+    check_model(m)
     if m.num_attention_heads % par.tp:
         raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {par.tp}"
         )
-    if m.num_query_groups is not None:
-        if m.num_query_groups % par.tp:
-            raise ConfigError(
-                f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {par.tp}"
-            )
-        if m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups:
-            raise ConfigError(
-                f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-                f"--num-query-groups {m.num_query_groups}"
-            )
+    if m.num_query_groups is not None and m.num_query_groups % par.tp:
+        raise ConfigError(
+            f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {par.tp}"
+        )
     if m.ffn_size % par.tp:
         raise ConfigError(
             f"ffn hidden size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
             f"{par.tp}; set --ffn-hidden-size"
         )
-    if m.position_embedding_type == "rope" and m.head_dim % 2:
-        raise ConfigError(f"rope needs an even head dim, got {m.head_dim}; change --hidden-size")
-    if m.openai_gelu and m.swiglu:
-        raise ConfigError("--openai-gelu selects the GeLU of the plain MLP, but --swiglu uses SiLU; drop one of them")
-    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_positions:
-        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}")
     validate_moe(cfg, world_size)
     _validate_balance(cfg)
     _validate_context_parallel(cfg)

@@ -291,17 +291,73 @@ def _short(e: dict) -> str:
     return s + ("" if e.get("end") is not None else "(open)")
 
 
+class DumpError(ValueError):
+    """A file named like a flight-recorder dump whose JSON is not one (one line naming the file and what is wrong)."""
+
+
+_NUMBER = (int, float)
+# The dump's fields the diagnosis reads, and their JSON types; the first five every dump has.
+_DUMP_FIELDS = {
+    "rank": int,
+    "world_size": int,
+    "time": _NUMBER,
+    "events": list,
+    "open": list,
+    "phases": list,
+    "grid": dict,
+    "groups": dict,
+    "seq": dict,
+    "sent": dict,
+    "received": dict,
+    "plan": dict,
+    "gen": int,
+}
+_REQUIRED = ("rank", "world_size", "time", "events", "open")
+
+
+def check_dump(path: str, d: object) -> dict:
+    """``d`` (a file's JSON) if it has the shape of a flight-recorder dump, else DumpError naming ``path``
+    and the first field at fault: the diagnosis indexes these fields, so another JSON file (or one of
+    another version) would otherwise end in a traceback deep inside it."""
+
+    def bad(what: str) -> DumpError:
+        return DumpError(
+            f"{path}: not a flight-recorder dump ({what}); give the run's --debug-dir, whose "
+            "flight_recorder_rank_<N>.json files the job wrote, or move this file out of it"
+        )
+
+    if not isinstance(d, dict):
+        raise bad(f"a JSON {type(d).__name__}, not an object")
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise bad(f"no {', '.join(repr(k) for k in missing)}")
+    for key, kind in _DUMP_FIELDS.items():
+        v = d.get(key)
+        if key in d and (not isinstance(v, kind) or isinstance(v, bool)):
+            raise bad(f"{key!r} is a JSON {type(v).__name__}, not {'a number' if kind is _NUMBER else kind.__name__}")
+    if not 0 <= d["rank"] < d["world_size"]:
+        raise bad(f"rank {d['rank']} outside world_size {d['world_size']}")
+    for key in ("events", "open", "phases"):
+        for e in d.get(key, []):
+            if not isinstance(e, dict) or not isinstance(e.get("start"), _NUMBER):
+                raise bad(f"an entry of {key!r} is not an event with a numeric 'start'")
+    return d
+
+
 def read_dumps(directory: str) -> Tuple[Dict[int, dict], int, Dict[int, str], List[str]]:
     """The flight-recorder files of the newest job in ``directory``: (snapshots by rank, world size,
     notes on ranks without a current record, problems with the files). A rank's file counts when it
-    answered the latest request or is its final word; an older one (an earlier SIGUSR1) is stale."""
+    answered the latest request or is its final word; an older one (an earlier SIGUSR1) is stale.
+    A file that is valid JSON but not a dump raises DumpError (check_dump)."""
     found, problems = [], []
     for path in sorted(glob.glob(os.path.join(directory, "flight_recorder_rank_*.json"))):
         try:
             with open(path) as f:
-                found.append(json.load(f))
-        except (OSError, ValueError) as e:
+                d = json.load(f)
+        except (OSError, ValueError) as e:  # a rank killed while writing: its record is lost, the rest count
             problems.append(f"{path}: unreadable ({e})")
+            continue
+        found.append(check_dump(path, d))
     if not found:
         return {}, 0, {}, problems + [f"{directory}: no flight_recorder_rank_*.json files"]
     job = max(found, key=lambda d: d.get("time", 0.0)).get("job")

@@ -20,7 +20,8 @@ vocab]) with samples in the global batch's order: a micro-batch's box sits at it
 place (PretrainingSampler's order), a sequence-parallel shard and a context-parallel rank's two
 chunks at their positions, a vocab shard at its rows (padding dropped). Parameters are cut as the
 sharded checkpoint cuts them (checkpointing.layout.param_blocks, for_write) and written by the
-first replica (dp x cp rank 0): every element is written by exactly one rank.
+first replica (dp x cp rank 0; expert DP rank 0 for a routed expert): every element is written by exactly
+one rank.
 """
 
 from __future__ import annotations
@@ -178,12 +179,21 @@ def _runs(positions: List[int]) -> List[Tuple[int, int, int]]:
     return runs
 
 
+def _first_replica(trainer, p) -> bool:
+    """This rank writes ``p``: the first of its replicas, over dp x cp for a dense parameter and over
+    expert DP for a routed expert's (an expert lives on one EP rank, which dp x cp rank 0 may not be)."""
+    ps = trainer.ps
+    return (ps.edp_rank if getattr(p, "expert_parallel", False) else trainer.optimizer.grads.dp.rank) == 0
+
+
 def _param_pieces(trainer, kind: str, values: Dict[int, torch.Tensor]) -> List[dict]:
     """Boxes of full parameters (``values``: id(param) -> the local tensor to cut) this rank writes."""
     out, index = [], 0
     for chunk in trainer.chunks:
         for name, p in chunk.named_parameters():
             index += 1
+            if not _first_replica(trainer, p):
+                continue
             for b in param_blocks(chunk, name, p, for_write=True):
                 data = b.local(values[id(p)]).detach().float().cpu().clone()
                 out.append(
@@ -200,18 +210,21 @@ def _param_pieces(trainer, kind: str, values: Dict[int, torch.Tensor]) -> List[d
 
 
 def _full_main_grads(trainer) -> Dict[int, torch.Tensor]:
-    """Every parameter's reduced main_grad on this rank: with the distributed optimizer each DP rank
-    holds only its shards reduced, so the shards are gathered (one all-reduce of a copy)."""
-    opt = trainer.optimizer
-    grads = opt.grads
-    flat = grads.grad_data
-    if opt.distributed:
-        flat = torch.zeros_like(grads.grad_data)
-        for b in grads.buckets:
-            flat[b.shard[0] : b.shard[1]] = grads.grad_data[b.shard[0] : b.shard[1]]
-        dist.all_reduce(flat, group=grads.dp.group)
-    scale = opt.loss_scale
-    return {id(p): flat[a:e].view_as(p).float() / scale for p, (a, e) in grads.index.items()}
+    """Every parameter's reduced main_grad on this rank, read from its own buffer: the dense one (over
+    dp x cp) or, in a mixture of experts, the experts' (over expert DP). A buffer whose gradients the
+    distributed optimizer sharded holds only this rank's shards reduced, so they are gathered over
+    that buffer's group (one all-reduce of a copy)."""
+    scale = trainer.optimizer.loss_scale
+    out: Dict[int, torch.Tensor] = {}
+    for part in trainer.optimizer.grads.parts:
+        flat = part.grad_data
+        if part.shard_grads and part.dp.size > 1:
+            flat = torch.zeros_like(part.grad_data)
+            for b in part.buckets:
+                flat[b.shard[0] : b.shard[1]] = part.grad_data[b.shard[0] : b.shard[1]]
+            dist.all_reduce(flat, group=part.dp.group)
+        out.update({id(p): flat[a:e].view_as(p).float() / scale for p, (a, e) in part.index.items()})
+    return out
 
 
 def perturb_parameter(trainer, name: str, eps: float) -> bool:
@@ -245,7 +258,7 @@ def capture_step(
         check_perturb_found(perturb[0], flag_on_any_rank(held, ps))
     trainer.optimizer.finish_param_gather()
     write_dp = trainer.optimizer.grads.dp.rank == 0
-    pieces = _param_pieces(trainer, "weight", {id(p): p for p in trainer.params}) if write_dp else []
+    pieces = _param_pieces(trainer, "weight", {id(p): p for p in trainer.params})
     recorder = _Recorder(trainer)
     try:
         for c in trainer.chunks:
@@ -260,8 +273,7 @@ def capture_step(
     loss = trainer._loss(stats.losses)
     main_grads = _full_main_grads(trainer)
     pieces += recorder.pieces
-    if write_dp:
-        pieces += _param_pieces(trainer, "grad", main_grads)
+    pieces += _param_pieces(trainer, "grad", main_grads)
     holds_head = any(c.post_process for c in trainer.chunks)
     if loss is not None and holds_head and ps.tp_rank == 0 and write_dp:
         pieces.append(

@@ -13,6 +13,7 @@ from megalite.analysis.divergence import Capture, compare, load_capture, order_k
 from megalite.config import ConfigError
 from megalite.parallel.state import ParallelState
 from megalite.testing.capture import capture_mock
+from tests.helpers.moe_parity import moe_config
 from tests.helpers.parity import GPT2_STYLE, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -179,3 +180,37 @@ def test_incomplete_capture_and_bad_input_are_one_line(captures, tmp_path, capsy
 def test_perturbing_an_unknown_parameter_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="the model has no parameter named 'decoder.layers.9.x'"):
         capture_mock(ParallelState.single(), tiny_config(GPT2_STYLE), str(tmp_path), ("decoder.layers.9.x", 1.0))
+
+
+EXPERT_FC1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+
+
+def test_mixture_of_experts_captures_and_a_perturbed_expert_is_named_first(tmp_path):
+    """Expert gradients live in their own buffer (over expert DP): the capture reads each parameter's
+    main_grad from its own buffer (it once cut them out of the dense one: ``shape ... is invalid``)."""
+    cfg = moe_config()
+    capture_mock(ParallelState.single(), cfg, str(tmp_path / "a"))
+    capture_mock(ParallelState.single(), cfg, str(tmp_path / "b"), (EXPERT_FC1, 1e-3))
+    a, b = load_capture(str(tmp_path / "a")), load_capture(str(tmp_path / "b"))
+    assert ("grad", EXPERT_FC1) in a.tensors and a.tensors[("grad", EXPERT_FC1)].abs().sum() > 0
+    assert compare(a, a).first is None
+    first = compare(a, b).first
+    assert (first.kind, first.name, first.layer) == ("weight", EXPERT_FC1, "1")
+
+
+@pytest.mark.parametrize(
+    "flag,value,expected",
+    [
+        ("--rtol", "nan", "argument --rtol: must be a finite number, got nan"),
+        ("--rtol", "inf", "argument --rtol: must be a finite number, got inf"),
+        ("--rtol", "-1e-3", "argument --rtol: must be >= 0, got -1e-3"),
+        ("--atol", "nan", "argument --atol: must be a finite number, got nan"),
+        ("--timeout", "0", "argument --timeout: must be > 0, got 0"),
+    ],
+)
+def test_band_and_timeout_must_be_finite_and_in_range(captures, capsys, flag, value, expected):
+    """A nan band made every comparison False, so two different runs were reported to agree."""
+    root = captures[0]
+    assert compare_runs.main(["--read", str(root / "a"), str(root / "b"), f"{flag}={value}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"compare_runs.py: error: {expected}"]

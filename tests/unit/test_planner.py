@@ -152,3 +152,66 @@ def test_plan_cli_prints_flags_that_pretrain_gpt_accepts(capsys):
         == 1
     )
     assert "no layout fits" in capsys.readouterr().err
+
+
+_PLAN = "--num-gpus 8 --gpu-memory 80 --num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 64"
+# (extra flags, the one line after "tools/plan.py: error: "): every number is finite and in its range
+_BAD_PLANS = [
+    ("--efficiency 0", "argument --efficiency: must be > 0 and <= 1, got 0 (a fraction of the peak: 0.5 for 50%)"),
+    ("--efficiency nan", "argument --efficiency: must be a finite number, got nan"),
+    ("--peak-tflops nan", "argument --peak-tflops: must be a finite number, got nan"),
+    ("--intra-node-gbps 0", "argument --intra-node-gbps: must be > 0, got 0"),
+    ("--inter-node-gbps=-5", "argument --inter-node-gbps: must be > 0, got -5"),
+    ("--gpu-memory inf", "argument --gpu-memory: must be a finite number, got inf"),
+    ("--gpus-per-node 0", "argument --gpus-per-node: must be >= 1, got 0"),
+    ("--top 0", "argument --top: must be >= 1, got 0"),
+    ("--vocab-size 0", "argument --vocab-size: must be >= 1, got 0"),
+    ("--headroom 15", "argument --headroom: must be >= 0 and < 1, got 15 (a fraction of --gpu-memory: 0.15 keeps"),
+    ("--context-parallel-sizes 3", "--context-parallel-sizes 3 does not divide --num-gpus 8"),
+    ("--context-parallel-sizes 8 --seq-length 1000", "--context-parallel-sizes 8: --seq-length 1000 is not divisible"),
+    ("--hidden-size 500", "--hidden-size 500 is not divisible by --num-attention-heads 8"),
+    ("--num-query-groups 3", "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
+    ("--num-layers 0", "--num-layers must be > 0, got 0"),
+    ("--position-embedding-type rope --hidden-size 520", "rope needs an even head dim, got 65"),
+]
+
+
+@pytest.mark.parametrize("extra, expected", _BAD_PLANS, ids=[e for e, _ in _BAD_PLANS])
+def test_plan_refuses_bad_numbers_and_models_in_one_line(extra, expected, capsys):
+    """Once: a traceback on a zero/nan rate, the batch blamed (with an empty list) for a CP size that does
+    not divide the GPUs, the wrong flag named for a percent headroom, a launch command for a model
+    pretrain_gpt.py refuses."""
+    from tools.plan import main
+
+    argv = (_PLAN + " --seq-length 1024 " + extra).split()  # a flag given twice: argparse keeps the last
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's one line
+        code = e.code
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"tools/plan.py: error: {expected}"), err
+    assert "torchrun" not in captured.out
+
+
+def test_plan_refuses_a_model_with_pretrain_gpts_own_words():
+    """The same rules (config.validate.check_model), so the same line as pretrain_gpt.py's."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    model = ["--num-layers", "4", "--hidden-size", "500", "--num-attention-heads", "8"]
+    with pytest.raises(ValueError) as run:
+        parse_args(model + ["--mock-data", "--seq-length", "1024"], world_size=1)
+    out = subprocess.run(
+        [sys.executable, "tools/plan.py", "--num-gpus", "8", "--gpu-memory", "80", "--global-batch-size", "64"]
+        + ["--seq-length", "1024"]
+        + model,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.splitlines() == [f"tools/plan.py: error: {run.value}"]

@@ -420,3 +420,40 @@ def test_convert_refuses_bad_files_and_sizes_in_one_line(hf_folders, folder, fla
     )
     assert (code, err) == (1, [f"convert.py: error: {message.format(d=hf_folders)}"])
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp-convert").exists()
+
+
+_RECORD = {"rank": 0, "world_size": 1, "time": 10.0, "events": [], "open": [], "job": "j", "gen": 0}
+# (a flight_recorder_rank_0.json that is valid JSON but not a dump, the words its one-line error must hold)
+_NOT_DUMPS = [
+    ([1, 2], "not a flight-recorder dump (a JSON list, not an object)"),
+    ({"time": 1.0}, "not a flight-recorder dump (no 'rank', 'world_size', 'events', 'open')"),
+    ({**_RECORD, "rank": "0"}, "('rank' is a JSON str, not int)"),
+    ({**_RECORD, "time": None}, "('time' is a JSON NoneType, not a number)"),
+    ({**_RECORD, "events": [3]}, "(an entry of 'events' is not an event with a numeric 'start')"),
+    ({**_RECORD, "rank": 4}, "(rank 4 outside world_size 1)"),
+    ({**_RECORD, "groups": []}, "('groups' is a JSON list, not dict)"),
+]
+
+
+@pytest.mark.parametrize("record, expected", _NOT_DUMPS, ids=[e[:30] for _, e in _NOT_DUMPS])
+def test_diagnose_refuses_a_file_that_is_not_a_recorder_dump(tmp_path, capsys, record, expected):
+    """Valid JSON of the wrong shape once ended in a KeyError/TypeError traceback inside the diagnosis."""
+    from tools import diagnose
+
+    path = tmp_path / "flight_recorder_rank_0.json"
+    path.write_text(json.dumps(record))
+    code, err = _main_error(diagnose.main, [str(tmp_path)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"diagnose.py: error: {path}: ") and expected in err[0], err[0]
+    assert err[0].endswith(
+        "give the run's --debug-dir, whose flight_recorder_rank_<N>.json files the job wrote, "
+        "or move this file out of it"
+    )
+
+
+def test_diagnose_bad_input_in_a_fresh_process_is_one_line(tmp_path):
+    (tmp_path / "flight_recorder_rank_0.json").write_text(json.dumps({"time": 1.0}))
+    _assert_one_line_error(_run("tools/diagnose.py", str(tmp_path)), "diagnose.py", "not a flight-recorder dump")
+    _assert_one_line_error(_run("tools/diagnose.py", str(tmp_path), "--events", "nan"), "diagnose.py", "--events")
+    (tmp_path / "flight_recorder_rank_0.json").write_text(json.dumps(_RECORD))
+    assert _run("tools/diagnose.py", str(tmp_path)).returncode == 0  # the smallest dump still diagnoses
