@@ -48,6 +48,11 @@ def check_profiling_flags(cfg: Config, world_size: int) -> None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb (or drop the --wandb-* flags)")
     if (lg.wandb_exp_name or lg.wandb_save_dir) and not lg.wandb_project:
         raise ConfigError("--wandb-exp-name and --wandb-save-dir need --wandb-project (the project to log to)")
+    if 0 < lg.straggler_threshold <= 1:  # at 1 or below every rank, the fastest too, is at its peers' median or over
+        raise ConfigError(
+            f"--straggler-threshold {lg.straggler_threshold:g} must be above 1: a rank is named at that many times "
+            "its peers' median (default 1.5); 0 turns the check off"
+        )
 
 
 def require_wandb():

@@ -111,6 +111,8 @@ def test_profile_ranks_picks_the_ranks_and_defaults_to_the_tensorboard_dir(tmp_p
         (["--profile-step-start", "-1"], 1, "--profile-step-start must be >= 0, got -1"),
         (["--wandb-exp-name", "run1"], 1, "--wandb-exp-name and --wandb-save-dir need --wandb-project"),
         (["--straggler-threshold", "-1"], 1, "--straggler-threshold must be >= 0, got -1"),
+        (["--straggler-threshold", "0.5"], 1, "--straggler-threshold 0.5 must be above 1: a rank is named at"),
+        (["--straggler-threshold", "1"], 1, "--straggler-threshold 1 must be above 1"),
     ],
 )
 def test_bad_profiling_flags_are_one_line(argv, world, message):
