@@ -104,7 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=count, required=True)
     p.add_argument("--seq-length", type=count, required=True)
     p.add_argument("--model-size", choices=sorted(PRESETS), help="a preset shape (or give the model flags)")
-    g = p.add_argument_group("model flags (pretrain_gpt.py's names; override the preset)")
+    _add_model_flags(p.add_argument_group("model flags (pretrain_gpt.py's names; override the preset)"), count)
+    _add_hardware_flags(p.add_argument_group("hardware and search"), positive, count)
+    c = p.add_argument_group("calibrated mode")
+    c.add_argument(
+        "--calibrate",
+        nargs="+",
+        metavar="JSON",
+        help="measured runs' --timeline-out files (fitted "
+        "together: e.g. one pipelined run and one tensor-parallel run), or one --save-calibration file",
+    )
+    c.add_argument("--save-calibration", metavar="JSON", help="write the fitted stage costs here")
+    return p
+
+
+def _add_model_flags(g, count) -> None:
+    """The model's shape, pretrain_gpt.py's flag names (they override --model-size's preset)."""
     for flag in (
         "num-layers",
         "hidden-size",
@@ -125,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-router-topk", type=int, help="experts each token is routed to (default 2)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="the shared expert's MLP size")
     g.add_argument("--moe-layer-freq", type=layer_freq, help="which layers are MoE (pretrain_gpt.py's syntax)")
-    h = p.add_argument_group("hardware and search")
+
+
+def _add_hardware_flags(h, positive, count) -> None:
+    """The devices, their links and what the search tries."""
     h.add_argument("--gpu", default="H100", help="device name for the bf16 peak table (A100, H100, H200, B200)")
     h.add_argument("--peak-tflops", type=positive, help="peak TFLOP/s per device (overrides --gpu)")
     h.add_argument(
@@ -186,16 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the memory estimate counts (CPU kernels save "
         "more for RMSNorm, less for SDPA); default cuda, or the calibration timeline's",
     )
-    c = p.add_argument_group("calibrated mode")
-    c.add_argument(
-        "--calibrate",
-        nargs="+",
-        metavar="JSON",
-        help="measured runs' --timeline-out files (fitted "
-        "together: e.g. one pipelined run and one tensor-parallel run), or one --save-calibration file",
-    )
-    c.add_argument("--save-calibration", metavar="JSON", help="write the fitted stage costs here")
-    return p
 
 
 def read_documents(paths: Sequence[str]) -> List[tuple]:

@@ -31,22 +31,14 @@ STYLES = {
 FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
 
 
+def convert_argv(loader, saver, src, dst, *extra) -> list:
+    """tools/checkpoint/convert.py's arguments for one conversion of ``src`` into ``dst``."""
+    return ["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
+            "--save-dir", str(dst), *map(str, extra)]  # fmt: skip
+
+
 def convert(loader, saver, src, dst, *extra) -> int:
-    return convert_cli.main(
-        [
-            "--model-type",
-            "GPT",
-            "--loader",
-            loader,
-            "--saver",
-            saver,
-            "--load-dir",
-            str(src),
-            "--save-dir",
-            str(dst),
-            *map(str, extra),
-        ]
-    )
+    return convert_cli.main(convert_argv(loader, saver, src, dst, *extra))
 
 
 def make_trainer(style: str, **model) -> Trainer:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
+from tests.helpers.convert import convert_argv
 
 VOCAB = 256
 CONVERT = str(REPO / "tools" / "checkpoint" / "convert.py")
@@ -17,21 +18,7 @@ CONVERT = str(REPO / "tools" / "checkpoint" / "convert.py")
 
 def run_cli(loader: str, saver: str, src, dst, *extra) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            CONVERT,
-            "--model-type",
-            "GPT",
-            "--loader",
-            loader,
-            "--saver",
-            saver,
-            "--load-dir",
-            str(src),
-            "--save-dir",
-            str(dst),
-            *map(str, extra),
-        ],
+        [sys.executable, CONVERT, *convert_argv(loader, saver, src, dst, *extra)],
         capture_output=True,
         text=True,
         cwd=str(REPO),

@@ -25,6 +25,7 @@ from megalite.inference import build_model, read_checkpoint
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from tests.helpers import REPO
+from tests.helpers.convert import convert_argv
 from tests.helpers.convert_moe import CONVERT, IDS, hf_model, logits, run_cli
 from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
@@ -198,21 +199,7 @@ def test_moe_features_a_target_cannot_hold_fail_in_one_line(tmp_path, capsys):
     spec.loader.exec_module(cli)
 
     def fails(loader, saver, src, dst, *extra, words):
-        code = cli.main(
-            [
-                "--model-type",
-                "GPT",
-                "--loader",
-                loader,
-                "--saver",
-                saver,
-                "--load-dir",
-                str(src),
-                "--save-dir",
-                str(dst),
-                *map(str, extra),
-            ]
-        )
+        code = cli.main(convert_argv(loader, saver, src, dst, *extra))
         captured = capsys.readouterr()
         _one_line_error(code, captured.out, captured.err, *words)
 
