@@ -206,7 +206,7 @@ def _plan_all(reads: Reads, chunks, optimizer, keys: List[str], main_from_model:
     params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
     where = {id(p): k for k, p in params.items()}
     dests: Dict[Tuple[int, str], Dict[str, List[Dest]]] = {
-        k: {"model": [(0, p.numel(), p.data.view(-1))]} for k, p in params.items()
+        k: {"model": optimizer.model_destinations(p)} for k, p in params.items()
     }
     targets = optimizer.load_targets(keys + (["param"] if main_from_model else [])) if keys or main_from_model else []
     for pc, tensors in targets:

@@ -14,6 +14,9 @@ context parallel; the distributed optimizer shards over that group too).
   ``<prefix>/<block key>#<lo>``; the DP ranks' entries together cover each block once.
 * without it (or at dp 1), whole blocks (``<prefix>/<block key>``, no ``"flat"``), spread over
   the DP ranks round-robin (block ``j`` of a rank's list is written by DP rank ``j % dp``).
+* under FSDP (data_parallel/fsdp.py) a rank's shard of a parameter is one flat piece too, written
+  the same way (its model entry in the compute dtype, its fp32 main weight as ``optim.param`` in a
+  16-bit run): a sharded run's checkpoint is the distributed optimizer's, and each loads into the other.
 * MoE expert weights (``p.expert_parallel``) are replicated over the expert data-parallel group
   (``ps.edp``), not dp x cp: their whole blocks are dealt round-robin over edp (a turn count of
   their own, so dense blocks are dealt as without experts), and the distributed optimizer's
@@ -99,7 +102,8 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
                     if lo >= hi:
                         continue
                     flat = (lo - a, hi - a)
-                    out.append((_entry("model", b, p, flat), p.view(-1)[lo:hi]))
+                    weight = pc.model_slice[lo - pc.start : hi - pc.start]  # an FSDP shard's: in the compute dtype
+                    out.append((_entry("model", b, weight, flat), weight))
                     for k, t in _optim_views(optimizer, pc).items():
                         piece = t.view(-1)[lo - pc.start : hi - pc.start]
                         out.append((_entry(f"optim.{k}", b, piece, flat), piece))

@@ -33,6 +33,7 @@ from torch import nn
 from megalite.checkpointing.protocol import agree_on_error, read_json, write_json
 from megalite.checkpointing.run_state import stage_counts
 from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
+from megalite.data_parallel.fsdp import gathered_state_dict
 from megalite.parallel.state import ParallelState
 
 CRC_SUFFIX = ".crc32.json"  # the checksum sidecar next to each model_optim_rng.pt
@@ -88,9 +89,12 @@ def torch_state(
         dist.all_gather_object(rngs, rng, group=ps.dp_cp_group)
     else:
         rngs = [rng]
+    fsdp = getattr(optimizer, "fsdp", None) is not None
+    # FSDP's weights are shards: gathered on every rank of their group (the file holds whole TP-local tensors)
+    states = [gathered_state_dict(c, optimizer.dtype) if fsdp else None for c in chunks]
     if not _writes_file(ps):
         return None
-    models = {_model_key(i, len(chunks)): c.state_dict() for i, c in enumerate(chunks)}
+    models = {_model_key(i, len(chunks)): sd or c.state_dict() for i, (c, sd) in enumerate(zip(chunks, states))}
     return {
         "args": meta["config"],
         "checkpoint_version": 3.0,
@@ -158,7 +162,9 @@ def check_same_layout(d: str, saved: dict, here: dict, num_layers: int) -> None:
         )
 
 
-def _load_models(path: str, state: dict, chunks: Sequence[nn.Module]) -> List[Dict[str, object]]:
+def _load_models(path: str, state: dict, chunks: Sequence[nn.Module], weights: bool = True) -> List[Dict[str, object]]:
+    """Each chunk's saved state dict, checked against the chunk and loaded into it (without ``weights``: only
+    what is not a trained parameter, whose values the optimizer then places)."""
     models = [state[_model_key(i, len(chunks))] for i in range(len(chunks))]
     for chunk, sd in zip(chunks, models):
         for name, p in chunk.named_parameters():
@@ -168,7 +174,11 @@ def _load_models(path: str, state: dict, chunks: Sequence[nn.Module]) -> List[Di
                     f"{path}: {name} is {got} in the checkpoint, {tuple(p.shape)} in this run "
                     f"(check --make-vocab-size-divisible-by and the model flags)"
                 )
-        chunk.load_state_dict(sd)
+        if weights:
+            chunk.load_state_dict(sd)
+        else:
+            trained = {n for n, p in chunk.named_parameters() if p.requires_grad}
+            chunk.load_state_dict({k: v for k, v in sd.items() if k not in trained}, strict=False)
     return models
 
 
@@ -226,15 +236,16 @@ def read_torch(
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
         _verify_checksum(path)
         state = safe_torch_load(path)
-        models = _load_models(path, state, chunks)
+        fsdp = getattr(optimizer, "fsdp", None) is not None
+        models = _load_models(path, state, chunks, weights=not fsdp)
     except CheckpointError as e:
         error = e
     agree_on_error(ps, error)
     opt_state = state["optimizer"]["state"] if load_optim else {}
     optimized = {n for n, _ in optimizer.named}
     for sd in models:  # no fp32 main weights saved (fp32 run, or optimizer not loaded): the weights are them
-        for name, t in sd.items():
-            if "param" not in opt_state.get(name, {}) and (load_optim or optimizer.half) and name in optimized:
+        for name, t in sd.items():  # (FSDP's weights are its main weights' shards: they always come this way)
+            if "param" not in opt_state.get(name, {}) and (load_optim or optimizer.half or fsdp) and name in optimized:
                 opt_state.setdefault(name, {})["param"] = t.float()
     if opt_state:
         optimizer.load_full_state_dict(opt_state)

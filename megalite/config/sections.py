@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# Megatron's names; the last two run on torch's FSDP2 (data_parallel/fsdp.py)
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 # Megatron's argument groups, in --help order.
@@ -431,6 +433,35 @@ class OptimConfig:
         "--use-distributed-optimizer",
         False,
         "shard fp32 main weights and Adam states over the data-parallel group (x the context-parallel group; ZeRO-1)",
+        value=lambda a: a.use_distributed_optimizer or a.data_parallel_sharding_strategy == "optim",
+    )
+    # None: worked out by ``sharding`` (optim with --use-distributed-optimizer, no_shard otherwise)
+    data_parallel_sharding_strategy: Optional[str] = DISTRIBUTED(
+        "--data-parallel-sharding-strategy",
+        None,
+        "what the data-parallel (x context-parallel) ranks shard: no_shard (all-reduce), optim (the distributed "
+        "optimizer, ZeRO-1), optim_grads (+ gradients reduce-scattered, ZeRO-2), optim_grads_params (+ weights "
+        "gathered per layer, ZeRO-3); the last two on torch's FSDP2 (default: optim with "
+        "--use-distributed-optimizer, else no_shard)",
+        choices=SHARDING_STRATEGIES,
+    )
+    use_torch_fsdp2: bool = DISTRIBUTED(
+        "--use-torch-fsdp2", False, "Megatron's name for --data-parallel-sharding-strategy optim_grads_params"
+    )
+    reshard_after_forward: bool = DISTRIBUTED(
+        "--no-reshard-after-forward",
+        True,
+        "optim_grads_params: keep each layer's gathered weights from its forward to its backward (one gather "
+        "fewer per micro-batch, more memory)",
+        action="store_false",
+        dest="reshard_after_forward",
+    )
+    num_distributed_optimizer_instances: int = DISTRIBUTED(
+        "--num-distributed-optimizer-instances",
+        1,
+        "optim_grads / optim_grads_params: shard within dp x cp / N consecutive ranks and replicate over N such "
+        "groups (hybrid sharding, HSDP: e.g. shard within a node)",
+        gt=0,
     )
     overlap_grad_reduce: bool = DISTRIBUTED(
         "--overlap-grad-reduce", False, "start each bucket's gradient reduction as soon as backward has filled it"
@@ -444,6 +475,20 @@ class OptimConfig:
     ddp_bucket_size: Optional[int] = DISTRIBUTED(  # elements; None: max(40M, 1M x dp)
         "--ddp-bucket-size", None, "gradient bucket size in elements (default max(40M, 1M x data-parallel size))", gt=0
     )
+
+    @property
+    def sharding(self) -> str:
+        """The effective --data-parallel-sharding-strategy."""
+        if self.use_torch_fsdp2:
+            return "optim_grads_params"
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    @property
+    def fsdp(self) -> bool:
+        """Gradients (and weights) sharded over the replicas through torch's FSDP2."""
+        return self.sharding in ("optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)

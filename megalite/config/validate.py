@@ -18,6 +18,7 @@ from megalite.config.checks import check_fault_flags, check_profiling_flags
 from megalite.config.flags import FieldFlags, flag_fields
 from megalite.config.settings import RunSettings, resolve_settings
 from megalite.config.validate_moe import validate_moe
+from megalite.config.validate_sharding import validate_sharding
 from megalite.parallel.state import grid_groups
 
 
@@ -126,6 +127,7 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
     check_fault_flags(cfg)  # --inject-fault-* that could never fire
     settings = resolve_settings(cfg, world_size)  # split of layers, micro-batches, schedule
     _validate_zero_bubble(cfg, settings)
+    validate_sharding(cfg, settings)
     _validate_precision_and_memory(cfg)
     if cfg.data.mock_data and (cfg.data.data_path or cfg.data.train_data_path):
         raise ConfigError("--mock-data and --data-path/--train-data-path are exclusive; pass one")
@@ -233,7 +235,7 @@ def _validate_precision_and_memory(cfg: Config) -> None:
         raise ConfigError(
             f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {par.tp}"
         )
-    if o.overlap_param_gather and not (o.use_distributed_optimizer and o.overlap_grad_reduce):
+    if o.overlap_param_gather and not o.fsdp and not (o.use_distributed_optimizer and o.overlap_grad_reduce):
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if m.params_dtype == "float16":  # loss scaling is used with fp16 only
         _positive(

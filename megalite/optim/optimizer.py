@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimConfig
+from megalite.data_parallel.fsdp import DTensor, FSDPGrads, ShardedPart, local_shard_range
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.data_parallel.grad_buffers import GradBuffers
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -58,6 +59,38 @@ class _Piece:
     @property
     def grad_slice(self) -> torch.Tensor:
         return self.param.main_grad.view(-1)[self.start : self.end]
+
+
+class _ShardPiece(_Piece):
+    """An FSDP shard (data_parallel/fsdp.py): the shard itself, fp32, is the main weight; its gradient is the
+    reduced shard FSDP leaves in ``param.grad``. ``model_slice`` is the weight in the compute dtype (a copy
+    when that is 16-bit: what a checkpoint stores as the model's)."""
+
+    def __init__(self, name: str, param: nn.Parameter, dtype: torch.dtype):
+        start, end = local_shard_range(param)
+        # shares the shard's storage: the optimizer's step updates the weight FSDP gathers next
+        super().__init__(name, param, start, end, nn.Parameter(param._local_tensor.detach()))
+        self.dtype = dtype
+
+    @property
+    def model_slice(self) -> torch.Tensor:
+        flat = self.main.detach().view(-1)
+        return flat if self.dtype == torch.float32 else flat.to(self.dtype)
+
+    @property
+    def grad_slice(self) -> torch.Tensor:
+        g = self.param.grad
+        return g._local_tensor.view(-1) if g is not None else torch.zeros_like(self.main).view(-1)
+
+
+def _grad_of(p: nn.Parameter) -> torch.Tensor:
+    """Where a parameter's gradient is accumulated: the grad buffer's ``main_grad``, or this rank's reduced
+    FSDP shard (every rank of a TP or embedding group shards a replicated parameter alike)."""
+    if hasattr(p, "main_grad"):
+        return p.main_grad
+    if p.grad is None:  # unused in this step: FSDP gave it no gradient
+        p.grad = torch.zeros_like(p)
+    return p.grad._local_tensor
 
 
 def param_groups(params: Sequence[nn.Parameter], weight_decay: float) -> List[dict]:
@@ -95,17 +128,42 @@ class MegatronOptimizer:
         shared: Sequence[nn.Parameter] = (),
         sequence_parallel_params: Sequence[nn.Parameter] = (),
         moe: bool = False,
+        grads: Optional[FSDPGrads] = None,
     ):
+        """``grads``: the gradient side FSDP2 gives (data_parallel/fsdp.py); None builds the grad buffers."""
         self.cfg, self.ps = cfg, ps
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in self.named]
         self.shared, self.sp_params = list(shared), [p for p in sequence_parallel_params if p.requires_grad]
-        dtype = self.params[0].dtype
+        self.fsdp = grads if isinstance(grads, FSDPGrads) else None
+        dtype = self.fsdp.compute_dtype if self.fsdp is not None else self.params[0].dtype
+        self.dtype = dtype  # the compute dtype: 16-bit runs keep fp32 main weights
         self.half = dtype in (torch.bfloat16, torch.float16)
-        self.distributed = cfg.use_distributed_optimizer and ps.dp_cp_size > 1
-        fp32_grads = dtype == torch.float32 or cfg.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
+        # ZeRO-1, or FSDP (which shards the main weights as well): the norm sums over the replicas
+        self.distributed = (cfg.use_distributed_optimizer or self.fsdp is not None) and ps.dp_cp_size > 1
         experts = [p for p in self.params if getattr(p, "expert_parallel", False)]  # MoE: their own replicas
         self.has_experts = moe or bool(experts)  # the model's, not this stage's: the norm's collective differs
+        self.grads = grads if grads is not None else self._grad_buffers(dtype, experts)
+        self.pieces = self._build_pieces()
+        groups = [
+            {"params": [pc.main for pc in self.pieces if pc.param.ndim > 1], "weight_decay": cfg.weight_decay},
+            {"params": [pc.main for pc in self.pieces if pc.param.ndim <= 1], "weight_decay": 0.0},
+        ]
+        self.optimizer = _adamw([g for g in groups if g["params"]], cfg)
+        self.scaler = None
+        if dtype == torch.float16:
+            self.scaler = (
+                ConstantGradScaler(cfg.loss_scale)
+                if cfg.loss_scale
+                else DynamicGradScaler(
+                    cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis
+                )
+            )
+
+    def _grad_buffers(self, dtype: torch.dtype, experts: List[nn.Parameter]) -> GradBuffers:
+        """The dense parameters' buffer (over dp x cp) and, in an MoE, the experts' (over expert DP)."""
+        cfg, ps = self.cfg, self.ps
+        fp32_grads = dtype == torch.float32 or cfg.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
         buffer = dict(
             grad_dtype=torch.float32 if fp32_grads else dtype,
             bucket_elements=cfg.ddp_bucket_size,
@@ -132,22 +190,7 @@ class MegatronOptimizer:
                     **buffer,
                 )
             )
-        self.grads = GradBuffers(parts)
-        self.pieces = self._build_pieces()
-        groups = [
-            {"params": [pc.main for pc in self.pieces if pc.param.ndim > 1], "weight_decay": cfg.weight_decay},
-            {"params": [pc.main for pc in self.pieces if pc.param.ndim <= 1], "weight_decay": 0.0},
-        ]
-        self.optimizer = _adamw([g for g in groups if g["params"]], cfg)
-        self.scaler = None
-        if dtype == torch.float16:
-            self.scaler = (
-                ConstantGradScaler(cfg.loss_scale)
-                if cfg.loss_scale
-                else DynamicGradScaler(
-                    cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis
-                )
-            )
+        return GradBuffers(parts)
 
     def _build_pieces(self) -> List[_Piece]:
         """This rank's main parameters: whole params (plain) or its shard of every bucket (ZeRO-1)."""
@@ -168,6 +211,11 @@ class MegatronOptimizer:
                 piece = _Piece(names[id(p)], p, lo - a, hi - a, None)
                 piece.main = nn.Parameter(piece.model_slice if not self.half else piece.model_slice.float().clone())
                 pieces.append(piece)
+        for part in self.grads.parts if self.fsdp is not None else ():
+            for p in part.params if isinstance(part, ShardedPart) else ():
+                piece = _ShardPiece(names[id(p)], p, self.dtype)
+                if piece.end > piece.start:  # FSDP leaves the last ranks no rows of a short parameter
+                    pieces.append(piece)
         return pieces
 
     # -- the step ------------------------------------------------------------------------------
@@ -192,15 +240,16 @@ class MegatronOptimizer:
         """Tied-embedding sum over the embedding group, DP reduction, sequence-parallel norm grads."""
         if self.ps.embedding.size > 1:
             for p in self.shared:  # before the DP reduction: its bucket waits for this sum
-                self.ps.recorder.call("embedding", dist.all_reduce, p.main_grad, group=self.ps.embedding.group)
+                self.ps.recorder.call("embedding", dist.all_reduce, _grad_of(p), group=self.ps.embedding.group)
         self.grads.finish()
         if self.sp_params and self.ps.tp_size > 1:
-            flat = torch.cat([p.main_grad.view(-1) for p in self.sp_params])
+            grads = [_grad_of(p).view(-1) for p in self.sp_params]
+            flat = torch.cat(grads)
             self.ps.recorder.call("tp", dist.all_reduce, flat, group=self.ps.tp_group)
             offset = 0
-            for p in self.sp_params:
-                p.main_grad.view(-1).copy_(flat[offset : offset + p.numel()])
-                offset += p.numel()
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()])
+                offset += g.numel()
 
     def _main_grads(self) -> List[torch.Tensor]:
         for pc in self.pieces:
@@ -269,7 +318,8 @@ class MegatronOptimizer:
     def _copy_main_to_model(self) -> None:
         if self.half:
             for pc in self.pieces:
-                pc.model_slice.copy_(pc.main.detach().view(-1))
+                if not isinstance(pc, _ShardPiece):  # a shard is its own main weight; FSDP casts it when gathering
+                    pc.model_slice.copy_(pc.main.detach().view(-1))
         # ZeRO-1 (buffers that shard): with overlap, the next forward waits bucket by bucket
         self.grads.gather_params(async_op=self.cfg.overlap_param_gather)
 
@@ -480,6 +530,16 @@ class MegatronOptimizer:
             }
             self._load_piece(pc, entry)
         self._sync_loaded_weights()
+
+    def model_destinations(self, p: nn.Parameter) -> List[Tuple[int, int, torch.Tensor]]:
+        """Where a checkpoint's model weights of ``p`` go on this rank: [(start, end, flat tensor)] of its
+        flattening. The whole parameter, or under FSDP this rank's shard (its fp32 main weight; none in a
+        16-bit run, whose main weights are read as the optimizer's ``param``)."""
+        if self.fsdp is None or not isinstance(p, DTensor):
+            return [(0, p.numel(), p.data.view(-1))]
+        if self.half:
+            return []
+        return [(pc.start, pc.end, pc.main.detach().view(-1)) for pc in self.pieces if pc.param is p]
 
     def load_targets(self, keys: Sequence[str]) -> List[Tuple[_Piece, Dict[str, torch.Tensor]]]:
         """Where a checkpoint reader puts this rank's state: per piece, a flat fp32 tensor for each of

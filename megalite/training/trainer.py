@@ -42,6 +42,7 @@ from megalite.config import Config
 from megalite.config.checks import check_layout_matches, check_overlap_device
 from megalite.config.settings import RunSettings, resolve_settings
 from megalite.data.batches import MicroBatches, sequence_options
+from megalite.data_parallel.fsdp import FSDPGrads, shard_chunks
 from megalite.interop import checkpoint_formats
 from megalite.model.gpt import GPTModel
 from megalite.moe import update_expert_bias
@@ -98,6 +99,18 @@ def build_model_chunks(cfg: Config, ps: ParallelState, tracker: RNGTracker, layo
     return chunks
 
 
+def shard_data_parallel(cfg: Config, ps: ParallelState, chunks: List[GPTModel]) -> Optional[FSDPGrads]:
+    """--data-parallel-sharding-strategy optim_grads / optim_grads_params: the chunks under FSDP2 (None: the
+    grad buffers do the data-parallel work, as with one replica, where there is nothing to shard)."""
+    o = cfg.optim
+    if ps.is_logging_rank and o.sharding != "no_shard":
+        replicas = f"{ps.dp_cp_size} data-parallel x context-parallel ranks"
+        logger.info(f"data-parallel sharding: {o.sharding} over {replicas}" + (" (FSDP2)" if o.fsdp else ""))
+    if not o.fsdp or ps.dp_cp_size == 1:
+        return None
+    return shard_chunks(chunks, ps, o.sharding, o.reshard_after_forward, cfg.model.torch_dtype)
+
+
 def resolve_stage_split(cfg: Config, ps: ParallelState, settings: RunSettings) -> Config:
     """--pipeline-balance measured: the split of layers to train with, in the config (checkpoints store it).
 
@@ -144,6 +157,7 @@ class Trainer:
         self.m, self.schedule_name, layout = settings.num_microbatches, settings.schedule, settings.layout
         self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
         self.chunks = build_model_chunks(cfg, ps, self.tracker, layout)
+        grads = shard_data_parallel(cfg, ps, self.chunks)  # FSDP2: replaces the parameters (before they are read)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.params = [p for _, p in named]
         shared = [w for w in (c.shared_embedding_weight() for c in self.chunks) if w is not None]
@@ -154,6 +168,7 @@ class Trainer:
             shared=shared,
             sequence_parallel_params=[p for p in self.params if getattr(p, "sequence_parallel", False)],
             moe=cfg.model.is_moe,
+            grads=grads,
         )
         self.optimizer.install_param_gather_hooks(self.chunks)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.train_iters)

@@ -10,6 +10,7 @@ import torch
 from megalite.config import CheckpointConfig, Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megalite.data.loading import build_datasets
 from megalite.data.mock_dataset import MockGPTDataset
+from megalite.data_parallel.fsdp import unsharded
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import train_mock
@@ -103,7 +104,7 @@ def param_error(trainer, reference: Dict[str, torch.Tensor]) -> float:
     for chunk in trainer.chunks:
         expected = chunk.local_from_full(reference)
         for name, p in chunk.named_parameters():
-            diff_sq += float((p.detach() - expected[name]).square().sum())
+            diff_sq += float((unsharded(p.detach()) - expected[name]).square().sum())
             ref_sq += float(expected[name].square().sum())
     return (diff_sq / ref_sq) ** 0.5
 
@@ -111,7 +112,7 @@ def param_error(trainer, reference: Dict[str, torch.Tensor]) -> float:
 def full_params(trainer) -> torch.Tensor:
     """This rank's parameters, flattened in registration order (for comparing two runs of one layout)."""
     trainer.optimizer.finish_param_gather()
-    return torch.cat([p.detach().float().reshape(-1) for c in trainer.chunks for p in c.parameters()])
+    return torch.cat([unsharded(p.detach()).float().reshape(-1) for c in trainer.chunks for p in c.parameters()])
 
 
 _REFERENCES: Dict[tuple, dict] = {}

@@ -1,0 +1,43 @@
+"""Up-front checks of --data-parallel-sharding-strategy and its companions (validate.py calls them)."""
+
+from __future__ import annotations
+
+from megalite.config import Config, ConfigError
+from megalite.config.settings import RunSettings
+
+STRATEGY = "--data-parallel-sharding-strategy"
+
+
+def validate_sharding(cfg: Config, settings: RunSettings) -> None:
+    """The strategy against the other flags and the rank grid; one ConfigError line each."""
+    o, par = cfg.optim, cfg.parallel
+    given = o.data_parallel_sharding_strategy
+    if o.use_torch_fsdp2 and given not in (None, "optim_grads_params"):
+        raise ConfigError(
+            f"--use-torch-fsdp2 means {STRATEGY} optim_grads_params, but {STRATEGY} {given} was given; drop one"
+        )
+    if given == "no_shard" and o.use_distributed_optimizer:
+        raise ConfigError(
+            f"{STRATEGY} no_shard contradicts --use-distributed-optimizer (which shards the optimizer: optim); drop one"
+        )
+    strategy, replicas = o.sharding, settings.dp * par.cp
+    if not o.reshard_after_forward and strategy != "optim_grads_params":
+        raise ConfigError(
+            f"--no-reshard-after-forward applies to {STRATEGY} optim_grads_params (this run: {strategy}); drop it"
+        )
+    n = o.num_distributed_optimizer_instances
+    if n > 1 and not o.fsdp:
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances {n} (hybrid sharding) needs {STRATEGY} optim_grads or "
+            f"optim_grads_params (this run: {strategy})"
+        )
+    if n > 1 and replicas % n:
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances {n} does not divide the data-parallel x context-parallel size "
+            f"{replicas}; choose a divisor of {replicas}"
+        )
+    if o.fsdp and settings.spec.split_backward:
+        raise ConfigError(
+            f"{STRATEGY} {strategy} cannot run --pipeline-schedule {settings.schedule}: its split backward "
+            f"computes weight gradients after FSDP has reduced them; use 1f1b or interleaved, or {STRATEGY} optim"
+        )

@@ -1,0 +1,104 @@
+"""Checkpoints of sharded data-parallel runs (FSDP2): exact resume in both formats, and a ZeRO-3 checkpoint
+loading bit for bit into ZeRO-1 and into one process.
+
+* exact resume: STEPS iterations == STEPS/2 + save + load + STEPS/2, loss for loss, bit for bit (fp32,
+  dropout on) at dp2 optim_grads_params in both formats, and at dp2 optim_grads in bf16 (fp32 main weights
+  in the checkpoint's ``optim.param``);
+* strategy and layout change: saved at dp4 optim_grads_params (each rank writes its shards), loaded at dp2
+  optim (the distributed optimizer) and in one process: every weight, fp32 main weight and Adam moment the
+  loading run holds equals the saving run's, and both continue alike (1e-5).
+"""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from megalite.config import CheckpointConfig
+from megalite.data_parallel.fsdp import unsharded
+from megalite.parallel.state import ParallelState
+from megalite.training import Trainer
+from megalite.training.mock import MockFeed
+from tests.helpers.checkpointing import STEPS, _cfg
+from tests.helpers.parity import GPT2_STYLE, train_losses
+
+
+def _sharded(cfg, strategy: str):
+    return cfg.with_(optim=replace(cfg.optim, data_parallel_sharding_strategy=strategy))
+
+
+def _resume_run(ps, cfg, root, fmt):
+    whole = train_losses(ps, cfg)
+    first = train_losses(ps, cfg, save=root, fmt=fmt, exit_at=STEPS // 2)
+    second = train_losses(ps, cfg, load=root)
+    return {"whole": whole, "resumed": first + second}
+
+
+@pytest.mark.parametrize(
+    "strategy,dtype,fmt",
+    [
+        ("optim_grads_params", "float32", "sharded"),
+        ("optim_grads_params", "float32", "torch"),
+        ("optim_grads", "bfloat16", "sharded"),
+    ],
+)
+def test_resume_is_exact(tmp_path, strategy, dtype, fmt, run_distributed):
+    cfg = _sharded(_cfg(GPT2_STYLE, dp=2), strategy)
+    cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
+    for r in run_distributed(_resume_run, 2, cfg, str(tmp_path), fmt):
+        assert len(r["resumed"]) == STEPS and r["resumed"] == r["whole"], (r["resumed"], r["whole"])
+
+
+def _state(trainer) -> dict:
+    """Every weight (whole TP-local tensors) and the optimizer's whole fp32 state (collective), as numpy
+    arrays (tensors would cross to the test process as shared memory of a worker that has exited)."""
+    trainer.optimizer.finish_param_gather()
+    weights = {n: unsharded(p.detach()).numpy().copy() for c in trainer.chunks for n, p in c.named_parameters()}
+    optim = {
+        n: {k: v.numpy().copy() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
+        for n, s in trainer.optimizer.full_state_dict().items()
+    }
+    return {"weights": weights, "optim": optim}
+
+
+def _save(ps, cfg, root):
+    cfg = cfg.with_(checkpoint=CheckpointConfig(save=root))
+    trainer = Trainer(cfg, ps)
+    feed = MockFeed(trainer, STEPS // 2)
+    for _ in range(STEPS // 2):
+        trainer.train_step(feed.next())
+        trainer.state.advance(cfg.train.global_batch_size)
+    trainer.checkpointer.save()
+    return _state(trainer)
+
+
+def _load_and_continue(ps, cfg, root):
+    trainer = Trainer(cfg.with_(checkpoint=CheckpointConfig(load=root)), ps)
+    assert trainer.checkpointer.load() == STEPS // 2
+    out = _state(trainer)
+    feed = MockFeed(trainer, 2, consumed=trainer.state.consumed_samples)
+    out["losses"] = [trainer.train_step(feed.next())["loss"] for _ in range(2)]
+    return out
+
+
+def _assert_same_state(got: dict, want: dict, what: str) -> None:
+    assert got["weights"].keys() == want["weights"].keys(), what
+    for n, t in want["weights"].items():
+        assert np.array_equal(got["weights"][n], t), f"{what}: weight {n} differs"
+    for n, s in want["optim"].items():
+        assert s.keys() == got["optim"][n].keys() and {"exp_avg", "exp_avg_sq"} <= s.keys(), (what, n, s.keys())
+        for k, t in s.items():
+            assert np.array_equal(got["optim"][n][k], t), f"{what}: {k} of {n} differs"
+
+
+def test_zero3_checkpoint_loads_bit_equal_into_zero1_and_one_process(tmp_path, run_distributed):
+    root = str(tmp_path / "zero3")
+    base = _cfg(GPT2_STYLE, dropout=0.0)
+    saved = run_distributed(_save, 4, _sharded(_cfg(GPT2_STYLE, dp=4, dropout=0.0), "optim_grads_params"), root)[0]
+    one = _load_and_continue(ParallelState.single(), base, root)
+    _assert_same_state(one, saved, "one process")
+    zero1 = run_distributed(_load_and_continue, 2, _sharded(_cfg(GPT2_STYLE, dp=2, dropout=0.0), "optim"), root)
+    for r in zero1:
+        _assert_same_state(r, saved, "dp2 optim")
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], one["losses"])), (r["losses"], one)
