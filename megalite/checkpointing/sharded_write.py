@@ -87,12 +87,15 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
     for pc in optimizer.pieces:
         pieces.setdefault(id(pc.param), []).append(pc)
     optimized = {id(p) for _, p in optimizer.named}
-    sharded = {id(p) for part in optimizer.grads.parts if part.shard_grads for p in part.params}  # ZeRO-1
+    sharded = {id(p) for part in optimizer.grads.parts if part.shard_grads for p in part.params}  # ZeRO-1, FSDP
+    copies = {id(p) for part in optimizer.grads.parts if not getattr(part, "writes", True) for p in part.params}
     out: List[Shard] = []
     turns = {False: 0, True: 0}  # whole blocks go round-robin over the DP (dense) or EDP (expert) ranks
     for (i, name), blocks in chunk_blocks(chunks, for_write=True).items():
         param = params[(i, name)]
         p = param.detach()
+        if id(param) in copies:
+            continue  # hybrid sharding: the first copy of this shard writes it
         if id(param) in sharded:
             rs = math.prod(p.shape[1:])
             for b in blocks:

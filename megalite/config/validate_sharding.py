@@ -31,10 +31,11 @@ def validate_sharding(cfg: Config, settings: RunSettings) -> None:
             f"--num-distributed-optimizer-instances {n} (hybrid sharding) needs {STRATEGY} optim_grads or "
             f"optim_grads_params (this run: {strategy})"
         )
-    if n > 1 and replicas % n:
+    if n > 1 and (replicas % n or replicas // n < 2):
         raise ConfigError(
-            f"--num-distributed-optimizer-instances {n} does not divide the data-parallel x context-parallel size "
-            f"{replicas}; choose a divisor of {replicas}"
+            f"--num-distributed-optimizer-instances {n} must divide the data-parallel x context-parallel size "
+            f"{replicas} and leave at least 2 ranks per instance to shard over; choose a divisor of {replicas} "
+            f"below {replicas}"
         )
     if o.fsdp and settings.spec.split_backward:
         raise ConfigError(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -59,8 +59,8 @@ def local_shard_range(p: torch.Tensor) -> Tuple[int, int]:
     """Elements [start, end) of the TP-local parameter's flattening that this rank's FSDP shard holds."""
     if not isinstance(p, DTensor):
         return 0, p.numel()
-    mesh = p.device_mesh
-    size, rank = mesh.size(), mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_local_rank(mesh.ndim - 1)
+    mesh, dim = p.device_mesh, p.device_mesh.ndim - 1  # hybrid sharding: shards along the last mesh dim
+    size, rank = mesh.size(dim), mesh.get_local_rank(dim)
     rows, per_row = p.shape[0], math.prod(p.shape[1:])
     chunk = -(-rows // size)  # torch.chunk's split, as FSDP2 shards dim 0
     a, b = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
@@ -80,9 +80,22 @@ class ShardedPart:
     shard_grads = True
     buckets: List = []
 
-    def __init__(self, params: Sequence[nn.Parameter], dp: AxisGroup, scale: float = 1.0):
-        self.params, self.dp, self.scale = list(params), dp, scale
+    def __init__(
+        self, params: Sequence[nn.Parameter], dp: AxisGroup, scale: float = 1.0, copies: Optional[AxisGroup] = None
+    ):
+        """``dp``: the ranks the shards are spread over; ``copies`` (hybrid sharding): the ranks holding the same
+        shard, of which the first writes it to checkpoints."""
+        self.params, self.dp, self.scale, self.copies = list(params), dp, scale, copies
         self.index: Dict[nn.Parameter, Tuple[int, int]] = {}
+
+    @property
+    def num_copies(self) -> int:
+        return self.copies.size if self.copies is not None else 1
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank's shards are the ones a checkpoint (or a gather over all of dp x cp) takes."""
+        return self.copies is None or self.copies.rank == 0
 
     @property
     def grad_data(self) -> torch.Tensor:
@@ -163,10 +176,17 @@ def _keep_attributes(chunk: nn.Module) -> Dict[str, dict]:
     return {n: dict(p.__dict__) for n, p in chunk.named_parameters()}
 
 
-def _mesh(group: AxisGroup, device: torch.device):
+def _mesh(group: AxisGroup, device: torch.device, whole: Optional[AxisGroup] = None, copies=None):
+    """A device mesh over ``group``; with ``copies`` the 2-D (replicate, shard) mesh of hybrid sharding, whose
+    rows are the runs of ``whole`` (dp x cp) that ``group`` is one of."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(group.group, device.type)
+    if copies is None:
+        return DeviceMesh.from_group(group.group, device.type)
+    layout = torch.tensor(whole.ranks).view(copies.size, group.size)  # [replicate, shard]: global ranks
+    return DeviceMesh.from_group(
+        [copies.group, group.group], device.type, mesh=layout, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def _units(chunk: nn.Module) -> Tuple[List[nn.Module], List[nn.Module]]:
@@ -177,16 +197,26 @@ def _units(chunk: nn.Module) -> Tuple[List[nn.Module], List[nn.Module]]:
 
 
 def shard_chunks(
-    chunks: Sequence[nn.Module], ps: ParallelState, strategy: str, reshard_after_forward: bool, dtype: torch.dtype
+    chunks: Sequence[nn.Module],
+    ps: ParallelState,
+    strategy: str,
+    reshard_after_forward: bool,
+    dtype: torch.dtype,
+    instances: int = 1,
 ) -> FSDPGrads:
     """Apply FSDP2 to this rank's model chunks (in place) and return the optimizer's gradient side.
 
     ``strategy``: optim_grads or optim_grads_params; ``dtype``: the compute dtype (--bf16/--fp16: weights are
-    kept in fp32 and gathered in it). Frozen parameters (the router's expert bias) stay plain.
+    kept in fp32 and gathered in it); ``instances`` > 1: hybrid sharding (HSDP) of the dense weights. Frozen
+    parameters (the router's expert bias) stay plain.
     """
     policy = _policy(None if dtype == torch.float32 else dtype)
     keep = strategy == "optim_grads" or not reshard_after_forward
-    dense_mesh = _mesh(ps.dp_cp, ps.device)
+    shard, copies = ps.dp_cp, None
+    if instances > 1:  # hybrid sharding: shard within a run of dp_cp / instances ranks, replicate over the runs
+        ps.init_hybrid_shard_groups(instances)
+        shard, copies = ps.axes["dp_cp_shard"], ps.axes["dp_cp_replicate"]
+    dense_mesh = _mesh(shard, ps.device, ps.dp_cp, copies)
     expert_mesh = _mesh(ps.edp, ps.device) if ps.has_experts and ps.edp_size > 1 else None
     modules, dense, experts_fsdp, experts_plain = [], [], [], []
     for chunk in chunks:
@@ -216,7 +246,7 @@ def shard_chunks(
     if keep:
         for m in modules:  # gathered once by the step's first forward, kept until finalize_grads
             m.set_reshard_after_backward(False)
-    parts: list = [ShardedPart(dense, ps.dp_cp)]
+    parts: list = [ShardedPart(dense, shard, copies=copies)]
     if experts_fsdp:
         # FSDP averages over expert DP; the grad buffer's rule is their sum over dense replicas (a divide factor
         # of FSDP's own would be a PREMUL_SUM reduction, which gloo lacks)

@@ -258,8 +258,9 @@ class MegatronOptimizer:
         return [pc.main.grad for pc in self.pieces]
 
     def _all_reduce_world(self, t: torch.Tensor, op=dist.ReduceOp.SUM, over_dp: bool = True) -> torch.Tensor:
-        if over_dp and self.ps.dp_cp_size > 1:  # the replicas: dp x cp
-            self.ps.recorder.call("dp_cp", dist.all_reduce, t, op=op, group=self.ps.dp_cp_group)
+        dp = self.grads.dp  # the replicas, dp x cp (hybrid sharding: those sharing one copy of the state)
+        if over_dp and dp.size > 1:
+            self.ps.recorder.call("dp_cp", dist.all_reduce, t, op=op, group=dp.group)
         if self.ps.mp.size > 1:
             self.ps.recorder.call("mp", dist.all_reduce, t, op=op, group=self.ps.mp.group)
         return t
@@ -293,6 +294,8 @@ class MegatronOptimizer:
         for k, part in enumerate(self.grads.parts):
             if not part.shard_grads:
                 sq[k] /= part.dp.size
+            else:  # hybrid sharding: each shard is held by that many ranks
+                sq[k] /= getattr(part, "num_copies", 1)
         if self.ps.world_size > 1:
             self.ps.recorder.call("world", dist.all_reduce, sq)
         return float(sq.sum().sqrt())
@@ -492,6 +495,8 @@ class MegatronOptimizer:
         for k, part in enumerate(self.grads.parts):
             members = {id(p) for p in part.params}
             mine = [(i, pc) for i, pc in enumerate(self.pieces) if id(pc.param) in members]
+            if groups[k] is not None and not getattr(part, "writes", True):
+                mine = []  # a hybrid-sharding copy: over all of dp x cp only the first copy's shards are summed
             if not part.shard_grads:  # one piece per parameter: views, no copies
                 for i, pc in mine:
                     for key in keys:

@@ -179,6 +179,18 @@ def _expert_memberships(experts: RankGrid, dense: RankGrid) -> Dict[str, List[Li
     return {**{name: experts.groups(along) for name, along in EXPERT_GROUPS}, "tp_cp": dense.groups(("tp", "cp"))}
 
 
+def hybrid_shard_memberships(dp_cp: Sequence[List[int]], instances: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """(shard groups, replicate groups) of hybrid sharding: each dp x cp group cut into ``instances`` runs of
+    consecutive members (one whole copy of the sharded state each), and the members at one position of every
+    run (the copies of one shard)."""
+    shard, replicate = [], []
+    for group in dp_cp:
+        size = len(group) // instances
+        shard += [group[i * size : (i + 1) * size] for i in range(instances)]
+        replicate += [group[j::size] for j in range(size)]
+    return shard, replicate
+
+
 def grid_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
     """All group memberships for a world, without creating any process group.
 
@@ -337,6 +349,17 @@ class ParallelState:
             if key not in made:
                 made[key] = self._new_groups(self._partition(name))
             self.axes[name].shadow = made[key]
+
+    def init_hybrid_shard_groups(self, instances: int) -> None:
+        """Split each dp x cp group for hybrid sharding (HSDP, --num-distributed-optimizer-instances):
+        ``dp_cp_shard``, ``instances`` runs of consecutive members each holding one whole sharded copy, and
+        ``dp_cp_replicate``, the members at one position in every run (the copies of one shard). Idempotent;
+        every rank calls it at the same point (the Trainer, as it is built)."""
+        if "dp_cp_shard" in self.axes:
+            return
+        shard, replicate = hybrid_shard_memberships(self.memberships["dp_cp"], instances)
+        self.memberships.update(dp_cp_shard=shard, dp_cp_replicate=replicate)
+        self._create_axes([("dp_cp_shard", ("dp_cp",)), ("dp_cp_replicate", ("dp_cp",))])
 
     @contextlib.contextmanager
     def shadow_groups(self) -> Iterator[None]:

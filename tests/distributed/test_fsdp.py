@@ -2,8 +2,9 @@
 reproduces the one-process run: losses, grad norms and final weights within 1e-5 (fp32, dropout 0), on
 every axis it composes with. One launch per rank grid; the cases of a grid run one after the other:
 
-    dp4           optim_grads, optim_grads_params, the same without resharding after forward, full recompute
-                  (two micro-batches per rank: gradients accumulate in the reduced shards)
+    dp4           optim_grads, optim_grads_params, the same without resharding after forward, full recompute,
+                  hybrid sharding (2 copies of 2 shards); two micro-batches per rank: gradients accumulate
+                  in the reduced shards
     tp2 x dp2     Llama-style (GQA, SwiGLU, RoPE, untied) with sequence parallelism
     pp2 x dp2     1F1B and interleaved (vp 2), GPT-2 style: the tied embedding's shards summed over stages
     cp2 x dp2     ring attention: shards over the dp x cp replicas
@@ -80,10 +81,12 @@ def test_dp4_each_strategy_with_accumulation_and_recompute(run_distributed):
         ("optim_grads_params", _sharded(base, "optim_grads_params")),
         ("optim_grads_params, no reshard", _sharded(base, "optim_grads_params", reshard_after_forward=False)),
         ("optim_grads_params, full recompute", _sharded(recompute, "optim_grads_params")),
+        ("hybrid: 2 copies of 2 shards", _sharded(base, "optim_grads_params", num_distributed_optimizer_instances=2)),
     ]
     per_rank = _check(run_distributed, 4, cases)
-    for r in per_rank:  # each rank holds about a quarter of every weight
+    for r in per_rank:  # each rank holds about a quarter of every weight (half of it with 2 copies)
         assert r[1]["local"] <= r[1]["full"] / 4 + 64 * 4, r[1]
+        assert r[4]["full"] / 2 - 64 * 2 <= r[4]["local"] <= r[4]["full"] / 2 + 64 * 2, r[4]
 
 
 def test_tp2_dp2_sequence_parallel(run_distributed):

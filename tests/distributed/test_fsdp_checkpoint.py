@@ -2,8 +2,8 @@
 loading bit for bit into ZeRO-1 and into one process.
 
 * exact resume: STEPS iterations == STEPS/2 + save + load + STEPS/2, loss for loss, bit for bit (fp32,
-  dropout on) at dp2 optim_grads_params in both formats, and at dp2 optim_grads in bf16 (fp32 main weights
-  in the checkpoint's ``optim.param``);
+  dropout on) at dp2 optim_grads_params in both formats, at dp2 optim_grads in bf16 (fp32 main weights
+  in the checkpoint's ``optim.param``), and with hybrid sharding (dp4: 2 copies of 2 shards);
 * strategy and layout change: saved at dp4 optim_grads_params (each rank writes its shards), loaded at dp2
   optim (the distributed optimizer) and in one process: every weight, fp32 main weight and Adam moment the
   loading run holds equals the saving run's, and both continue alike (1e-5).
@@ -36,17 +36,21 @@ def _resume_run(ps, cfg, root, fmt):
 
 
 @pytest.mark.parametrize(
-    "strategy,dtype,fmt",
+    "strategy,dtype,fmt,dp,instances",
     [
-        ("optim_grads_params", "float32", "sharded"),
-        ("optim_grads_params", "float32", "torch"),
-        ("optim_grads", "bfloat16", "sharded"),
+        ("optim_grads_params", "float32", "sharded", 2, 1),
+        ("optim_grads_params", "float32", "torch", 2, 1),
+        ("optim_grads", "bfloat16", "sharded", 2, 1),
+        ("optim_grads_params", "float32", "sharded", 4, 2),  # hybrid: the first copy of each shard writes it
     ],
 )
-def test_resume_is_exact(tmp_path, strategy, dtype, fmt, run_distributed):
-    cfg = _sharded(_cfg(GPT2_STYLE, dp=2), strategy)
-    cfg = cfg.with_(model=replace(cfg.model, params_dtype=dtype))
-    for r in run_distributed(_resume_run, 2, cfg, str(tmp_path), fmt):
+def test_resume_is_exact(tmp_path, strategy, dtype, fmt, dp, instances, run_distributed):
+    cfg = _sharded(_cfg(GPT2_STYLE, dp=dp), strategy)
+    cfg = cfg.with_(
+        model=replace(cfg.model, params_dtype=dtype),
+        optim=replace(cfg.optim, num_distributed_optimizer_instances=instances),
+    )
+    for r in run_distributed(_resume_run, dp, cfg, str(tmp_path), fmt):
         assert len(r["resumed"]) == STEPS and r["resumed"] == r["whole"], (r["resumed"], r["whole"])
 
 
