@@ -3,7 +3,8 @@ loading bit for bit into ZeRO-1 and into one process.
 
 * exact resume: STEPS iterations == STEPS/2 + save + load + STEPS/2, loss for loss, bit for bit (fp32,
   dropout on) at dp2 optim_grads_params in both formats, at dp2 optim_grads in bf16 (fp32 main weights
-  in the checkpoint's ``optim.param``), and with hybrid sharding (dp4: 2 copies of 2 shards);
+  in the checkpoint's ``optim.param``), and with hybrid sharding (dp4: 2 copies of 2 shards); two of them
+  saved with --async-save;
 * strategy and layout change: saved at dp4 optim_grads_params (each rank writes its shards), loaded at dp2
   optim (the distributed optimizer) and in one process: every weight, fp32 main weight and Adam moment the
   loading run holds equals the saving run's, and both continue alike (1e-5).
@@ -21,6 +22,7 @@ from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 from tests.helpers.checkpointing import STEPS, _cfg
+from tests.helpers.moe_parity import moe_config, one_process
 from tests.helpers.parity import GPT2_STYLE, train_losses
 
 
@@ -28,29 +30,29 @@ def _sharded(cfg, strategy: str):
     return cfg.with_(optim=replace(cfg.optim, data_parallel_sharding_strategy=strategy))
 
 
-def _resume_run(ps, cfg, root, fmt):
+def _resume_run(ps, cfg, root, fmt, async_save=False):
     whole = train_losses(ps, cfg)
-    first = train_losses(ps, cfg, save=root, fmt=fmt, exit_at=STEPS // 2)
+    first = train_losses(ps, cfg, save=root, fmt=fmt, exit_at=STEPS // 2, async_save=async_save)
     second = train_losses(ps, cfg, load=root)
     return {"whole": whole, "resumed": first + second}
 
 
 @pytest.mark.parametrize(
-    "strategy,dtype,fmt,dp,instances",
+    "strategy,dtype,fmt,dp,instances,async_save",
     [
-        ("optim_grads_params", "float32", "sharded", 2, 1),
-        ("optim_grads_params", "float32", "torch", 2, 1),
-        ("optim_grads", "bfloat16", "sharded", 2, 1),
-        ("optim_grads_params", "float32", "sharded", 4, 2),  # hybrid: the first copy of each shard writes it
+        ("optim_grads_params", "float32", "sharded", 2, 1, False),
+        ("optim_grads_params", "float32", "torch", 2, 1, True),
+        ("optim_grads", "bfloat16", "sharded", 2, 1, True),
+        ("optim_grads_params", "float32", "sharded", 4, 2, False),  # hybrid: the first copy of each shard writes
     ],
 )
-def test_resume_is_exact(tmp_path, strategy, dtype, fmt, dp, instances, run_distributed):
+def test_resume_is_exact(tmp_path, strategy, dtype, fmt, dp, instances, async_save, run_distributed):
     cfg = _sharded(_cfg(GPT2_STYLE, dp=dp), strategy)
     cfg = cfg.with_(
         model=replace(cfg.model, params_dtype=dtype),
         optim=replace(cfg.optim, num_distributed_optimizer_instances=instances),
     )
-    for r in run_distributed(_resume_run, dp, cfg, str(tmp_path), fmt):
+    for r in run_distributed(_resume_run, dp, cfg, str(tmp_path), fmt, async_save):
         assert len(r["resumed"]) == STEPS and r["resumed"] == r["whole"], (r["resumed"], r["whole"])
 
 
@@ -106,3 +108,14 @@ def test_zero3_checkpoint_loads_bit_equal_into_zero1_and_one_process(tmp_path, r
     for r in zero1:
         _assert_same_state(r, saved, "dp2 optim")
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], one["losses"])), (r["losses"], one)
+
+
+def test_moe_experts_sharded_over_expert_dp_load_into_one_process(tmp_path, run_distributed):
+    """ep2 x dp2 under FSDP: dense shards over dp, expert shards over expert DP, each written by its owner."""
+    root = str(tmp_path / "moe")
+    cfg = moe_config(ep=2, optim={"data_parallel_sharding_strategy": "optim_grads_params"})
+    cfg = cfg.with_(train=replace(cfg.train, train_iters=STEPS))
+    saved = run_distributed(_save, 4, cfg, root, ep=2)
+    whole = {**saved[0]["weights"], **saved[1]["weights"]}  # the two EP ranks' experts
+    one = _load_and_continue(ParallelState.single(), one_process(cfg), root)
+    _assert_same_state(one, {"weights": whole, "optim": {}}, "MoE in one process")
