@@ -1,7 +1,7 @@
 """Faults end the job fast and cleanly: a killed rank, a stopped (hung) rank, signals, a dead launcher,
-a time limit. Real torchrun jobs; the slow one (a stopped rank waits out a one-minute timeout) runs
-while the others are tried, so the file costs about two minutes. (The one-process cases, a time limit
-among them: tests/unit/test_faults.py.)
+a time limit. Real torchrun jobs; the slow one (a stopped rank waits out a 15-second timeout, then
+torchrun's grace period) runs while the others are tried, so the file costs about a minute. (The
+one-process cases, a time limit among them: tests/unit/test_faults.py.)
 """
 
 import os
@@ -23,9 +23,9 @@ def _alive(pids):
 
 @pytest.mark.slow
 def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path, torchrun_job):
-    # A stopped rank: the other waits out --distributed-timeout-minutes 1, then the job ends (torchrun
+    # A stopped rank: the other waits out --distributed-timeout-minutes 0.25, then the job ends (torchrun
     # needs up to 30 s more to SIGKILL the stopped one, which cannot act on SIGTERM).
-    stopped = torchrun_job("stopped", 2, ["--distributed-timeout-minutes", "1"])
+    stopped = torchrun_job("stopped", 2, ["--distributed-timeout-minutes", "0.25"])
     stopped.wait_training()
     os.kill(stopped.workers()[-1], signal.SIGSTOP)
     t_stop = time.time()
@@ -87,6 +87,6 @@ def test_killed_stopped_and_signalled_ranks_end_the_job(tmp_path, torchrun_job):
     assert time.time() - t_stop < 120
     assert stopped.proc.returncode != 0
     lines = stopped.our_lines()
-    assert any("rank 0: lost contact with another rank (Timed out waiting 60000ms" in line for line in lines), (
+    assert any("rank 0: lost contact with another rank (Timed out waiting 15000ms" in line for line in lines), (
         stopped.err.read_text()
     )
