@@ -145,9 +145,14 @@ def _check_side(label: str, flags: List[str], nproc: int) -> None:
     from megalite.config.arguments import parse_args as parse_pretrain
 
     try:
-        parse_pretrain(flags, world_size=nproc)
+        cfg = parse_pretrain(flags, world_size=nproc)
     except ValueError as e:
         raise ConfigError(f"{label}: {one_line(e)}") from None
+    if cfg.optim.fsdp:  # the capture reads each parameter's gradient from the grad buffer
+        raise ConfigError(
+            f"{label}: --data-parallel-sharding-strategy {cfg.optim.sharding} is not captured (its gradients are "
+            "FSDP shards); compare with optim or no_shard, which compute the same step"
+        )
 
 
 def _launch(label: str, flags: List[str], nproc: int, out: str, perturb: Optional[str], timeout: float) -> None:

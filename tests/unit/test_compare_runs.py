@@ -170,6 +170,10 @@ def test_incomplete_capture_and_bad_input_are_one_line(captures, tmp_path, capsy
             ["--b", "--hidden-size 33", "--", "--mock-data", "--num-attention-heads", "4"],
             "side B: --hidden-size 33 is not divisible by --num-attention-heads 4",
         ),
+        (
+            ["--b", "--use-torch-fsdp2", "--", "--mock-data"],
+            "side B: --data-parallel-sharding-strategy optim_grads_params is not captured",
+        ),
     ]
     for argv, expected in cases:
         assert compare_runs.main(argv) == 2, argv

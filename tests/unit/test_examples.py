@@ -47,6 +47,7 @@ CASES: Dict[str, tuple] = {
     "pretrain_gpt_multi_node.sh": ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}, 16),
     "gpt3_1.3b.sh": ({}, 8),
     "llama2_7b.sh": ({"NODE_RANK": "0", "MASTER_ADDR": "node0"}, 16),
+    "llama2_7b_fsdp.sh": ({}, 8),
     "pretrain_gpt_slurm.sh": (
         {"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(REPO)},
         16,
@@ -138,7 +139,7 @@ def test_launch_scripts_restart_and_resume(name, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt3_1.3b.sh", "llama2_7b.sh", "pretrain_gpt_multi_node.sh", "pretrain_gpt_slurm.sh"]
+    "name", ["gpt3_1.3b.sh", "llama2_7b.sh", "llama2_7b_fsdp.sh", "pretrain_gpt_multi_node.sh", "pretrain_gpt_slurm.sh"]
 )
 def test_c10d_launches_set_a_rendezvous_timeout(name, tmp_path):
     """A lost node left the survivors of a --max-restarts round waiting silently in torchrun's rendezvous for
