@@ -196,6 +196,14 @@ def _units(chunk: nn.Module) -> Tuple[List[nn.Module], List[nn.Module]]:
     return layers, experts
 
 
+def _prefetch(layers: Sequence[nn.Module]) -> None:
+    """Each layer's forward starts the next layer's gather, and its backward the previous one's: on a GPU the
+    transfer runs while this layer computes (FSDP2's own lookahead is one module, in backward only)."""
+    for before, after in zip(layers, layers[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+
+
 def shard_chunks(
     chunks: Sequence[nn.Module],
     ps: ParallelState,
@@ -237,6 +245,7 @@ def shard_chunks(
             modules.append(m)
         fully_shard(chunk, mesh=dense_mesh, reshard_after_forward=not keep, mp_policy=policy, ignored_params=ignored)
         modules.append(chunk)
+        _prefetch(layers)
         for n, p in chunk.named_parameters():
             p.__dict__.update({k: v for k, v in tags[n].items() if k not in p.__dict__})
             if p.requires_grad and isinstance(p, DTensor):

@@ -3,8 +3,8 @@ reproduces the one-process run: losses, grad norms and final weights within 1e-5
 every axis it composes with. One launch per rank grid; the cases of a grid run one after the other:
 
     dp4           optim_grads, optim_grads_params, the same without resharding after forward with full
-                  recompute, hybrid sharding (2 copies of 2 shards); two micro-batches per rank: gradients
-                  accumulate in the reduced shards
+                  recompute, hybrid sharding (2 copies of 2 shards, full recompute); two micro-batches per
+                  rank: gradients accumulate in the reduced shards
     tp2 x dp2     Llama-style (GQA, SwiGLU, RoPE, untied) with sequence parallelism
     pp2 x dp2     1F1B and interleaved (vp 2), GPT-2 style: the tied embedding's shards summed over stages
     cp2 x dp2     ring attention: shards over the dp x cp replicas
@@ -81,7 +81,10 @@ def test_dp4_each_strategy_with_accumulation_and_recompute(run_distributed):
         ("optim_grads", _sharded(base, "optim_grads")),
         ("optim_grads_params", _sharded(base, "optim_grads_params")),
         ("no reshard, full recompute", _sharded(recompute, "optim_grads_params", reshard_after_forward=False)),
-        ("hybrid: 2 copies of 2 shards", _sharded(base, "optim_grads_params", num_distributed_optimizer_instances=2)),
+        (
+            "hybrid: 2 copies of 2 shards, full recompute",
+            _sharded(recompute, "optim_grads_params", num_distributed_optimizer_instances=2),
+        ),
     ]
     per_rank = _check(run_distributed, 4, cases)
     for r in per_rank:  # each rank holds about a quarter of every weight (half of it with 2 copies)
