@@ -7,9 +7,9 @@
     python tools/plan.py --num-gpus 64 --gpu-memory 80 --model-size mixtral-8x7b --global-batch-size 256 \\
         --seq-length 4096 --expert-model-parallel-size 4 8
 
-For every (tp, pp, vp, dp, micro-batch, recompute, sequence parallel, distributed optimizer)
+For every (tp, pp, vp, dp, micro-batch, recompute, sequence parallel, --data-parallel-sharding-strategy)
 layout that pretrain_gpt.py accepts, megalite/analysis/planner.py estimates the memory of the most
-loaded rank (weights, fp32 grads, optimizer state, activations in flight for the schedule)
+loaded rank (weights, fp32 grads, optimizer state, FSDP's gathered weights, activations in flight for the schedule)
 and the step time (FLOPs at --efficiency of the peak, tensor-parallel and data-parallel
 traffic, the pipeline simulator's bubble). A mixture of experts (--num-experts, or the mixtral-8x7b
 preset) is searched over the expert-parallel size too (experts and their optimizer state split over EP,

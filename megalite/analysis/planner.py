@@ -1,13 +1,18 @@
-"""Layout planner: memory per rank and step time of a (tp, pp, vp, dp, micro-batch, recompute, SP, ZeRO-1) layout.
+"""Layout planner: memory per rank and step time of a (tp, pp, vp, dp, micro-batch, recompute, SP, data-parallel
+sharding) layout.
 
 Memory per rank, in bytes, for the rank that needs the most::
 
     weights      parameters on the rank x 2 (bf16/fp16) or 4 (fp32)
     grads        the fp32 main_grad buffer: 4 per parameter (2 for fp16 without fp32 accumulation)
     optimizer    Adam moments (8) + fp32 main weights (4, half precision only), / (dp x cp) with ZeRO-1
+                 (--data-parallel-sharding-strategy optim)
     activations  what autograd saves per micro-batch, summed over the micro-batches the schedule
                  keeps in flight on that rank (its action list replayed: + at F, - at B, or at W
                  for a split backward)
+    gathered     FSDP only (optim_grads, optim_grads_params: state_bytes, fsdp_transient_bytes): weights,
+                 gradients and moments are fp32 shards, 4 + 4 + 8 bytes / (dp x cp, or dp x cp / N under
+                 HSDP), and the gathered weights and unsharded gradients come on top while a step runs
 
 Activations per layer are Korthikanti et al. 2022 written term by term (so that GQA, SwiGLU, RoPE,
 dropout 0, flash attention and recomputation change the right terms): tp splits what lies between
@@ -26,8 +31,9 @@ adds the dispatch traffic and the expert gradients' reduction over expert-DP.
 Step time: each virtual stage costs its hardware FLOPs at an assumed fraction of the device's peak,
 plus tensor-parallel collectives (4 per layer and micro-batch forward+backward) at the intra-node link
 speed; the pipeline simulator turns stage costs into the schedule's makespan and bubble; the
-data-parallel gradient reduction (not overlapped) is added at the inter-node link speed when the
-data-parallel group leaves the node. With cp > 1 a rank computes 1/cp of every layer (the causal
+data-parallel traffic of the sharding strategy (data_parallel_seconds: no_shard's and ZeRO-1's not overlapped,
+FSDP's per micro-batch behind the compute) is added at the inter-node link speed when the data-parallel group
+leaves the node. With cp > 1 a rank computes 1/cp of every layer (the causal
 attention load-balanced) and passes keys and values around the CP ring: 2 (cp - 1) K/V blocks per
 layer forward, twice that backward, hidden behind the core attention where it is shorter. Rough by
 design: its job is to rank layouts; analysis/calibrate.py predicts from a measured run's costs.
