@@ -16,10 +16,18 @@ keeps in flight on each rank (measured forward by forward, replayed in the
 schedule's order; theory adds the embedding dropout mask sbh on the first stage
 and 4sbh + 4sbV for the final norm, output layer and fp32 softmax on the last), and the optimizer's bytes per rank (fp32 main weights + Adam
 moments: 12 bytes per parameter, divided by dp with --use-distributed-optimizer).
-A last table times a training step of each option on CPU against the plain run.
+A table times a training step of each option on CPU against the plain run.
 
-  python benchmarks/bench_memory.py            # all tables, ~3 minutes on 2 cores
+The data-parallel sharding strategies (--data-parallel-sharding-strategy, issue 31): per-rank bytes of
+weights + gradients + optimizer state kept between steps, measured on a real Trainer after a step
+(FSDP's parameters and gradients by their local shards) beside the planner's figure
+(analysis/planner.py: 18 bytes a parameter in bf16 for no_shard, 6 + 12/dp for optim, 16/dp for
+optim_grads and optim_grads_params, whose fp32 shard is its own main weight), at dp 1, 2 and 4; then
+the step time of each strategy against the distributed optimizer at dp 2 and 4.
+
+  python benchmarks/bench_memory.py            # all tables, ~4 minutes on 2 cores
   python benchmarks/bench_memory.py --quick    # smaller model, fewer steps
+  python benchmarks/bench_memory.py --tables sharding,sharding_time   # only the strategies
 """
 
 from __future__ import annotations
@@ -33,8 +41,14 @@ from typing import Dict, List
 import torch
 from common import mock_config, run_distributed  # first: puts the repository on sys.path
 
-from megalite.analysis.plan_check import SavedBytes  # also what a run's predicted-vs-measured block counts
+from megalite.analysis.plan_check import (  # also what a run's predicted-vs-measured block counts
+    SavedBytes,
+    layout_of,
+    resident_state_bytes,
+)
+from megalite.analysis.planner import memory_per_rank
 from megalite.config import Config, ModelConfig, OptimConfig
+from megalite.config.sections import SHARDING_STRATEGIES
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.actions import Compute
@@ -266,25 +280,140 @@ def table_step_time(a) -> None:
             print(f"| {layout} | {name} | {ms:.1f} | {ms / res['plain']:.2f} |")
 
 
-def main() -> None:
+def sharded_config(a, dp: int, strategy: str, reshard: bool = True, dtype: str = "bfloat16") -> Config:
+    """The benchmark's model at ``dp`` under one --data-parallel-sharding-strategy."""
+    cfg = make_config(a, dp=dp, m=2, dtype=dtype)
+    optim = replace(
+        cfg.optim,
+        data_parallel_sharding_strategy=strategy,
+        use_distributed_optimizer=strategy == "optim",
+        reshard_after_forward=reshard,
+    )
+    return cfg.with_(optim=optim)
+
+
+def _sharded_bytes(ps: ParallelState, a, strategy: str) -> Dict[str, float]:
+    """This rank's resident weights, gradients and optimizer state after one step, and the planner's."""
+    cfg = sharded_config(a, ps.dp_size, strategy)
+    trainer = Trainer(cfg, ps)
+    trainer.train_step(MockFeed(trainer, 1).next())  # gradients and Adam state exist after a step
+    weights, grads, optimizer = resident_state_bytes(trainer)
+    layout = layout_of(cfg, trainer.settings)
+    plan = memory_per_rank(cfg.model, layout, cfg.train.global_batch_size, "cpu")[ps.pp_rank]
+    return {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optimizer,
+        "measured": weights + grads + optimizer,
+        "planner": plan.state,
+        "gathered": plan.gathered,
+    }
+
+
+def _sharded_bytes_each(ps: ParallelState, a) -> Dict[str, Dict[str, float]]:
+    return {strategy: _sharded_bytes(ps, a, strategy) for strategy in SHARDING_STRATEGIES}
+
+
+def sharding_rows(a, dps=(1, 2, 4)) -> List[Dict[str, float]]:
+    """One row per (dp, strategy): the most loaded rank's measured bytes beside the planner's."""
+    rows = []
+    for dp in dps:
+        if dp == 1:
+            res = [_sharded_bytes_each(ParallelState.single(), a)]
+        else:
+            res = run_distributed(_sharded_bytes_each, dp, a)
+        for strategy in SHARDING_STRATEGIES:
+            top = max((r[strategy] for r in res), key=lambda r: r["measured"])
+            rows.append({"dp": dp, "strategy": strategy, **top})
+    return rows
+
+
+def table_sharding(a) -> List[Dict[str, float]]:
+    mib = 2**20
+    print("\n## Data-parallel sharding: weights + gradients + optimizer state per rank (bf16, MiB, after a step)")
+    print(
+        "| dp | strategy | weights | gradients | optimizer | measured total | planner | measured / planner | "
+        "vs no_shard | planner's transient gathered |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = sharding_rows(a)
+    plain = {r["dp"]: r["measured"] for r in rows if r["strategy"] == "no_shard"}
+    for r in rows:
+        print(
+            f"| {r['dp']} | {r['strategy']} | {r['weights'] / mib:.2f} | {r['grads'] / mib:.2f} | "
+            f"{r['optimizer'] / mib:.2f} | {r['measured'] / mib:.2f} | {r['planner'] / mib:.2f} | "
+            f"{r['measured'] / r['planner']:.3f} | {r['measured'] / plain[r['dp']]:.3f} | {r['gathered'] / mib:.2f} |"
+        )
+    return rows
+
+
+STRATEGY_RUNS = {  # name: (strategy, reshard after forward)
+    "optim (distributed optimizer)": ("optim", True),
+    "no_shard": ("no_shard", True),
+    "optim_grads": ("optim_grads", True),
+    "optim_grads_params": ("optim_grads_params", True),
+    "optim_grads_params, no reshard": ("optim_grads_params", False),
+}
+
+
+def _strategy_times(ps: ParallelState, a, steps: int) -> Dict[str, float]:
+    """Median ms of a 2-micro-batch fp32 step under each strategy (one thread per rank)."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, (strategy, reshard) in STRATEGY_RUNS.items():
+        trainer = Trainer(sharded_config(a, ps.dp_size, strategy, reshard, dtype="float32"), ps)
+        feed = MockFeed(trainer, steps + 1)
+        batches = [feed.next() for _ in range(steps + 1)]
+        trainer.train_step(batches[0])
+        times = []
+        for b in batches[1:]:
+            ps.barrier()
+            t0 = time.perf_counter()
+            trainer.train_step(b)
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) * 1e3
+    return out
+
+
+def table_sharding_time(a) -> Dict[int, Dict[str, float]]:
+    print(f"\n## Step time of each strategy on CPU (fp32, 2 micro-batches, 1 thread per rank, median of {a.steps}, ms)")
+    print("| dp | strategy | ms per step | vs optim |")
+    print("|---|---|---|---|")
+    out = {}
+    for dp in (2, 4):
+        res = run_distributed(_strategy_times, dp, a, a.steps)[0]
+        base = res["optim (distributed optimizer)"]
+        for name, ms in res.items():
+            print(f"| {dp} | {name} | {ms:.1f} | {ms / base:.2f} |")
+        out[dp] = res
+    return out
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--tables", default="layer,flight,optimizer,time")
-    a = p.parse_args()
-    a.layers, a.hidden, a.heads, a.seq, a.mbs, a.steps = (4, 128, 4, 128, 2, 3) if a.quick else (8, 256, 8, 256, 2, 5)
+    p.add_argument("--tables", default="layer,flight,optimizer,time,sharding,sharding_time")
+    p.add_argument("--steps", type=int, help="timed steps per variant (default 5, --quick 3)")
+    a = p.parse_args(argv)
+    a.layers, a.hidden, a.heads, a.seq, a.mbs, a.steps = (
+        (4, 128, 4, 128, 2, a.steps or 3) if a.quick else (8, 256, 8, 256, 2, a.steps or 5)
+    )
     print(
         f"model: GPT-2 style, {a.layers} layers, hidden {a.hidden}, heads {a.heads}, seq {a.seq}, "
         f"micro-batch {a.mbs}, vocab 4096; torch {torch.__version__}"
     )
     tables = a.tables.split(",")
-    if "layer" in tables:
-        table_per_layer(a)
-    if "flight" in tables:
-        table_in_flight(a)
-    if "optimizer" in tables:
-        table_optimizer(a)
-    if "time" in tables:
-        table_step_time(a)
+    for name, table in (
+        ("layer", table_per_layer),
+        ("flight", table_in_flight),
+        ("optimizer", table_optimizer),
+        ("time", table_step_time),
+        ("sharding", table_sharding),
+        ("sharding_time", table_sharding_time),
+    ):
+        if name in tables:
+            table(a)
+    return 0
 
 
 if __name__ == "__main__":

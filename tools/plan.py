@@ -7,9 +7,9 @@
     python tools/plan.py --num-gpus 64 --gpu-memory 80 --model-size mixtral-8x7b --global-batch-size 256 \\
         --seq-length 4096 --expert-model-parallel-size 4 8
 
-For every (tp, pp, vp, dp, micro-batch, recompute, sequence parallel, distributed optimizer)
+For every (tp, pp, vp, dp, micro-batch, recompute, sequence parallel, --data-parallel-sharding-strategy)
 layout that pretrain_gpt.py accepts, megalite/analysis/planner.py estimates the memory of the most
-loaded rank (weights, fp32 grads, optimizer state, activations in flight for the schedule)
+loaded rank (weights, fp32 grads, optimizer state, FSDP's gathered weights, activations in flight for the schedule)
 and the step time (FLOPs at --efficiency of the peak, tensor-parallel and data-parallel
 traffic, the pipeline simulator's bubble). A mixture of experts (--num-experts, or the mixtral-8x7b
 preset) is searched over the expert-parallel size too (experts and their optimizer state split over EP,
@@ -44,8 +44,10 @@ from megalite.analysis.search import default_cp_sizes, plan, why_no_plan  # noqa
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser, number  # noqa: E402
 from megalite.config.moe import layer_freq  # noqa: E402
+from megalite.config.sections import SHARDING_STRATEGIES  # noqa: E402
 from megalite.config.validate import check_model  # noqa: E402
 from megalite.config.validate_moe import check_moe_model  # noqa: E402
+from megalite.config.validate_sharding import check_sharding_companions  # noqa: E402
 from megalite.observability.throughput import peak_tflops_for  # noqa: E402
 from megalite.pipeline.registry import SCHEDULES  # noqa: E402
 
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-size", choices=sorted(PRESETS), help="a preset shape (or give the model flags)")
     _add_model_flags(p.add_argument_group("model flags (pretrain_gpt.py's names; override the preset)"), count)
     _add_hardware_flags(p.add_argument_group("hardware and search"), positive, count)
+    _add_sharding_flags(p.add_argument_group("data-parallel sharding (pretrain_gpt.py's names; what is searched)"))
     c = p.add_argument_group("calibrated mode")
     c.add_argument(
         "--calibrate",
@@ -204,6 +207,42 @@ def _add_hardware_flags(h, positive, count) -> None:
         help="what the memory estimate counts (CPU kernels save "
         "more for RMSNorm, less for SDPA); default cuda, or the calibration timeline's",
     )
+
+
+def _add_sharding_flags(g) -> None:
+    """The strategies to search and their companions; their rules are pretrain_gpt.py's (validate_sharding)."""
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        nargs="+",
+        choices=SHARDING_STRATEGIES,
+        metavar="STRATEGY",
+        dest="strategies",
+        help=f"strategies to search (default: all of {', '.join(SHARDING_STRATEGIES)})",
+    )
+    g.add_argument(
+        "--no-reshard-after-forward",
+        action="store_false",
+        dest="reshard_after_forward",
+        help="optim_grads_params keeps each layer's gathered weights from forward to backward",
+    )
+    g.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=number(int, ge=1),
+        metavar="N",
+        dest="instances",
+        help="HSDP: shard over dp x cp / N ranks, replicate N times (default: search 1 and, when the "
+        "replicas leave a node, a shard group per node)",
+    )
+
+
+def check_sharding(a: argparse.Namespace) -> None:
+    """The sharding flags by pretrain_gpt.py's rules (a ConfigError is a ValueError: one line, exit 2); an
+    HSDP size must also divide the devices, or no layout could take it."""
+    check_sharding_companions(
+        tuple(a.strategies or SHARDING_STRATEGIES), a.reshard_after_forward, a.instances or 1, "searched"
+    )
+    if a.instances and a.num_gpus % a.instances:
+        raise ValueError(f"--num-distributed-optimizer-instances {a.instances} does not divide --num-gpus {a.num_gpus}")
 
 
 def read_documents(paths: Sequence[str]) -> List[tuple]:
@@ -330,6 +369,37 @@ def calibrated(calibration, layout, global_batch_size: int) -> tuple:
     return p.step_s, p.bubble
 
 
+def print_table(plans, fit: int, tokens_per_gpu: float) -> None:
+    """The best layouts, GiB per device; ``gather``: FSDP's transient gathered weights and gradients."""
+    print(f"{fit} layouts fit; the best {len(plans)} (GiB per device, most loaded rank):")
+    wide = max([42] + [len(p.layout.describe()) for p in plans])
+    print(
+        f"{'#':>3} {'layout':<{wide}} {'weights':>8} {'grads':>7} {'optim':>7} {'gather':>7} {'activ':>7} "
+        f"{'total':>7} {'step s':>8} {'bubble':>7} {'tok/s/GPU':>10}"
+    )
+    for i, p in enumerate(plans, 1):
+        m = p.memory
+        print(
+            f"{i:>3} {p.layout.describe():<{wide}} {m.weights / GiB:>8.2f} {m.grads / GiB:>7.2f} "
+            f"{m.optimizer / GiB:>7.2f} {m.gathered / GiB:>7.2f} {m.activations / GiB:>7.2f} {m.total / GiB:>7.2f} "
+            f"{p.step_s:>8.3f} {100 * p.bubble:>6.1f}% {tokens_per_gpu / p.step_s:>10.0f}"
+        )
+
+
+def sharding_line(layout) -> str:
+    """What the chosen --data-parallel-sharding-strategy shards, over how many ranks, in words."""
+    s, ways = layout.strategy, layout.shard_ways
+    what = {
+        "no_shard": "nothing (gradients all-reduced)",
+        "optim": "the optimizer state (ZeRO-1, the distributed optimizer)",
+        "optim_grads": "the optimizer state and gradients (ZeRO-2, FSDP2)",
+        "optim_grads_params": "the optimizer state, gradients and weights (ZeRO-3, FSDP2)",
+    }[s]
+    over = f" over {ways} ranks" if ways > 1 else ""
+    hsdp = f", replicated {layout.instances} times (HSDP)" if layout.instances > 1 else ""
+    return f"{s}: {what}{over}{hsdp}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Plan, print the table and the best layout's command; 0, 1 (nothing fits) or 2 (bad input, one line)."""
     a = build_parser().parse_args(argv)
@@ -342,6 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if peak is None:
             raise ValueError(f"--gpu {a.gpu!r} is not in the peak table (A100, H100, H200, B200); give --peak-tflops")
         check_cp_sizes(a.context_parallel_sizes or (), a.num_gpus, a.seq_length)
+        check_sharding(a)
     except (ValueError, CalibrationError) as e:
         print(f"tools/plan.py: error: {e}", file=sys.stderr)
         return 2
@@ -356,6 +427,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         schedules=tuple(a.schedules),
         ep_sizes=a.ep_sizes,
         etp_sizes=a.etp_sizes,
+        strategies=tuple(a.strategies or SHARDING_STRATEGIES),
+        reshard=a.reshard_after_forward,
+        instances=a.instances,
     )
     plans = plan(
         cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, device=device, step_time=step_time, **search
@@ -379,22 +453,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         why, bad_batch = why_no_plan(cfg, a.num_gpus, a.gpu_memory, a.global_batch_size, hw, a.headroom, **search)
         print(f"tools/plan.py: error: {why}" if bad_batch else why, file=sys.stderr)
         return 2 if bad_batch else 1
-    print(f"{len(plans)} layouts fit; the best {min(a.top, len(plans))} (GiB per device, most loaded rank):")
-    wide = max([42] + [len(p.layout.describe()) for p in plans[: a.top]])
-    print(
-        f"{'#':>3} {'layout':<{wide}} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
-        f"{'step s':>8} {'bubble':>7} {'tok/s/GPU':>10}"
-    )
-    for i, p in enumerate(plans[: a.top], 1):
-        m = p.memory
-        print(
-            f"{i:>3} {p.layout.describe():<{wide}} {m.weights / GiB:>8.2f} {m.grads / GiB:>7.2f} "
-            f"{m.optimizer / GiB:>7.2f} {m.activations / GiB:>7.2f} {m.total / GiB:>7.2f} {p.step_s:>8.3f} "
-            f"{100 * p.bubble:>6.1f}% {tokens / p.step_s / a.num_gpus:>10.0f}"
-        )
+    print_table(plans[: a.top], len(plans), tokens / a.num_gpus)
     best = plans[0].layout
     flags = model_flags(cfg, a.global_batch_size) + best.flags(cfg.num_layers)
-    print(f"\nbest layout: {best.describe()}; its flags (add your data and schedule flags):")
+    print(f"\nbest layout: {best.describe()}; data-parallel sharding: {sharding_line(best)}")
+    print("its flags (add your data and schedule flags):")
     per_node = min(a.num_gpus, a.gpus_per_node)
     nodes = (
         f'--nnodes {a.num_gpus // per_node} --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '

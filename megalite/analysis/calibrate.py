@@ -68,6 +68,9 @@ def layout_from_meta(meta: dict) -> Layout:
         int(meta.get("ep", 1)),
         meta.get("etp"),
         meta.get("moe_dispatcher", "allgather"),
+        sharding=meta.get("sharding"),
+        reshard=bool(meta.get("reshard", True)),
+        instances=int(meta.get("instances", 1)),
     )
 
 
@@ -322,7 +325,7 @@ def _all_busy(layout: Layout, cores: Optional[float]) -> float:
 def _effective_params(cfg: ModelConfig, layout: Layout) -> float:
     """Parameters whose optimizer step the busiest rank runs."""
     n = max(params_per_rank(cfg, layout))
-    return n / (layout.dp * layout.cp) if layout.dist_opt else n
+    return n / layout.shard_ways
 
 
 def _reduce_bytes(cfg: ModelConfig, layout: Layout) -> float:

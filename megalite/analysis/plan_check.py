@@ -69,6 +69,9 @@ def layout_of(cfg: Config, settings: RunSettings) -> Layout:
         None if even else tuple(settings.stage_layers),
         getattr(par, "cp_comm_type", "p2p"),
         *_expert_fields(cfg),
+        sharding=cfg.optim.sharding if cfg.optim.fsdp else None,
+        reshard=cfg.optim.reshard_after_forward,
+        instances=cfg.optim.num_distributed_optimizer_instances,
     )
 
 
@@ -229,6 +232,25 @@ class ActivationMeter:
         return peak
 
 
+def resident_state_bytes(trainer) -> Tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes a rank keeps between steps: FSDP's parameters and gradients
+    by their local shards (a DTensor's numel is the whole tensor's), the gradient buffers (MoE: the experts'
+    too), Adam's moments and the fp32 main weights the optimizer holds beside the model's."""
+    weights = sum(local_tensor(p).numel() * p.element_size() for p in trainer.params)
+    grads = trainer.optimizer.grads
+    buffers = getattr(grads, "parts", None) or [grads]
+    return (
+        weights,
+        sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+        trainer.optimizer.state_bytes(),
+    )
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of ``t``: an FSDP shard's local rows, else ``t`` itself."""
+    return getattr(t, "_local_tensor", t)
+
+
 def probe_tflops(cfg: Config, device: torch.device, tp: int) -> float:
     """TFLOP/s of a matmul the size of the run's MLP input projection (the CPU's stand-in for a peak)."""
     m = cfg.model
@@ -298,11 +320,7 @@ class PlanCheck:
             acts = self.meter.peak(trainer.actions)
             self.meter.remove()
             self.meter = None
-        state = sum(p.numel() * p.element_size() for p in trainer.params)
-        buffers = getattr(trainer.optimizer.grads, "parts", None) or [trainer.optimizer.grads]  # MoE: + experts'
-        state += sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
-        state += trainer.optimizer.state_bytes()
-        return float(state + acts), float(acts)
+        return float(sum(resident_state_bytes(trainer)) + acts), float(acts)
 
     def _report(self, trainer, iteration: int) -> None:
         """Gather (pp rank, memory, activations, step wall, bubble) from every rank; the logging rank prints."""
@@ -439,6 +457,8 @@ def _layout_meta(layout: Layout) -> Dict[str, object]:
         "cp_comm": layout.cp_comm,
         "stage_layers": list(layout.stage_layers) if layout.stage_layers else None,
     }
+    if layout.fsdp:  # FSDP only: older runs' timelines keep their keys
+        meta.update(sharding=layout.sharding, reshard=layout.reshard, instances=layout.instances)
     if layout.ep > 1 or layout.etp is not None:  # MoE only: a dense run's timeline keeps its keys
         meta.update(ep=layout.ep, etp=layout.etp, moe_dispatcher=layout.moe_dispatcher)
     return meta

@@ -1,13 +1,18 @@
-"""Layout planner: memory per rank and step time of a (tp, pp, vp, dp, micro-batch, recompute, SP, ZeRO-1) layout.
+"""Layout planner: memory per rank and step time of a (tp, pp, vp, dp, micro-batch, recompute, SP, data-parallel
+sharding) layout.
 
 Memory per rank, in bytes, for the rank that needs the most::
 
     weights      parameters on the rank x 2 (bf16/fp16) or 4 (fp32)
     grads        the fp32 main_grad buffer: 4 per parameter (2 for fp16 without fp32 accumulation)
     optimizer    Adam moments (8) + fp32 main weights (4, half precision only), / (dp x cp) with ZeRO-1
+                 (--data-parallel-sharding-strategy optim)
     activations  what autograd saves per micro-batch, summed over the micro-batches the schedule
                  keeps in flight on that rank (its action list replayed: + at F, - at B, or at W
                  for a split backward)
+    gathered     FSDP only (optim_grads, optim_grads_params: state_bytes, fsdp_transient_bytes): weights,
+                 gradients and moments are fp32 shards, 4 + 4 + 8 bytes / (dp x cp, or dp x cp / N under
+                 HSDP), and the gathered weights and unsharded gradients come on top while a step runs
 
 Activations per layer are Korthikanti et al. 2022 written term by term (so that GQA, SwiGLU, RoPE,
 dropout 0, flash attention and recomputation change the right terms): tp splits what lies between
@@ -26,8 +31,9 @@ adds the dispatch traffic and the expert gradients' reduction over expert-DP.
 Step time: each virtual stage costs its hardware FLOPs at an assumed fraction of the device's peak,
 plus tensor-parallel collectives (4 per layer and micro-batch forward+backward) at the intra-node link
 speed; the pipeline simulator turns stage costs into the schedule's makespan and bubble; the
-data-parallel gradient reduction (not overlapped) is added at the inter-node link speed when the
-data-parallel group leaves the node. With cp > 1 a rank computes 1/cp of every layer (the causal
+data-parallel traffic of the sharding strategy (data_parallel_seconds: no_shard's and ZeRO-1's not overlapped,
+FSDP's per micro-batch behind the compute) is added at the inter-node link speed when the data-parallel group
+leaves the node. With cp > 1 a rank computes 1/cp of every layer (the causal
 attention load-balanced) and passes keys and values around the CP ring: 2 (cp - 1) K/V blocks per
 layer forward, twice that backward, hidden behind the core attention where it is shorter. Rough by
 design: its job is to rank layouts; analysis/calibrate.py predicts from a measured run's costs.
@@ -59,6 +65,9 @@ RECOMPUTE = {
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 GiB = 2**30
+FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
+# describe()'s names for the strategies (ZeRO's stages; no_shard says nothing, as before)
+SHORT_NAMES = {"no_shard": "", "optim": " zero1", "optim_grads": " zero2", "optim_grads_params": " zero3"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,36 @@ class Layout:
     ep: int = 1  # expert parallel: ranks a layer's experts are split over (MoE)
     etp: Optional[int] = None  # expert tensor parallel (None: tp)
     moe_dispatcher: str = "allgather"
+    # --data-parallel-sharding-strategy optim_grads / optim_grads_params (FSDP2); None: dist_opt says optim or
+    # no_shard, so the ZeRO-1 layouts keep their old spelling (timelines, calibration files)
+    sharding: Optional[str] = None
+    reshard: bool = True  # optim_grads_params: gather again for backward (--no-reshard-after-forward: False)
+    instances: int = 1  # --num-distributed-optimizer-instances: HSDP's replicas of each shard group
+
+    @property
+    def strategy(self) -> str:
+        """The effective sharding strategy: one replica has nothing to shard (the Trainer then runs no FSDP)."""
+        if self.dp * self.cp == 1:
+            return "no_shard"
+        return self.sharding or ("optim" if self.dist_opt else "no_shard")
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy in FSDP_STRATEGIES
+
+    @property
+    def shard_ways(self) -> int:
+        """Ranks the dense state is sharded over: dp x cp, or dp x cp / N under HSDP (1: not sharded)."""
+        s = self.strategy
+        return 1 if s == "no_shard" else self.dp * self.cp // (self.instances if s in FSDP_STRATEGIES else 1)
+
+    @property
+    def expert_shard_ways(self) -> int:
+        """Ranks the experts' state is sharded over: expert-DP (over N too under HSDP, where it divides)."""
+        if self.strategy == "no_shard" or self.edp == 1:
+            return 1
+        n = self.instances if self.fsdp and self.edp % self.instances == 0 else 1
+        return self.edp // n
 
     @property
     def expert_tp(self) -> int:
@@ -114,7 +153,15 @@ class Layout:
             str(self.pp),
             "--micro-batch-size",
             str(self.mbs),
+            "--data-parallel-sharding-strategy",
+            self.strategy,
         ]
+        if self.strategy == "optim":
+            out += ["--overlap-grad-reduce", "--overlap-param-gather"]
+        if self.fsdp and not self.reshard:
+            out.append("--no-reshard-after-forward")
+        if self.fsdp and self.instances > 1:
+            out += ["--num-distributed-optimizer-instances", str(self.instances)]
         if self.vp > 1:
             out += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (self.pp * self.vp))]
         if self.schedule_name:
@@ -131,8 +178,6 @@ class Layout:
             out += ["--moe-token-dispatcher-type", self.moe_dispatcher]
         if self.sp:
             out.append("--sequence-parallel")
-        if self.dist_opt:
-            out += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
         if self.recompute == "selective":
             out.append("--recompute-activations")
         elif self.recompute == "full":
@@ -146,7 +191,8 @@ class Layout:
         )
         return (
             f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''}{moe} "
-            f"mbs{self.mbs} {self.recompute}{' sp' if self.sp else ''}{' zero1' if self.dist_opt else ''}"
+            f"mbs{self.mbs} {self.recompute}{' sp' if self.sp else ''}{SHORT_NAMES[self.strategy]}"
+            f"{' keep' if self.fsdp and not self.reshard else ''}{f' hsdp{self.instances}' if self.instances > 1 else ''}"
             f"{f' {self.schedule_name}' if self.schedule_name else ''}"
         )
 
@@ -159,10 +205,16 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
+    gathered: float = 0.0  # FSDP's transient full weights and unsharded gradients (fsdp_transient_bytes)
+
+    @property
+    def state(self) -> float:
+        """Resident weights + gradients + optimizer state (what stays between steps)."""
+        return self.weights + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.state + self.activations + self.gathered
 
 
 def _with_recompute(cfg: ModelConfig, recompute: str) -> ModelConfig:
@@ -216,25 +268,69 @@ def params_per_rank(cfg: ModelConfig, layout: Layout) -> List[int]:
     return [dense for dense, _, _ in param_counts_per_rank(cfg, layout)]
 
 
-def state_bytes(cfg: ModelConfig, n_params: int, layout: Layout) -> Tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes for ``n_params`` parameters on one rank."""
+def state_bytes(
+    cfg: ModelConfig, n_params: int, layout: Layout, ways: Optional[int] = None
+) -> Tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes for ``n_params`` parameters on one rank, their state sharded ``ways`` ways
+    (default: the layout's dense sharding) as its strategy shards it:
+
+    no_shard             weights 2 (4 fp32), fp32 grads 4, Adam moments 8 + fp32 main weights 4 (half only)
+    optim                the same, the optimizer's 12 (8) / ways
+    optim_grads(_params) an fp32 shard that is its own main weight 4, its fp32 gradient 4 and moments 8, all / ways
+                         (the gathered copies are transient: fsdp_transient_bytes)
+    """
     half = cfg.params_dtype != "float32"
+    ways = layout.shard_ways if ways is None else ways
+    if layout.fsdp and ways > 1:
+        return 4 * n_params / ways, 4 * n_params / ways, 8 * n_params / ways
     weights = n_params * (2 if half else 4)
     grads = n_params * 4  # bf16 always accumulates in fp32; fp16 runs are planned with fp32 accumulation too
     opt = n_params * (8 + (4 if half else 0))
-    return weights, grads, opt / (layout.dp * layout.cp) if layout.dist_opt else opt
+    return weights, grads, opt / ways if layout.strategy == "optim" else opt
 
 
 def rank_state_bytes(cfg: ModelConfig, counts: Tuple[int, int, int], layout: Layout) -> Tuple[float, float, float]:
     """(weights, grads, optimizer) bytes of one rank from its (dense, expert, fp32 no-grad) counts: the
-    experts' optimizer state is sharded over expert-DP with the distributed optimizer (as the optimizer
-    does whenever expert-DP > 1); the expert bias is fp32 and has neither gradient nor optimizer state."""
+    experts' state is sharded over expert-DP (layout.expert_shard_ways; with one rank per expert-DP group the
+    experts keep a plain buffer and a whole optimizer state, whatever the strategy); the expert bias is fp32 and
+    has neither gradient nor optimizer state."""
     dense, expert, fixed = counts
     w, g, o = state_bytes(cfg, dense, layout)
-    ew, eg, eo = state_bytes(cfg, expert, replace(layout, dist_opt=False))
-    if layout.dist_opt and layout.edp > 1:
-        eo /= layout.edp
+    ew, eg, eo = state_bytes(cfg, expert, layout, layout.expert_shard_ways)
     return w + ew + 4 * fixed, g + eg, o + eo
+
+
+def fsdp_transient_bytes(cfg: ModelConfig, layout: Layout) -> List[float]:
+    """FSDP's bytes beyond the shards on each pipeline rank, at the step's worst point (0 without FSDP).
+
+    Weights gathered in the compute dtype: optim_grads (and optim_grads_params with --no-reshard-after-forward,
+    whose layers stay gathered from forward to backward while micro-batches are in flight) all of the rank's;
+    optim_grads_params the chunk roots (embedding, final norm, output layer: FSDP2 keeps a root gathered
+    through its backward) and two layers (the one computing, the next one prefetched). Plus one unit's
+    unsharded gradient, in the compute dtype, and its fp32 copy reduce-scattered.
+    """
+    if not layout.fsdp:
+        return [0.0] * layout.pp
+    e = 2 if cfg.params_dtype != "float32" else 4
+    t, place = layout.tp, layout.placement()
+    dense_layer = layer_params(cfg, t)
+    if cfg.is_moe:
+        router, experts, _ = moe_block_params(cfg, t, layout.ep, layout.expert_tp)
+        moe_layer = layer_params(cfg, t, mlp=False) + router + experts
+    layers_of, biggest = [0] * layout.pp, [0] * layout.pp
+    for stage, ids in enumerate(stage_layer_ids(cfg, layout)):
+        r = place.rank_of(stage)
+        for i in ids:
+            size = moe_layer if cfg.is_moe_layer(i) else dense_layer
+            layers_of[r] += size
+            biggest[r] = max(biggest[r], size)
+    out = []
+    for r, (dense, expert, _) in enumerate(param_counts_per_rank(cfg, layout)):
+        root = dense + expert - layers_of[r]
+        keep_all = layout.strategy == "optim_grads" or not layout.reshard
+        held = dense + expert if keep_all else root + min(2 * biggest[r], layers_of[r])
+        out.append(e * held + (e + 4) * max(biggest[r], root))
+    return out
 
 
 # -- activations ---------------------------------------------------------------------------------------
@@ -399,7 +495,8 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, global_batch_size: int, de
     """
     cfg = _with_recompute(cfg, layout.recompute)
     acts = activation_bytes_per_rank(cfg, layout, global_batch_size, device)
-    return [Memory(*rank_state_bytes(cfg, n, layout), a) for n, a in zip(param_counts_per_rank(cfg, layout), acts)]
+    counts, gathered = param_counts_per_rank(cfg, layout), fsdp_transient_bytes(cfg, layout)
+    return [Memory(*rank_state_bytes(cfg, n, layout), a, g) for n, a, g in zip(counts, acts, gathered)]
 
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, global_batch_size: int, device: str = "cuda") -> Memory:
@@ -428,6 +525,48 @@ def _simulate(name: str, pp: int, vp: int, m: int, recompute_ratio: float) -> Tu
     makespan = res.makespan + (m - short) * (3.0 + recompute_ratio)
     busy = m * (3.0 + recompute_ratio)
     return makespan, (makespan - busy) / busy
+
+
+def data_parallel_seconds(
+    cfg: ModelConfig, layout: Layout, hw: Hardware, m: int, forward: float, backward: float
+) -> float:
+    """Seconds the dense gradients' data-parallel traffic adds to a step of ``m`` micro-batches, each taking
+    ``forward`` and ``backward`` seconds on the busiest pipeline rank. Bytes per rank on the wire (ring
+    collectives over R = dp x cp ranks, R / N under HSDP; n the rank's parameters, e bytes each)::
+
+        no_shard            an all-reduce of the fp32 gradients, 2 (R-1)/R x 4n, after the last backward
+        optim               a reduce-scatter of them and an all-gather of the updated weights, (R-1)/R x (4+e)n
+        optim_grads         per micro-batch a reduce-scatter, (R-1)/R x 4n; per step an all-gather, (R-1)/R x en
+        optim_grads_params  per micro-batch that reduce-scatter and an all-gather for forward, another for
+                            backward unless --no-reshard-after-forward keeps the weights
+        HSDP (N > 1)        + an all-reduce of the gradient shards over the N replicas, 2 (N-1)/N x 4n/R
+
+    The first two wait for the step's backward to end (--overlap-grad-reduce hides part of it; the planner
+    counts none). FSDP prefetches each layer's gather during the previous layer's compute and reduces a layer
+    behind the next one's backward, so only what is longer than the pass it runs beside is added.
+    """
+    replicas = layout.dp * layout.cp
+    if replicas == 1:
+        return 0.0
+    e = 2 if cfg.params_dtype != "float32" else 4
+    n, shard = max(params_per_rank(cfg, layout)), layout.shard_ways
+    in_node = layout.world <= hw.gpus_per_node
+    bw = (hw.intra_node_gbps if in_node else hw.inter_node_gbps) * 1e9
+    if not layout.fsdp:
+        moved = 2 * 4 * n if layout.strategy == "no_shard" else (4 + e) * n
+        return (replicas - 1) / replicas * moved / bw
+    group_bw = (hw.intra_node_gbps if layout.tp * shard <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9
+    ring = (shard - 1) / shard / group_bw  # seconds per byte of a full tensor reduce-scattered or gathered
+    gathers = (2 if layout.reshard else 1) if layout.strategy == "optim_grads_params" else 0
+    fwd = (gathers > 0) * ring * e * n
+    bwd = ring * (4 * n + (gathers > 1) * e * n)
+    out = m * (max(0.0, fwd - forward) + max(0.0, bwd - backward))
+    if layout.strategy == "optim_grads":  # the step's one gather, behind the first forward
+        out += max(0.0, ring * e * n - forward)
+    if layout.instances > 1:
+        k = layout.instances
+        out += 2 * (k - 1) / k * 4 * n / shard / bw
+    return out
 
 
 def estimate_step_time(cfg: ModelConfig, layout: Layout, global_batch_size: int, hw: Hardware) -> Tuple[float, float]:
@@ -473,12 +612,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, global_batch_size: int,
     recompute_ratio = (extra / 3 / rate / layout.pp) / forward if forward > 0 else 0.0
     makespan, bubble = _simulate(layout.schedule(), layout.pp, layout.vp, m, round(recompute_ratio, 3))
     step = makespan * forward
-    replicas = layout.dp * cp  # gradients are reduced over dp x cp
-    if replicas > 1:
-        n = max(params_per_rank(cfg, layout))
-        in_node = layout.world <= hw.gpus_per_node
-        bw = (hw.intra_node_gbps if in_node else hw.inter_node_gbps) * 1e9
-        step += 2 * (replicas - 1) / replicas * 4 * n / bw  # fp32 gradients, ring all-reduce
+    step += data_parallel_seconds(cfg, layout, hw, m, forward, (2.0 + recompute_ratio) * forward)
     if cfg.is_moe and layout.edp > 1:  # the experts' gradients over their own replicas (expert-DP)
         n = max(c[1] for c in param_counts_per_rank(cfg, layout))
         bw = (hw.intra_node_gbps if layout.world <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9

@@ -10,9 +10,19 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-from megalite.analysis.planner import RECOMPUTE, GiB, Hardware, Layout, Memory, estimate_memory, estimate_step_time
+from megalite.analysis.planner import (
+    FSDP_STRATEGIES,
+    RECOMPUTE,
+    GiB,
+    Hardware,
+    Layout,
+    Memory,
+    estimate_memory,
+    estimate_step_time,
+)
 from megalite.config import ModelConfig
-from megalite.pipeline.registry import validate_schedule
+from megalite.config.sections import SHARDING_STRATEGIES
+from megalite.pipeline.registry import SCHEDULES, validate_schedule
 
 LONG_SEQUENCE = 8192  # from here on the search also splits sequences (context parallelism)
 
@@ -67,6 +77,25 @@ def expert_splits(
     return out
 
 
+def sharding_options(
+    strategies: Sequence[str], tp: int, replicas: int, gpus_per_node: int, instances: Optional[int] = None
+) -> List[Tuple[str, int]]:
+    """(strategy, HSDP instances) worth trying over ``replicas`` = dp x cp ranks: none but no_shard with one
+    replica; the FSDP ones flat and, when the replicas leave a node, sharded within a node and replicated
+    across (``instances`` given: only that N, where it leaves more than one rank per shard group)."""
+    if replicas == 1:
+        return [("no_shard", 1)] if "no_shard" in strategies or not strategies else []
+    per_node = max(1, gpus_per_node // tp)  # dp x cp ranks in a node: tp is the fastest axis
+    if instances is not None:
+        hsdp = [instances] if replicas % instances == 0 and replicas > instances else []
+    else:
+        hsdp = [1] + ([replicas // per_node] if replicas > per_node and replicas % per_node == 0 else [])
+    out = []
+    for s in strategies:
+        out += [(s, n) for n in hsdp] if s in FSDP_STRATEGIES else [(s, 1)] if instances in (None, 1) else []
+    return out
+
+
 def candidate_layouts(
     cfg: ModelConfig,
     num_gpus: int,
@@ -78,25 +107,48 @@ def candidate_layouts(
     schedules: Sequence[str] = (),
     ep_sizes: Optional[Sequence[int]] = None,
     etp_sizes: Optional[Sequence[int]] = None,
+    strategies: Sequence[str] = SHARDING_STRATEGIES,
+    reshard: bool = True,
+    instances: Optional[int] = None,
 ) -> Iterator[Layout]:
     """Every layout pretrain_gpt.py accepts for this model on ``num_gpus`` devices (tp within a node), with
     Megatron's default schedule and each of ``schedules`` that runs on it (an MoE: each expert split,
-    expert_splits)."""
+    expert_splits), under each data-parallel sharding strategy (sharding_options; ``reshard`` False:
+    optim_grads_params with --no-reshard-after-forward). FSDP runs no split-backward schedule
+    (config/validate_sharding.py)."""
     for tp, pp, dp, cp in model_splits(cfg, num_gpus, gpus_per_node, cp_sizes):
         vps = [v for v in (1, 2, 3, 4, 6, 8) if v <= max_vp and (cfg.num_layers // pp) % v == 0] if pp > 1 else [1]
         sp = tp > 1 and cfg.seq_length % tp == 0
         if cfg.is_moe and tp > 1 and not sp:  # an MoE with tp needs sequence parallelism
             continue
         experts = expert_splits(cfg, tp, tp * cp * dp, ep_sizes, etp_sizes)
-        for vp, mbs, rec, dist_opt, (ep, etp, disp) in itertools.product(
-            vps, micro_batches, RECOMPUTE, (False, True), experts
+        shardings = sharding_options(strategies, tp, dp * cp, gpus_per_node, instances)
+        for vp, mbs, rec, (strategy, n), (ep, etp, disp) in itertools.product(
+            vps, micro_batches, RECOMPUTE, shardings, experts
         ):
+            fsdp = strategy in FSDP_STRATEGIES
             layout = Layout(
-                tp, pp, dp, vp, mbs, rec, sp=sp, dist_opt=dist_opt, cp=cp, ep=ep, etp=etp, moe_dispatcher=disp
+                tp,
+                pp,
+                dp,
+                vp,
+                mbs,
+                rec,
+                sp=sp,
+                dist_opt=strategy == "optim",
+                cp=cp,
+                ep=ep,
+                etp=etp,
+                moe_dispatcher=disp,
+                sharding=strategy if fsdp else None,
+                instances=n,
+                reshard=reshard or strategy != "optim_grads_params",
             )
-            if (dist_opt and dp * cp == 1) or global_batch_size % (mbs * dp):
+            if global_batch_size % (mbs * dp):
                 continue
             for name in (None, *(s for s in schedules if s != layout.schedule())):
+                if fsdp and SCHEDULES[name or layout.schedule()].split_backward:
+                    continue
                 try:
                     validate_schedule(name or layout.schedule(), pp, vp, layout.num_microbatches(global_batch_size))
                 except ValueError:
@@ -129,7 +181,7 @@ def plan(
 
     Times within 2% of each other are too close for this model to tell apart: among them the
     simpler layout comes first (fewer pipeline stages and chunks, less tensor and context
-    parallelism, less recomputation), then the one with less memory.
+    parallelism, less recomputation, fewer experts split, no FSDP), then the one with less memory.
     """
     hw = hw or Hardware()
     budget = gpu_memory_gib * GiB * (1.0 - headroom)
@@ -154,6 +206,7 @@ def plan(
             p.layout.tp * p.layout.cp,
             rec[p.layout.recompute],
             p.layout.ep,
+            p.layout.fsdp,  # ZeRO-1 or none over FSDP when they are as fast: fewer collectives to go wrong
             p.memory.total,
         ),
     )
@@ -174,7 +227,7 @@ def layout_distance(a: Layout, b: Layout) -> float:
         )
     )
     rec = {name: i for i, name in enumerate(RECOMPUTE)}
-    return sizes + abs(rec[a.recompute] - rec[b.recompute]) + (a.sp != b.sp) * 0.5 + (a.dist_opt != b.dist_opt) * 0.5
+    return sizes + abs(rec[a.recompute] - rec[b.recompute]) + (a.sp != b.sp) * 0.5 + (a.strategy != b.strategy) * 0.5
 
 
 def nearest_fitting(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from megalite.config import Config, ConfigError
 from megalite.config.settings import RunSettings
 
@@ -21,16 +23,8 @@ def validate_sharding(cfg: Config, settings: RunSettings) -> None:
             f"{STRATEGY} no_shard contradicts --use-distributed-optimizer (which shards the optimizer: optim); drop one"
         )
     strategy, replicas = o.sharding, settings.dp * par.cp
-    if not o.reshard_after_forward and strategy != "optim_grads_params":
-        raise ConfigError(
-            f"--no-reshard-after-forward applies to {STRATEGY} optim_grads_params (this run: {strategy}); drop it"
-        )
     n = o.num_distributed_optimizer_instances
-    if n > 1 and not o.fsdp:
-        raise ConfigError(
-            f"--num-distributed-optimizer-instances {n} (hybrid sharding) needs {STRATEGY} optim_grads or "
-            f"optim_grads_params (this run: {strategy})"
-        )
+    check_sharding_companions((strategy,), o.reshard_after_forward, n)
     if n > 1 and (replicas % n or replicas // n < 2):
         raise ConfigError(
             f"--num-distributed-optimizer-instances {n} must divide the data-parallel x context-parallel size "
@@ -41,4 +35,21 @@ def validate_sharding(cfg: Config, settings: RunSettings) -> None:
         raise ConfigError(
             f"{STRATEGY} {strategy} cannot run --pipeline-schedule {settings.schedule}: its split backward "
             f"computes weight gradients after FSDP has reduced them; use 1f1b or interleaved, or {STRATEGY} optim"
+        )
+
+
+def check_sharding_companions(
+    strategies: Sequence[str], reshard_after_forward: bool, instances: int, who: str = "this run"
+) -> None:
+    """--no-reshard-after-forward and --num-distributed-optimizer-instances against the strategies a run uses
+    (one) or tools/plan.py searches (``who``: whose strategies the message names); one ConfigError line each."""
+    names = ", ".join(strategies)
+    if not reshard_after_forward and "optim_grads_params" not in strategies:
+        raise ConfigError(
+            f"--no-reshard-after-forward applies to {STRATEGY} optim_grads_params ({who}: {names}); drop it"
+        )
+    if instances > 1 and not any(s in ("optim_grads", "optim_grads_params") for s in strategies):
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances {instances} (hybrid sharding) needs {STRATEGY} optim_grads or "
+            f"optim_grads_params ({who}: {names})"
         )

@@ -348,8 +348,9 @@ class MegatronOptimizer:
             for t in s.values()
             if torch.is_tensor(t) and t.dim() > 0
         )
-        if self.half:  # fp32 weights are their own main weights; half ones have an fp32 copy
-            total += sum(pc.main.numel() * 4 for pc in self.pieces)
+        if self.half:  # fp32 weights are their own main weights; half ones have an fp32 copy (not FSDP's shards,
+            # which are fp32 and the model's weights themselves: counted once, as the model's)
+            total += sum(pc.main.numel() * 4 for pc in self.pieces if not isinstance(pc, _ShardPiece))
         return total
 
     def step_state(self) -> Dict[str, object]:
