@@ -170,14 +170,17 @@ def _measure(ps, cfg):
     [
         ("optim_grads", {}, dict(tp=2, sequence_parallel=True)),  # FSDP shards the TP-local tensors
         ("optim_grads_params", {"num_experts": 4, "moe_ffn_hidden_size": 48}, dict(ep=2)),  # experts over edp 2
+        ("optim_grads_params", {}, dict(num_distributed_optimizer_instances=2)),  # HSDP: 2 copies of 2 shards
     ],
 )
 def test_planner_state_equals_the_trainers_under_fsdp(strategy, model, parallel, run_distributed):
     from tests.helpers.parity import LLAMA_STYLE, tiny_config
 
     cfg = tiny_config({**LLAMA_STYLE, **model, "params_dtype": "bfloat16"}, gbs=8, mbs=2, num_layers=2)
+    parallel = dict(parallel)  # the parametrized dict is shared: leave it whole
+    instances = parallel.pop("num_distributed_optimizer_instances", 1)
     cfg = cfg.with_(
-        optim=replace(cfg.optim, data_parallel_sharding_strategy=strategy),
+        optim=replace(cfg.optim, data_parallel_sharding_strategy=strategy, num_distributed_optimizer_instances=instances),
         parallel=replace(cfg.parallel, **parallel),
     )
     for got, est in run_distributed(_measure, 4, cfg, tp=parallel.get("tp", 1), ep=parallel.get("ep", 1)):
