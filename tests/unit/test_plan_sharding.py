@@ -180,7 +180,9 @@ def test_planner_state_equals_the_trainers_under_fsdp(strategy, model, parallel,
     parallel = dict(parallel)  # the parametrized dict is shared: leave it whole
     instances = parallel.pop("num_distributed_optimizer_instances", 1)
     cfg = cfg.with_(
-        optim=replace(cfg.optim, data_parallel_sharding_strategy=strategy, num_distributed_optimizer_instances=instances),
+        optim=replace(
+            cfg.optim, data_parallel_sharding_strategy=strategy, num_distributed_optimizer_instances=instances
+        ),
         parallel=replace(cfg.parallel, **parallel),
     )
     for got, est in run_distributed(_measure, 4, cfg, tp=parallel.get("tp", 1), ep=parallel.get("ep", 1)):
