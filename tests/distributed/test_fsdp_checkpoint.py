@@ -6,8 +6,9 @@ loading bit for bit into ZeRO-1 and into one process.
   in the checkpoint's ``optim.param``), and with hybrid sharding (dp4: 2 copies of 2 shards); two of them
   saved with --async-save;
 * strategy and layout change: saved at dp4 optim_grads_params (each rank writes its shards), loaded at dp2
-  optim (the distributed optimizer) and in one process: every weight, fp32 main weight and Adam moment the
-  loading run holds equals the saving run's, and both continue alike (1e-5).
+  optim (the distributed optimizer) and in one process, and the dp2 optim run's save loaded back at dp2
+  optim_grads: every weight, fp32 main weight and Adam moment the loading run holds equals the first
+  saving run's, and the runs continue alike (1e-5).
 """
 
 from dataclasses import replace
@@ -79,10 +80,13 @@ def _save(ps, cfg, root):
     return _state(trainer)
 
 
-def _load_and_continue(ps, cfg, root):
-    trainer = Trainer(cfg.with_(checkpoint=CheckpointConfig(load=root)), ps)
+def _load_and_continue(ps, cfg, root, save=None):
+    """Load ``root``, note the state, save it to ``save`` (if given), then train two more iterations."""
+    trainer = Trainer(cfg.with_(checkpoint=CheckpointConfig(load=root, save=save)), ps)
     assert trainer.checkpointer.load() == STEPS // 2
     out = _state(trainer)
+    if save:
+        trainer.checkpointer.save()
     feed = MockFeed(trainer, 2, consumed=trainer.state.consumed_samples)
     out["losses"] = [trainer.train_step(feed.next())["loss"] for _ in range(2)]
     return out
@@ -104,10 +108,15 @@ def test_zero3_checkpoint_loads_bit_equal_into_zero1_and_one_process(tmp_path, r
     saved = run_distributed(_save, 4, _sharded(_cfg(GPT2_STYLE, dp=4, dropout=0.0), "optim_grads_params"), root)[0]
     one = _load_and_continue(ParallelState.single(), base, root)
     _assert_same_state(one, saved, "one process")
-    zero1 = run_distributed(_load_and_continue, 2, _sharded(_cfg(GPT2_STYLE, dp=2, dropout=0.0), "optim"), root)
+    back = str(tmp_path / "zero1")
+    zero1 = run_distributed(_load_and_continue, 2, _sharded(_cfg(GPT2_STYLE, dp=2, dropout=0.0), "optim"), root, back)
     for r in zero1:
         _assert_same_state(r, saved, "dp2 optim")
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], one["losses"])), (r["losses"], one)
+    # and back: the ZeRO-1 run's checkpoint into ZeRO-2 at dp 2
+    again = run_distributed(_load_and_continue, 2, _sharded(_cfg(GPT2_STYLE, dp=2, dropout=0.0), "optim_grads"), back)
+    for r in again:
+        _assert_same_state(r, saved, "dp2 optim_grads from dp2 optim")
 
 
 def test_moe_experts_sharded_over_expert_dp_load_into_one_process(tmp_path, run_distributed):
