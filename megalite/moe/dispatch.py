@@ -79,9 +79,10 @@ class AllGatherDispatcher:
         rs = all_gather_first(routing, g)
         ex = self.experts
         local = rs[:, ex.first : ex.first + ex.num_local]
-        counts = host_sizes(local.sum(dim=0))  # the dispatch's one sync
+        per_expert = local.sum(dim=0)
+        counts = host_sizes(per_expert)  # the dispatch's one sync
         t_idx, e_idx = sort_by_expert(local, sum(counts))
-        y = ex(xs.index_select(0, t_idx), counts, None if pad_to is None else pad_to * g.size)
+        y = ex(xs.index_select(0, t_idx), counts, None if pad_to is None else pad_to * g.size, per_expert)
         out = unpermute(y, ps[t_idx, ex.first + e_idx], t_idx, xs)
         return reduce_scatter_to_sequence_parallel_region(out, g)
 
@@ -140,7 +141,8 @@ class AllToAllDispatcher:
         if regroup:
             dest = regroup_index(plan.recv_counts, sum(plan.recv))
             received = received.new_empty(received.shape).index_copy(0, dest, received)
-        y = ex(received, plan.counts, None if pad_to is None else pad_to * g.size)
+        pad = None if pad_to is None else pad_to * g.size
+        y = ex(received, plan.counts, pad, plan.recv_counts.sum(dim=0))
         back = y.index_select(0, dest) if regroup else y  # back to the order received
         returned = _AllToAll.apply(back, g, plan.recv, plan.send) if g.size > 1 else back
         return unpermute(returned, probs[t_send, e_send], t_send, x)
