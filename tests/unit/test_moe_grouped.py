@@ -64,3 +64,30 @@ def test_grouped_experts_equal_the_loop_forward_and_backward():
     torch.testing.assert_close(ggx, gx)
     for a, b in zip(ggw, gw):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU"
+)
+def test_grouped_path_is_taken_on_hopper_and_equals_the_loop():
+    ps = ParallelState.single(torch.device("cuda"))
+    ex = moe_layers(Trainer(moe_cfg({"moe_ffn_hidden_size": 48}), ps).chunks)[0].experts.to(torch.bfloat16)
+    counts = [5, 0, 17, 10]
+    x = torch.randn(sum(counts), 32, device="cuda", dtype=torch.bfloat16)
+    assert ex._grouped(x)
+    r = torch.randn(sum(counts), 32, device="cuda")
+    results = []
+    for grouped in (False, True):
+        xi = x.clone().requires_grad_()
+        if grouped:
+            out = ex(xi, counts, device_counts=torch.tensor(counts, device="cuda"))
+        else:
+            out = torch.cat([e(p) for e, p in zip(ex.local_experts.values(), xi.split(counts))])
+        (out.float() * r).sum().backward()
+        results.append((out.detach(), xi.grad, [p.grad.clone() for p in ex.parameters()]))
+        ex.zero_grad(set_to_none=True)
+    (out, gx, gw), (gout, ggx, ggw) = results
+    torch.testing.assert_close(gout, out)
+    torch.testing.assert_close(ggx, gx)
+    for a, b in zip(ggw, gw):
+        torch.testing.assert_close(a, b)

@@ -97,3 +97,26 @@ def test_megatron_fusion_flags_are_accepted():
 
     cfg = parse_args(BASE + ["--num-experts", "4", "--moe-permute-fusion", "--moe-router-fusion"], world_size=1)
     assert cfg.model.moe_permute_fusion and cfg.model.moe_router_fusion
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: torch.cuda.set_sync_debug_mode")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_cuda_sync_per_dispatch(dtype):
+    """On a GPU the driver says when the host waits: one warning per dispatch (the sizes' tolist); in bf16
+    on Hopper that is the grouped-GEMM path."""
+    import warnings
+
+    ps = ParallelState.single(torch.device("cuda"))
+    layer = moe_layers(Trainer(moe_cfg(moe_token_dispatcher_type="alltoall"), ps).chunks)[0].to(dtype)
+    x = torch.randn(16, 2, 32, device="cuda", dtype=dtype, requires_grad=True)
+    layer(x).float().square().sum().backward()  # warm-up: lazy initialisations may sync once
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            layer(x).float().square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs
