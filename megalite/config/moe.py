@@ -123,6 +123,18 @@ class MoEModelFields:
         "accepted for Megatron's scripts: the experts run "
         "as one grouped GEMM where torch has one (torch._grouped_mm on CUDA), else a loop",
     )
+    moe_permute_fusion: bool = MOE(
+        "--moe-permute-fusion",
+        False,
+        "accepted for Megatron's scripts: tokens are always permuted to their experts and back "
+        "on the device, with one host sync per dispatch (megalite/moe/permute.py)",
+    )
+    moe_router_fusion: bool = MOE(
+        "--moe-router-fusion",
+        False,
+        "accepted for Megatron's scripts: the router's top-k, scores and balancing losses always run "
+        "on the device without host syncs",
+    )
 
     @property
     def is_moe(self) -> bool:

@@ -12,7 +12,9 @@ partial outputs itself. Every parameter is tagged ``expert_parallel``: the optim
 gradient over the expert data-parallel group.
 
 Compute: one grouped GEMM per linear where torch has one (``torch._grouped_mm``, CUDA bf16, and
-no split backward), otherwise a loop over the local experts. The loop's matmuls go through the
+no split backward), otherwise a loop over the local experts. The grouped path pads each expert's
+rows to the kernels' alignment with one gather and takes its offsets from the dispatcher's counts
+on the device (``aligned_groups``): no zero buffer, no host-to-device copy. The loop's matmuls go through the
 splittable linear of tensor_parallel.layers, so under a zero-bubble schedule the expert weight
 GEMMs wait for W as the dense ones do.
 """
@@ -20,7 +22,7 @@ GEMMs wait for W as the dense ones do.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -113,12 +115,22 @@ class LocalExperts(nn.Module):
             p.expert_parallel = True
             p.first_of_etp = etp.rank == 0  # a copy replicated over ETP (fc2's bias) is counted there only
 
-    def forward(self, x: torch.Tensor, counts: List[int], pad_to: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts: List[int],
+        pad_to: Optional[int] = None,
+        device_counts: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x [sum(counts), h]: the tokens of local expert 0, then 1, ... -> their outputs, same order.
-        ``pad_to``: run each expert on exactly that many rows (zero padding, dropped after)."""
+        ``pad_to``: run each expert on exactly that many rows (zero padding, dropped after).
+        ``device_counts``: ``counts`` as a tensor on x's device (the grouped GEMM's offsets come from it
+        without a host-to-device copy)."""
         experts = list(self.local_experts.values())
         if self._grouped(x) and pad_to is None:
-            return self._grouped_forward(x, counts, experts)
+            if device_counts is None:
+                device_counts = torch.tensor(counts, device=x.device)
+            return self._grouped_forward(x, counts, device_counts, experts)
         outs = []
         for expert, part in zip(experts, x.split(counts, dim=0)):
             n = part.shape[0]
@@ -139,17 +151,38 @@ class LocalExperts(nn.Module):
             and not any(e.linear_fc1.split_wgrad for e in self.local_experts.values())
         )
 
-    def _grouped_forward(self, x: torch.Tensor, counts: List[int], experts: List[Expert]) -> torch.Tensor:
-        """One grouped GEMM per linear; each expert's rows padded to a multiple of 8 (the kernels' alignment)."""
-        padded = [-(-n // 8) * 8 for n in counts]
-        starts = torch.tensor([0] + padded[:-1], device=x.device).cumsum(0)
-        rows = torch.cat([torch.arange(n, device=x.device) + s for n, s in zip(counts, starts)])  # real rows
-        xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)
-        offs = torch.tensor(padded, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    def _grouped_forward(
+        self, x: torch.Tensor, counts: List[int], device_counts: torch.Tensor, experts: List[Expert]
+    ) -> torch.Tensor:
+        """One grouped GEMM per linear, each expert's rows padded to a multiple of 8 (the kernels' alignment)."""
+        src, rows, offs = aligned_groups(counts, device_counts)
         w1 = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)  # [E, h, f]
         w2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)  # [E, f, h]
-        h = _GROUPED_MM(xp, w1, offs=offs)
+        h = _GROUPED_MM(x.index_select(0, src), w1, offs=offs)
         return _GROUPED_MM(_activation(experts[0].spec, h), w2, offs=offs).index_select(0, rows)
+
+
+def aligned_groups(
+    counts: List[int], device_counts: torch.Tensor, align: int = 8
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped GEMM's row layout when each group's rows start at a multiple of ``align``:
+    (source row of every padded row, padded row of every real row, int32 end offsets), on the device.
+
+    A padding row repeats its group's last real row instead of being zero, so the input is one gather
+    (no zero buffer filled then scattered into): its outputs are never read, so its gradient is zero and
+    adds nothing to the weights' gradient (Megatron pads dropped tokens the same way)."""
+    dev, n = device_counts.device, sum(counts)
+    total = sum(-(-c // align) * align for c in counts)  # from the host's counts: no sync
+    groups = torch.arange(len(counts), device=dev)
+    padded = (device_counts + align - 1) // align * align
+    offs = padded.cumsum(0)
+    pad_start, real_start = offs - padded, device_counts.cumsum(0) - device_counts
+    g = torch.repeat_interleave(groups, padded, output_size=total)  # group of each padded row
+    within = torch.arange(total, device=dev) - pad_start[g]
+    src = real_start[g] + torch.minimum(within, device_counts[g] - 1)
+    g = torch.repeat_interleave(groups, device_counts, output_size=n)  # group of each real row
+    rows = pad_start[g] + torch.arange(n, device=dev) - real_start[g]
+    return src, rows, offs.to(torch.int32)
 
 
 class SharedExpert(MLP):
