@@ -9,8 +9,7 @@ import torch
 
 from megalite.checkpointing import load_checkpoint
 from megalite.training import Trainer
-from tests.fixtures.megalite_moe.make_fixture import STEPS, fixture_config
-from tests.unit.test_moe_fixture import assert_same, extract_fixture
+from tests.helpers.moe_fixture import STEPS, assert_same, extract_fixture, fixture_config
 
 
 def _load_and_compare(ps, root):

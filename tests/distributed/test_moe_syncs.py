@@ -7,7 +7,7 @@ import torch
 from megalite.moe import moe_layers
 from megalite.training import Trainer
 from tests.helpers.moe_parity import moe_config
-from tests.unit.test_moe_syncs import count_syncs
+from tests.helpers.moe_syncs import count_syncs
 
 
 def _syncs(ps, cfg):

@@ -141,3 +141,9 @@ def assert_matches(results, ref: dict, what: str) -> None:
                 a = r["aux"][step][k]
                 assert close(a, b), f"{what} rank {r['rank']} step {step}: {k} {a!r} != {b!r}"
         assert r["param_err"] <= RTOL, f"{what} rank {r['rank']}: weights differ by {r['param_err']:.2e}"
+
+
+def moe_cfg(model=None, **parallel):
+    """The unit tests' tiny MoE config (Llama style, 4 experts, top-2) with ``parallel``'s sizes."""
+    cfg = tiny_config({**LLAMA_STYLE, **MOE, **(model or {})}, gbs=8, mbs=2, num_layers=2)
+    return cfg.with_(parallel=replace(cfg.parallel, **parallel)) if parallel else cfg

@@ -17,7 +17,7 @@ from megalite.moe.metrics import reduce_moe_stats
 from megalite.parallel.state import ParallelState, expert_grid_groups
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
-from tests.helpers.parity import LLAMA_STYLE, tiny_config
+from tests.helpers.moe_parity import moe_cfg
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_ffn_hidden_size=48)
 BASE = [
@@ -35,11 +35,6 @@ BASE = [
     "--global-batch-size",
     "8",
 ]
-
-
-def moe_cfg(model=None, **parallel):
-    cfg = tiny_config({**LLAMA_STYLE, **MOE, **(model or {})}, gbs=8, mbs=2, num_layers=2)
-    return cfg.with_(parallel=replace(cfg.parallel, **parallel)) if parallel else cfg
 
 
 def test_layer_freq_parses_megatron_patterns_and_nothing_else():

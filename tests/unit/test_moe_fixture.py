@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tarfile
 
 import pytest
 import torch
@@ -20,36 +19,12 @@ from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
-from tests.fixtures.megalite_moe.make_fixture import STEPS, fixture_config
-
-HERE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megalite_moe")
-
-
-def extract_fixture(out) -> str:
-    """The fixture's files (expected.pt, sharded/, torch/) unpacked into ``out``."""
-    with tarfile.open(os.path.join(HERE, "moe_65e33c2.tar.xz")) as tar:
-        tar.extractall(out, filter="data")
-    return str(out)
+from tests.helpers.moe_fixture import STEPS, assert_same, extract_fixture, fixture_config
 
 
 @pytest.fixture(scope="module")
 def fixture_dir(tmp_path_factory):
     return extract_fixture(tmp_path_factory.mktemp("moe_fixture"))
-
-
-def assert_same(a, b, where=""):
-    """Nested dicts/lists of tensors equal bit for bit."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
 
 
 def _tensors(fmt: str, root: str, tmp: str) -> dict:

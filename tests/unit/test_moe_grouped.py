@@ -14,8 +14,8 @@ from megalite.moe import moe_layers
 from megalite.moe.experts import aligned_groups
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
-from tests.unit.test_moe import moe_cfg
-from tests.unit.test_moe_syncs import count_syncs
+from tests.helpers.moe_parity import moe_cfg
+from tests.helpers.moe_syncs import count_syncs
 
 
 def test_aligned_groups_pad_each_group_by_repeating_its_last_row():

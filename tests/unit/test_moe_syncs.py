@@ -11,50 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite.moe import moe_layers
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer
-from tests.unit.test_moe import moe_cfg
-
-_HOST_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"}
-_DATA_SHAPED = {"nonzero", "masked_select", "bincount", "unique", "_unique2", "unique_dim", "unique_consecutive"}
-
-
-class _Reads(TorchFunctionMode):
-    def __init__(self, seen):
-        super().__init__()
-        self.seen = seen
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in _HOST_READS:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-class _DataShaped(TorchDispatchMode):
-    def __init__(self, seen):
-        super().__init__()
-        self.seen = seen
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        kwargs = kwargs or {}
-        bool_index = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
-        free_size = name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3
-        if name in _DATA_SHAPED or bool_index or free_size:
-            self.seen.append(name)
-        return func(*args, **kwargs)
-
-
-def count_syncs(fn):
-    """(what ``fn()`` returned, the calls in it that would wait for a GPU)."""
-    seen = []
-    with _Reads(seen), _DataShaped(seen):
-        out = fn()
-    return out, seen
+from tests.helpers.moe_parity import moe_cfg
+from tests.helpers.moe_syncs import count_syncs
 
 
 @pytest.mark.parametrize(
@@ -93,9 +55,9 @@ def test_the_counter_sees_what_would_sync():
 
 def test_megatron_fusion_flags_are_accepted():
     from megalite.config.arguments import parse_args
-    from tests.unit.test_moe import BASE
 
-    cfg = parse_args(BASE + ["--num-experts", "4", "--moe-permute-fusion", "--moe-router-fusion"], world_size=1)
+    small = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    cfg = parse_args(small + ["--num-experts", "4", "--moe-permute-fusion", "--moe-router-fusion"], world_size=1)
     assert cfg.model.moe_permute_fusion and cfg.model.moe_router_fusion
 
 
