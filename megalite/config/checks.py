@@ -168,6 +168,19 @@ def check_overlap_device(cfg: Config, device_type: str) -> None:
         )
 
 
+def check_fsdp_leaves_out(cfg: Config, supported: bool) -> None:
+    """An MoE under FSDP keeps some parameters out of it (the router's expert bias; experts with one rank per
+    expert data-parallel group), which needs ``fully_shard(ignored_params=...)`` (torch >= 2.7)."""
+    if not supported:
+        import torch
+
+        raise ConfigError(
+            f"--data-parallel-sharding-strategy {cfg.optim.sharding} with this mixture of experts needs torch >= 2.7 "
+            f"(FSDP2's ignored_params; this is torch {torch.__version__}): upgrade torch or use "
+            "--data-parallel-sharding-strategy optim"
+        )
+
+
 def check_dense_sizes(world_size: int, tp: int, pp: int, cp: int) -> None:
     """tp x pp x cp divides the world (the rest is data parallel)."""
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp) != 0:

@@ -26,13 +26,15 @@ the distributed optimizer's shard (optim/optimizer.py, checkpointing/sharded_wri
 
 from __future__ import annotations
 
-import logging
+import inspect
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from megalite.config import Config
+from megalite.config.checks import check_fsdp_leaves_out
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.moe.experts import LocalExperts
 from megalite.parallel.state import AxisGroup, ParallelState
@@ -46,7 +48,7 @@ try:
 except ImportError:  # torch 2.4
     from torch.distributed._tensor import DTensor  # type: ignore
 
-logger = logging.getLogger("megalite")
+_LEAVES_OUT = "ignored_params" in inspect.signature(fully_shard).parameters  # torch >= 2.7
 __all__ = ["ShardedPart", "FSDPGrads", "shard_chunks", "unsharded", "local_shard_range", "gathered_state_dict"]
 
 
@@ -204,20 +206,20 @@ def _prefetch(layers: Sequence[nn.Module]) -> None:
         after.set_modules_to_backward_prefetch([before])
 
 
-def shard_chunks(
-    chunks: Sequence[nn.Module],
-    ps: ParallelState,
-    strategy: str,
-    reshard_after_forward: bool,
-    dtype: torch.dtype,
-    instances: int = 1,
-) -> FSDPGrads:
+def shard_chunks(chunks: Sequence[nn.Module], ps: ParallelState, cfg: Config) -> FSDPGrads:
     """Apply FSDP2 to this rank's model chunks (in place) and return the optimizer's gradient side.
 
-    ``strategy``: optim_grads or optim_grads_params; ``dtype``: the compute dtype (--bf16/--fp16: weights are
-    kept in fp32 and gathered in it); ``instances`` > 1: hybrid sharding (HSDP) of the dense weights. Frozen
-    parameters (the router's expert bias) stay plain.
+    ``cfg.optim``: the strategy (optim_grads or optim_grads_params), --no-reshard-after-forward, and
+    --num-distributed-optimizer-instances > 1 for hybrid sharding (HSDP) of the dense weights. In a 16-bit run
+    the weights are kept in fp32 and gathered in the compute dtype. Frozen parameters (the router's expert
+    bias) stay plain.
     """
+    o, dtype = cfg.optim, cfg.model.torch_dtype
+    strategy, reshard_after_forward, instances = (
+        o.sharding,
+        o.reshard_after_forward,
+        o.num_distributed_optimizer_instances,
+    )
     policy = _policy(None if dtype == torch.float32 else dtype)
     keep = strategy == "optim_grads" or not reshard_after_forward
     shard, copies = ps.dp_cp, None
@@ -233,6 +235,9 @@ def shard_chunks(
         plain_experts = set() if expert_mesh is not None else {p for m in expert_modules for p in m.parameters()}
         ignored = {p for p in chunk.parameters() if not p.requires_grad} | plain_experts
         ignored_ids = {id(p) for p in ignored}
+        if ignored:
+            check_fsdp_leaves_out(cfg, _LEAVES_OUT)
+        leave_out = {"ignored_params": ignored} if ignored else {}
         with torch.no_grad():
             for p in chunk.parameters():
                 if id(p) not in ignored_ids:  # fp32 main weights are the shards themselves (buffers keep their dtype)
@@ -241,9 +246,9 @@ def shard_chunks(
             fully_shard(m, mesh=expert_mesh, reshard_after_forward=not keep, mp_policy=policy)
             modules.append(m)
         for m in layers:
-            fully_shard(m, mesh=dense_mesh, reshard_after_forward=not keep, mp_policy=policy, ignored_params=ignored)
+            fully_shard(m, mesh=dense_mesh, reshard_after_forward=not keep, mp_policy=policy, **leave_out)
             modules.append(m)
-        fully_shard(chunk, mesh=dense_mesh, reshard_after_forward=not keep, mp_policy=policy, ignored_params=ignored)
+        fully_shard(chunk, mesh=dense_mesh, reshard_after_forward=not keep, mp_policy=policy, **leave_out)
         modules.append(chunk)
         _prefetch(layers)
         for n, p in chunk.named_parameters():

@@ -108,9 +108,7 @@ def shard_data_parallel(cfg: Config, ps: ParallelState, chunks: List[GPTModel]) 
         logger.info(f"data-parallel sharding: {o.sharding} over {replicas}" + (" (FSDP2)" if o.fsdp else ""))
     if not o.fsdp or ps.dp_cp_size == 1:
         return None
-    return shard_chunks(
-        chunks, ps, o.sharding, o.reshard_after_forward, cfg.model.torch_dtype, o.num_distributed_optimizer_instances
-    )
+    return shard_chunks(chunks, ps, cfg)
 
 
 def resolve_stage_split(cfg: Config, ps: ParallelState, settings: RunSettings) -> Config:
