@@ -201,6 +201,8 @@ def _units(chunk: nn.Module) -> Tuple[List[nn.Module], List[nn.Module]]:
 def _prefetch(layers: Sequence[nn.Module]) -> None:
     """Each layer's forward starts the next layer's gather, and its backward the previous one's: on a GPU the
     transfer runs while this layer computes (FSDP2's own lookahead is one module, in backward only)."""
+    if not hasattr(FSDPModule, "set_modules_to_forward_prefetch"):  # torch < 2.5: FSDP2's own lookahead only
+        return
     for before, after in zip(layers, layers[1:]):
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
