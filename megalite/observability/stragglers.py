@@ -33,7 +33,9 @@ iterations traced by --profile (the profiler slows only the ranks it traces); a 
 TensorBoard gets the spread of own time over ranks (``straggler/compute-min``, ``-median``, ``-max``, ms
 per iteration; the names kept from when it counted compute only) and the largest slowdown. On CUDA the
 host's clock sees a kernel only at a sync, so the iterations used are the last few of each interval, which
-the trainer runs with a device sync around each action.
+the trainer runs with a device sync around each action. Not yet right on NCCL: a transfer's or collective's
+``wait()`` returns once the stream waits, so the time blocked on another rank shows up at the next sync, in
+the waiting rank's own time; the split is exact on gloo (CPU), where waits block the host.
 """
 
 from __future__ import annotations
