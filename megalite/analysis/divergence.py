@@ -208,7 +208,12 @@ def _loss(c: Capture) -> Optional[float]:
 
 
 def compare(a: Capture, b: Capture, rtol: Optional[float] = None, atol: Optional[float] = None) -> Report:
-    """Every tensor of either side, in execution order, with its difference and band verdict."""
+    """Every tensor of either side, in execution order, with its difference and band verdict. ValueError
+    (one line) for an ``rtol`` or ``atol`` that is nan, infinite or negative: with nan every comparison is
+    False and any two runs would agree."""
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"compare: {name} must be a finite number >= 0, got {value}")
     band_dtype, d_rtol, d_atol = default_band(a, b)
     rtol = d_rtol if rtol is None else rtol
     atol = d_atol if atol is None else atol

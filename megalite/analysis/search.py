@@ -251,6 +251,18 @@ def nearest_fitting(
     return [(c, m) for _, _, c, m in found[:count]]
 
 
+def _no_split(cfg: ModelConfig, num_gpus: int, cp_sizes: Sequence[int]) -> str:
+    """Why ``model_splits`` gives nothing. With CP size 1 a split always exists (tp 1, pp 1: every model allows
+    it), so it is the context-parallel sizes: one that does not divide the GPUs, or a sequence that does not
+    split into its 2 x CP chunks."""
+    for cp in cp_sizes:
+        if num_gpus % cp:
+            return f"context-parallel size {cp} does not divide {num_gpus} GPUs"
+        if cfg.seq_length % (2 * cp):
+            return f"--seq-length {cfg.seq_length} does not split into 2 x {cp} chunks for context-parallel size {cp}"
+    return f"no split of {num_gpus} GPUs into tp x cp x dp x pp suits this model"  # unreachable with cp 1
+
+
 def why_no_plan(
     cfg: ModelConfig,
     num_gpus: int,
@@ -268,7 +280,10 @@ def why_no_plan(
     """
     hw = hw or Hardware()
     budget = gpu_memory_gib * GiB * (1.0 - headroom)
-    dps = sorted({dp for _, _, dp, _ in model_splits(cfg, num_gpus, hw.gpus_per_node, search.get("cp_sizes", (1,)))})
+    cp_sizes = search.get("cp_sizes", (1,))
+    dps = sorted({dp for _, _, dp, _ in model_splits(cfg, num_gpus, hw.gpus_per_node, cp_sizes)})
+    if not dps:  # not the batch's fault: no split of the devices at all (the batch would be blamed with no sizes)
+        return f"{_no_split(cfg, num_gpus, cp_sizes)}: no layout exists; change the context-parallel sizes", True
 
     def works(gbs: int, memory: bool) -> bool:
         return any(

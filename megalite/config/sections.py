@@ -663,9 +663,9 @@ class LoggingConfig(MoELoggingFields):
     straggler_threshold: float = LOGGING(  # stragglers.py
         "--straggler-threshold",
         1.5,
-        "at each log line, name a rank whose compute per iteration is this many times "
-        "its peers' median (the same stage in the other data-parallel replicas, else the other stages per model "
-        "FLOP), at two log lines running; 0: off",
+        "at each log line, name a rank that makes the others wait: its own time per iteration (outside waits "
+        "on other ranks) this many times its peers' median (above 1; the rest of its pipeline stage, else the "
+        "other stages per model FLOP) while they wait on it, at two log lines running; 0: off",
         ge=0,
     )
     profile: bool = LOGGING(  # profiling.py; Megatron's flags and defaults (its nsys mode is not offered)

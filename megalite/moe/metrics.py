@@ -51,8 +51,8 @@ def reduce_moe_stats(
                 losses[k, layer.layer_number] += layer.stats[name].to(ps.device)
         if "tokens_per_expert" in layer.stats:
             counts[layer.layer_number] += layer.stats["tokens_per_expert"].to(ps.device)
-    if ps.world_size > 1 and dist.is_initialized():
-        dist.all_reduce(flat)
+    if ps.world_size > 1 and dist.is_initialized():  # recorded: every iteration, the log's own collective
+        ps.recorder.call("world", dist.all_reduce, flat)
     losses = losses / (ps.dp_size * num_microbatches)
     moe = [i for i in range(L) if cfg.is_moe_layer(i)]
     out: Dict[str, float] = {}

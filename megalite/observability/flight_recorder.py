@@ -18,8 +18,8 @@
 
 The ring is preallocated: an event overwrites a slot in place (no tensor, no device sync, no
 growth), so recording costs about a microsecond. Counters that the diagnosis needs over the whole
-run (collectives per group, transfers per peer, the current run's plan of transfers) live beside
-the ring and never wrap. ``snapshot()`` is what the hang watch publishes and writes; it may be
+run (collectives per group, transfers per peer, the current run's plan of transfers; for the straggler
+check the seconds spent in ended waits, ``waited``) live beside the ring and never wrap. ``snapshot()`` is what the hang watch publishes and writes; it may be
 called from another thread while the main thread records (slots are copied one at a time under
 the GIL and checked against their id).
 
@@ -52,6 +52,7 @@ class FlightRecorder:
         self._next = 0
         self._ids = itertools.count()
         self._wait = -1  # the latest wait event: what the hang watch checks against the timeout
+        self.waited = 0.0  # seconds blocked in ended waits over the run: the straggler check's time on others
         self.seq: Dict[str, int] = {}  # collectives started per group name
         self.sent: Dict[int, int] = {}  # sends posted per peer (global rank)
         self.received: Dict[int, int] = {}  # receives posted per peer
@@ -80,6 +81,8 @@ class FlightRecorder:
             s = self._slots[event_id % self.capacity]
             if s[_ID] == event_id:
                 s[_END] = time.time()
+                if s[_KIND] == "wait":
+                    self.waited += s[_END] - s[_START]
 
     def collective(self, op: str, group: str, async_op: bool = False) -> int:
         """Start collective ``op`` on ``group``: the group's next sequence number is stamped on it."""

@@ -174,7 +174,7 @@ def gather_memory_report(ps, iteration: int) -> List[str]:
     gathered: List[Optional[tuple]] = [(ps.rank, ps.dp_rank, stats)]
     if ps.world_size > 1 and dist.is_initialized():
         gathered = [None] * ps.world_size
-        dist.all_gather_object(gathered, (ps.rank, ps.dp_rank, stats))
+        ps.recorder.call("world", dist.all_gather_object, gathered, (ps.rank, ps.dp_rank, stats))
     return [format_memory_report(r, iteration, s) for r, dp_rank, s in gathered if dp_rank == 0]
 
 

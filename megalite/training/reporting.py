@@ -115,6 +115,8 @@ class Reporter:
         window when the interval is due (collective then)."""
         if not self.profiler.tracing:  # a traced iteration is slower on the traced ranks only
             self.stragglers.record(events, self.state.iteration)
+        else:
+            self.stragglers.pause()
         self.profiler.after_step(self.state.iteration)
         if self.moe is not None:  # collective, every iteration: the layers' statistics restart now
             out = {**out, "moe": reduce_moe_stats(self.moe, self.ps, self.num_microbatches, self.cfg.model)}
@@ -128,8 +130,9 @@ class Reporter:
             self.pause()
 
     def pause(self) -> None:
-        """Evaluation or a save just ran: the next interval's time starts now."""
+        """Evaluation, a save or the log line just ran: the next interval's time starts now."""
         self.t_last = time.perf_counter()
+        self.stragglers.pause()
 
     def _log(self, sec_per_iter: float) -> None:
         t, it, window = self.cfg.train, self.state.iteration, self.window

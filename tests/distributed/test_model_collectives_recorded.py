@@ -105,3 +105,41 @@ def test_a_rank_stuck_inside_a_layer_is_named_with_the_collective_its_peers_wait
         sentence,
     ), sentence
     assert seq0 == seq1 and seq0, (seq0, seq1)  # every member counted the same collectives per group
+
+
+def _reporting_collectives(ps):
+    """The grad norm over the model-parallel group (clip_grads), the MoE statistics' all-reduce and the
+    straggler check's gathers (the log line's collectives): what each rank's recorder saw of them."""
+    from megalite.moe.metrics import reduce_moe_stats
+    from megalite.observability.stragglers import StragglerMonitor
+    from megalite.optim.clip_grads import global_grad_norm
+
+    ps.recorder.resize(256)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), float(ps.rank + 1))
+    norm = global_grad_norm([p], ps)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64, num_experts=4)
+    reduce_moe_stats([], ps, 1, cfg)  # a rank may hold no MoE layer: it joins the reduction all the same
+    monitor = StragglerMonitor(1.5, ps, 1.0, 1, 10)
+    monitor.check()
+    events = ps.recorder.events()
+    colls = [(e["op"], e["group"], e["seq"]) for e in events if e["kind"] == "coll"]
+    waits = [(e["op"], e["group"]) for e in events if e["kind"] == "wait" and e["end"] is not None]
+    return norm, colls, waits
+
+
+def test_the_grad_norm_and_the_log_lines_collectives_are_recorded(run_distributed):
+    (norm0, colls0, waits0), (norm1, colls1, waits1) = run_distributed(_reporting_collectives, 2, tp=2)
+    # a parameter without a tp split is replicated: counted once, on tp rank 0 (rank 1 learns it in the reduce)
+    assert norm0 == norm1 == pytest.approx(3**0.5)
+    assert (
+        colls0
+        == colls1
+        == [
+            ("all_reduce", "mp", 1),
+            ("all_reduce", "world", 1),
+            ("all_gather_object", "world", 2),
+            ("all_gather", "world", 3),
+        ]
+    )
+    assert waits0 == waits1 == [(op, group) for op, group, _ in colls0]  # each one's wait: what a hang shows

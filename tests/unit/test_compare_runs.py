@@ -127,6 +127,18 @@ def test_band_is_relative_to_the_layer_and_looser_for_bf16():
     assert report.first is None and (report.band_dtype, report.rtol) == ("bfloat16", 5e-2)
 
 
+@pytest.mark.parametrize(
+    "band", [{"rtol": float("nan")}, {"atol": float("nan")}, {"rtol": -1e-4}, {"atol": float("inf")}]
+)
+def test_a_band_that_is_nan_infinite_or_negative_is_refused_from_python(band):
+    a = _capture({("grad", "decoder.layers.0.w"): torch.ones(2)})
+    b = _capture({("grad", "decoder.layers.0.w"): torch.full((2,), 5.0)})  # far apart: a nan band said "agree"
+    ((name, value),) = band.items()
+    with pytest.raises(ValueError, match=rf"^compare: {name} must be a finite number >= 0, got {value}$"):
+        compare(a, b, **band)
+    assert compare(a, b, **{name: 0.0}).first is not None
+
+
 def test_nonfinite_missing_and_reshaped_tensors_are_over():
     nan = torch.tensor([1.0, float("nan")])
     a = _capture({("activation", "decoder.layers.0"): nan, ("activation", "decoder.layers.1"): torch.ones(2)})

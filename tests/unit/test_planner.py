@@ -215,3 +215,21 @@ def test_plan_refuses_a_model_with_pretrain_gpts_own_words():
     )
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr.splitlines() == [f"tools/plan.py: error: {run.value}"]
+
+
+@pytest.mark.parametrize(
+    "seq, cp_sizes, expected",
+    [
+        (1024, (3,), "context-parallel size 3 does not divide 8 GPUs: no layout exists"),
+        (1022, (2, 4), "--seq-length 1022 does not split into 2 x 2 chunks for context-parallel size 2: no layout"),
+    ],
+)
+def test_why_no_plan_names_the_context_parallel_size_when_no_split_exists(seq, cp_sizes, expected):
+    # called from Python (tools/plan.py checks its flags first): the batch was blamed with an empty list of sizes
+    from megalite.analysis.search import why_no_plan
+
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=seq, vocab_size=1000)
+    assert plan(cfg, 8, 80, 32, cp_sizes=cp_sizes) == []
+    why, bad_input = why_no_plan(cfg, 8, 80, 32, cp_sizes=cp_sizes)
+    assert why.startswith(expected) and bad_input, why
+    assert "[]" not in why and "batch" not in why and "sizes this model allows on 8 GPUs are" not in why
