@@ -1,10 +1,10 @@
 """Checkpoints of sharded data-parallel runs (FSDP2): exact resume in both formats, and a ZeRO-3 checkpoint
 loading bit for bit into ZeRO-1 and into one process.
 
-* exact resume: STEPS iterations == STEPS/2 + save + load + STEPS/2, loss for loss, bit for bit (fp32,
-  dropout on) at dp2 optim_grads_params in both formats, at dp2 optim_grads in bf16 (fp32 main weights
-  in the checkpoint's ``optim.param``), and with hybrid sharding (dp4: 2 copies of 2 shards); two of them
-  saved with --async-save;
+* exact resume: STEPS iterations == STEPS/2 + save + load + STEPS/2, loss for loss, bit for bit (dropout
+  on): dp2 optim_grads_params in the torch format (fp32), dp2 optim_grads in bf16 in the sharded format
+  (fp32 main weights in the checkpoint's ``optim.param``), both saved with --async-save, and hybrid
+  sharding (dp4: 2 copies of 2 shards, fp32, sharded format, saved synchronously);
 * strategy and layout change: saved at dp4 optim_grads_params (each rank writes its shards), loaded at dp2
   optim (the distributed optimizer) and in one process, and the dp2 optim run's save loaded back at dp2
   optim_grads: every weight, fp32 main weight and Adam moment the loading run holds equals the first
@@ -41,7 +41,6 @@ def _resume_run(ps, cfg, root, fmt, async_save=False):
 @pytest.mark.parametrize(
     "strategy,dtype,fmt,dp,instances,async_save",
     [
-        ("optim_grads_params", "float32", "sharded", 2, 1, False),
         ("optim_grads_params", "float32", "torch", 2, 1, True),
         ("optim_grads", "bfloat16", "sharded", 2, 1, True),
         ("optim_grads_params", "float32", "sharded", 4, 2, False),  # hybrid: the first copy of each shard writes
