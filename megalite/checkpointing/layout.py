@@ -42,8 +42,17 @@ class Block:
     sizes: Tuple[int, ...]
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
-        """This block's part of the local tensor ``t`` (a view)."""
+        """This block's part of the local tensor ``t`` (a view). A grouped parameter ([E_local, ...], one
+        block per expert) is seen with its leading dimensions flattened, so an expert's rows follow the
+        previous expert's and a block stays one run of rows of the flat parameter."""
+        if t.dim() > len(self.sizes):
+            t = t.flatten(0, t.dim() - len(self.sizes))
         return t[self.local_rows[0] : self.local_rows[1]]
+
+    @property
+    def row(self) -> int:
+        """Elements in one of its local rows (a local row of a grouped parameter is one of its flattened rows)."""
+        return math.prod(self.sizes[1:])
 
     @property
     def key(self) -> str:

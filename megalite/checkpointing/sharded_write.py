@@ -33,7 +33,6 @@ first rank of the group), run before anything else so a failure there reaches ev
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Dict, List, Sequence, Tuple
 
@@ -97,9 +96,8 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
         if id(param) in copies:
             continue  # hybrid sharding: the first copy of this shard writes it
         if id(param) in sharded:
-            rs = math.prod(p.shape[1:])
             for b in blocks:
-                a, z = b.local_rows[0] * rs, b.local_rows[1] * rs
+                a, z = b.local_rows[0] * b.row, b.local_rows[1] * b.row
                 for pc in pieces.get(id(param), []):
                     lo, hi = max(pc.start, a), min(pc.end, z)
                     if lo >= hi:
