@@ -40,7 +40,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from megalite.checkpointing.layout import Block, chunk_blocks
+from megalite.checkpointing.layout import Block, chunk_blocks, saved_order
 from megalite.checkpointing.protocol import save_synced, write_json
 from megalite.checkpointing.sharded import OPTIM_KEYS, crc_of, quiet_single_process
 from megalite.parallel.state import ParallelState
@@ -90,7 +90,7 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
     copies = {id(p) for part in optimizer.grads.parts if not getattr(part, "writes", True) for p in part.params}
     out: List[Shard] = []
     turns = {False: 0, True: 0}  # whole blocks go round-robin over the DP (dense) or EDP (expert) ranks
-    for (i, name), blocks in chunk_blocks(chunks, for_write=True).items():
+    for (i, name), blocks in saved_order(chunk_blocks(chunks, for_write=True)):
         param = params[(i, name)]
         p = param.detach()
         if id(param) in copies:
