@@ -96,7 +96,9 @@ class GroupedLinear(nn.Module):
         self.output_sizes = list(spec.fc1_pieces) if fc == 1 else [cfg.hidden_size]
         self.local_sizes = layers[0].local_sizes if fc == 1 else [cfg.hidden_size]
         self.split_wgrad: Optional[WeightGradSplit] = None  # set by enable_weight_grad_split (zero-bubble)
-        self._layers = layers  # kept only for local_from_full's slicing rules (no parameters registered)
+        rules = layers[0]  # its slicing rules for local_from_full, without a copy of any weight
+        rules.weight, rules.bias = None, None
+        self._rules = (rules,)  # in a tuple: not a submodule
 
     @staticmethod
     def _layer(cfg, spec, etp, seed, std, name):
@@ -124,7 +126,7 @@ class GroupedLinear(nn.Module):
 
     def local_from_full(self, pname: str, fulls: List[torch.Tensor]) -> torch.Tensor:
         """This rank's grouped tensor from each local expert's full tensor (in local order)."""
-        return torch.stack([m.local_from_full(pname, f) for m, f in zip(self._layers, fulls)])
+        return torch.stack([self._rules[0].local_from_full(pname, f) for f in fulls])
 
 
 def _expert_linear(
