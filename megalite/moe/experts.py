@@ -101,17 +101,14 @@ class GroupedLinear(nn.Module):
         self._rules = (rules,)  # in a tuple: not a submodule
 
     @staticmethod
-    def _layer(cfg, spec, etp, seed, std, name):
+    def _layer(cfg: ModelConfig, spec, etp: AxisGroup, seed: int, std: float, name: str) -> nn.Module:
+        """One expert's Column/RowParallelLinear: its initial values (drawn from the full matrix of ``name``)."""
         bias = cfg.add_bias_linear
         if name.endswith("linear_fc1"):
             return ColumnParallelLinear(
                 cfg.hidden_size, list(spec.fc1_pieces), etp, bias=bias, init_std=std, seed=seed, name=name
             )
         return RowParallelLinear(spec.ffn, cfg.hidden_size, etp, bias=bias, init_std=std, seed=seed, name=name)
-
-    def expert_name(self, pname: str, i: int) -> str:
-        """The global per-expert name of local expert ``i``'s slice of ``weight``/``bias`` (relative to the chunk)."""
-        return f"{self.prefix}.local_experts.{self.experts[i]}.linear_fc{self.fc}.{pname}"
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Each expert's slice under its per-expert name (the checkpoint keeps the per-expert layout)."""
