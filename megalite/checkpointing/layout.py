@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from megalite.model.gpt import WORD_EMBEDDINGS, GPTModel
+from megalite.moe.experts import GroupedLinear
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, vocab_range
 
 VOCAB_TABLES = (WORD_EMBEDDINGS, "output_layer.weight", "output_weight")
@@ -42,8 +43,17 @@ class Block:
     sizes: Tuple[int, ...]
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
-        """This block's part of the local tensor ``t`` (a view)."""
+        """This block's part of the local tensor ``t`` (a view). A grouped parameter ([E_local, ...], one
+        block per expert) is seen with its leading dimensions flattened, so an expert's rows follow the
+        previous expert's and a block stays one run of rows of the flat parameter."""
+        if t.dim() > len(self.sizes):
+            t = t.flatten(0, t.dim() - len(self.sizes))
         return t[self.local_rows[0] : self.local_rows[1]]
+
+    @property
+    def row(self) -> int:
+        """Elements in one of its local rows (a local row of a grouped parameter is one of its flattened rows)."""
+        return math.prod(self.sizes[1:])
 
     @property
     def key(self) -> str:
@@ -74,6 +84,8 @@ def param_blocks(chunk: GPTModel, name: str, p: nn.Parameter, for_write: bool) -
         return [_rows(WORD_EMBEDDINGS if name == "output_weight" else name, (vocab, h), start, 0, real_end - start)]
     module_name, _, pname = name.rpartition(".")
     module = chunk.get_submodule(module_name)
+    if isinstance(module, GroupedLinear):
+        return _grouped_blocks(module, name, pname, p, for_write)
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         tp = module.tp  # the group the module shards over: TP, or ETP for an expert's linear layers
     if isinstance(module, ColumnParallelLinear):
@@ -92,9 +104,66 @@ def param_blocks(chunk: GPTModel, name: str, p: nn.Parameter, for_write: bool) -
     return [_rows(name, tuple(p.shape), 0, 0, p.shape[0])]
 
 
+def _grouped_blocks(module: GroupedLinear, name: str, pname: str, p: nn.Parameter, for_write: bool) -> List[Block]:
+    """A grouped expert parameter [E_local, ...]: each local expert's blocks under its own global per-expert
+    name, as a Column/RowParallelLinear of that expert would hold them, its rows after the previous expert's."""
+    head = name[: len(name) - len(f"linear_fc{module.fc}.{pname}")]  # "...mlp.experts."
+    rows = p.shape[1]
+    tp, out = module.tp, []
+    for i, e in enumerate(module.experts):
+        ename = f"{head}local_experts.{e}.linear_fc{module.fc}.{pname}"
+        if module.fc == 1:
+            shape = (sum(module.output_sizes),) + tuple(p.shape[2:])
+            local, before = i * rows, 0
+            for full, loc in zip(module.output_sizes, module.local_sizes):
+                out.append(_rows(ename, shape, before + tp.rank * loc, local, local + loc))
+                local, before = local + loc, before + full
+        elif pname == "weight":
+            loc = p.shape[2]
+            out.append(Block(ename, (rows, loc * tp.size), (0, tp.rank * loc), (i * rows, (i + 1) * rows), (rows, loc)))
+        elif not (for_write and tp.rank != 0):  # fc2's bias: replicated over ETP, written once
+            out.append(_rows(ename, (rows,), 0, i * rows, (i + 1) * rows))
+    return out
+
+
 def chunk_blocks(chunks: Sequence[GPTModel], for_write: bool) -> Dict[Tuple[int, str], List[Block]]:
     """(chunk index, parameter name) -> its blocks, for every parameter of this rank."""
     return {(i, n): param_blocks(c, n, p, for_write) for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+
+
+def saved_order(blocks: Dict[Tuple[int, str], List[Block]]) -> List[Tuple[Tuple[int, str], List[Block]]]:
+    """``chunk_blocks``'s items in the order per-expert parameters had: a layer's grouped expert parameters
+    (fc1 weight, bias, fc2 weight, bias) cut per expert and interleaved, expert by expert, so a checkpoint
+    writes the same entries in the same order (and hands replicas the same blocks) as before grouping."""
+    out: List[Tuple[Tuple[int, str], List[Block]]] = []
+    run: List[Tuple[Tuple[int, str], List[Block]]] = []
+
+    def flush() -> None:
+        experts: Dict[str, List[Tuple[Tuple[int, str], List[Block]]]] = {}
+        for key, bs in run:
+            for b in bs:
+                e = b.name.split(".local_experts.", 1)[1].split(".", 1)[0]
+                group = experts.setdefault(e, [])
+                if not group or group[-1][0] != key:
+                    group.append((key, []))
+                group[-1][1].append(b)
+        out.extend(item for group in experts.values() for item in group)
+        run.clear()
+
+    for key, bs in blocks.items():
+        grouped = ".experts.linear_fc" in key[1]  # a grouped expert parameter (per-expert ones: .local_experts.)
+        if run and (not grouped or run[-1][0][0] != key[0] or _module(run[-1][0][1]) != _module(key[1])):
+            flush()
+        if grouped:
+            run.append((key, bs))
+        else:
+            out.append((key, bs))
+    flush()
+    return out
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".linear_fc")[0]
 
 
 def overlap(offsets_a: Sequence[int], sizes_a: Sequence[int], offsets_b: Sequence[int], sizes_b: Sequence[int]):

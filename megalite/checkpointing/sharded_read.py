@@ -214,8 +214,7 @@ def _plan_all(reads: Reads, chunks, optimizer, keys: List[str], main_from_model:
             prefix = "model" if k == "param" and main_from_model else f"optim.{k}"
             dests[where[id(pc.param)]].setdefault(prefix, []).append((pc.start, pc.end, t))
     for (i, name), blocks in chunk_blocks(chunks, for_write=False).items():
-        p = params[(i, name)]
-        row = math.prod(p.shape[1:])
+        row = blocks[0].row if blocks else 1  # no blocks (no real vocabulary rows here): all zero
         for prefix in PREFIXES:
             if prefix in dests[(i, name)]:
                 reads.plan(prefix, blocks, row, dests[(i, name)][prefix])

@@ -33,7 +33,6 @@ first rank of the group), run before anything else so a failure there reaches ev
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Dict, List, Sequence, Tuple
 
@@ -41,7 +40,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from megalite.checkpointing.layout import Block, chunk_blocks
+from megalite.checkpointing.layout import Block, chunk_blocks, saved_order
 from megalite.checkpointing.protocol import save_synced, write_json
 from megalite.checkpointing.sharded import OPTIM_KEYS, crc_of, quiet_single_process
 from megalite.parallel.state import ParallelState
@@ -91,15 +90,14 @@ def plan_shards(ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> Li
     copies = {id(p) for part in optimizer.grads.parts if not getattr(part, "writes", True) for p in part.params}
     out: List[Shard] = []
     turns = {False: 0, True: 0}  # whole blocks go round-robin over the DP (dense) or EDP (expert) ranks
-    for (i, name), blocks in chunk_blocks(chunks, for_write=True).items():
+    for (i, name), blocks in saved_order(chunk_blocks(chunks, for_write=True)):
         param = params[(i, name)]
         p = param.detach()
         if id(param) in copies:
             continue  # hybrid sharding: the first copy of this shard writes it
         if id(param) in sharded:
-            rs = math.prod(p.shape[1:])
             for b in blocks:
-                a, z = b.local_rows[0] * rs, b.local_rows[1] * rs
+                a, z = b.local_rows[0] * b.row, b.local_rows[1] * b.row
                 for pc in pieces.get(id(param), []):
                     lo, hi = max(pc.start, a), min(pc.end, z)
                     if lo >= hi:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from megalite.checkpointing.run_state import stage_counts
 from megalite.checkpointing.safe_load import CheckpointError, safe_torch_load
 from megalite.data_parallel.fsdp import gathered_state_dict
 from megalite.parallel.state import ParallelState
+from megalite.tensor_parallel.layers import per_expert_names
 
 CRC_SUFFIX = ".crc32.json"  # the checksum sidecar next to each model_optim_rng.pt
 
@@ -162,22 +163,32 @@ def check_same_layout(d: str, saved: dict, here: dict, num_layers: int) -> None:
         )
 
 
+def _saved_parameters(chunk: nn.Module) -> List[Tuple[str, tuple, nn.Parameter]]:
+    """(saved name, saved shape, parameter) of every parameter as its state dict stores it: a grouped expert
+    parameter once per expert."""
+    out = []
+    for name, p in chunk.named_parameters():
+        names = per_expert_names(name, p)
+        out += [(n, tuple(p.shape[1:]), p) for n in names] if names else [(name, tuple(p.shape), p)]
+    return out
+
+
 def _load_models(path: str, state: dict, chunks: Sequence[nn.Module], weights: bool = True) -> List[Dict[str, object]]:
     """Each chunk's saved state dict, checked against the chunk and loaded into it (without ``weights``: only
     what is not a trained parameter, whose values the optimizer then places)."""
     models = [state[_model_key(i, len(chunks))] for i in range(len(chunks))]
     for chunk, sd in zip(chunks, models):
-        for name, p in chunk.named_parameters():
-            if name not in sd or tuple(sd[name].shape) != tuple(p.shape):
+        for name, shape, _ in _saved_parameters(chunk):
+            if name not in sd or tuple(sd[name].shape) != shape:
                 got = tuple(sd[name].shape) if name in sd else "missing"
                 raise CheckpointError(
-                    f"{path}: {name} is {got} in the checkpoint, {tuple(p.shape)} in this run "
+                    f"{path}: {name} is {got} in the checkpoint, {shape} in this run "
                     f"(check --make-vocab-size-divisible-by and the model flags)"
                 )
         if weights:
             chunk.load_state_dict(sd)
         else:
-            trained = {n for n, p in chunk.named_parameters() if p.requires_grad}
+            trained = {n for n, _, p in _saved_parameters(chunk) if p.requires_grad}
             chunk.load_state_dict({k: v for k, v in sd.items() if k not in trained}, strict=False)
     return models
 

@@ -38,6 +38,7 @@ from megalite.config.checks import check_fsdp_leaves_out
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.moe.experts import LocalExperts
 from megalite.parallel.state import AxisGroup, ParallelState
+from megalite.tensor_parallel.layers import per_expert_names
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -72,7 +73,11 @@ def local_shard_range(p: torch.Tensor) -> Tuple[int, int]:
 def gathered_state_dict(chunk: nn.Module, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """``chunk.state_dict()`` with every FSDP shard gathered into its TP-local tensor in ``dtype`` (the weights
     as the unsharded run holds them; collective over each parameter's FSDP group, every rank in one order)."""
-    return {k: v.full_tensor().to(dtype) if isinstance(v, DTensor) else v for k, v in chunk.state_dict().items()}
+    sharded = {e for n, p in chunk.named_parameters() if isinstance(p, DTensor) for e in per_expert_names(n, p)}
+    return {
+        k: v.full_tensor().to(dtype) if isinstance(v, DTensor) else v.to(dtype) if k in sharded else v
+        for k, v in chunk.state_dict().items()
+    }
 
 
 class ShardedPart:

@@ -54,6 +54,7 @@ from megalite.tensor_parallel.layers import (
     VocabParallelEmbedding,
     init_vocab_rows,
     linear_with_tp_weight,
+    per_expert_names,
     set_tp_attributes,
     vocab_range,
     vocab_shard,
@@ -198,7 +199,12 @@ class GPTModel(nn.Module):
         ``vocab_size`` rows are used and re-padded for this TP size.
         """
         out = {}
-        for name, _ in self.named_parameters():
+        for name, p in self.named_parameters():
+            experts = per_expert_names(name, p)
+            if experts:  # a grouped expert parameter: from each local expert's full tensor
+                module_name, _, pname = name.rpartition(".")
+                out[name] = self.get_submodule(module_name).local_from_full(pname, [full[e] for e in experts])
+                continue
             src = full[WORD_EMBEDDINGS if name == "output_weight" else name]
             if name in (WORD_EMBEDDINGS, "output_weight", OUTPUT_LAYER):
                 out[name] = vocab_shard(src[: self.cfg.vocab_size], self.padded_vocab, self.tp)

@@ -38,7 +38,7 @@ from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.data_parallel.grad_buffers import GradBuffers
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.parallel.state import ParallelState
-from megalite.tensor_parallel.layers import is_counted_once
+from megalite.tensor_parallel.layers import is_counted_once, per_expert_names
 
 try:
     from apex.optimizers import FusedAdam as _ApexFusedAdam  # type: ignore
@@ -524,15 +524,39 @@ class MegatronOptimizer:
         if step is not None:
             for n in out:
                 out[n]["step"] = step.clone() if torch.is_tensor(step) else step
+        return self._per_expert(out)
+
+    def _per_expert(self, out: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, Dict[str, torch.Tensor]]:
+        """A grouped expert parameter's state under its per-expert names (each expert's slice), as saved."""
+        for n, p in self.named:
+            names = per_expert_names(n, p)
+            if names and n in out:
+                entry = out.pop(n)
+                for i, e in enumerate(names):
+                    out[e] = {k: (v[i] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in entry.items()}
         return out
+
+    def _grouped_entry(self, full: Dict[str, Dict[str, torch.Tensor]], name: str, p) -> Dict[str, torch.Tensor]:
+        """A parameter's whole state from ``full``: under its own name, or a grouped expert parameter's
+        joined from its per-expert entries."""
+        if name in full:
+            return full[name]
+        parts = [full[e] for e in per_expert_names(name, p)]
+        if not parts:
+            return full[name]  # the KeyError names the missing parameter
+        return {
+            k: (torch.stack([q[k] for q in parts]) if torch.is_tensor(v) and v.dim() > 0 else v)
+            for k, v in parts[0].items()
+        }
 
     def load_full_state_dict(self, full: Dict[str, Dict[str, torch.Tensor]]) -> None:
         """Load whole-parameter state (from :meth:`full_state_dict`, any DP size or sharding)."""
         self.finish_param_gather()
+        joined = {n: self._grouped_entry(full, n, p) for n, p in self.named if per_expert_names(n, p)}
         for pc in self.pieces:
             entry = {
                 k: (v.reshape(-1)[pc.start : pc.end] if torch.is_tensor(v) and v.dim() > 0 else v)
-                for k, v in full[pc.name].items()
+                for k, v in (joined[pc.name] if pc.name in joined else full[pc.name]).items()
             }
             self._load_piece(pc, entry)
         self._sync_loaded_weights()

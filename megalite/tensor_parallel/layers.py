@@ -49,6 +49,17 @@ def set_tp_attributes(param: nn.Parameter, tensor_parallel: bool, partition_dim:
     param.partition_dim = partition_dim if tensor_parallel else -1
 
 
+def per_expert_names(name: str, param: nn.Parameter) -> List[str]:
+    """The per-expert names a grouped expert parameter (``...experts.linear_fcK.weight``, [E_local, ...]) is
+    saved under, in local order (``...experts.local_experts.<e>.linear_fcK.weight``, e global); [] for
+    any other parameter. Checkpoints and optimizer state keep these names whatever the storage."""
+    experts = getattr(param, "grouped_experts", None)
+    if experts is None:
+        return []
+    head, _, tail = name.rpartition(".linear_fc")
+    return [f"{head}.local_experts.{e}.linear_fc{tail}" for e in experts]
+
+
 def is_counted_once(param: nn.Parameter, tp_rank: int) -> bool:
     """True where this rank's copy counts toward model-wide sums (grad norm, parameter count).
 
@@ -76,18 +87,24 @@ class WeightGradStore:
     """
 
     def __init__(self) -> None:
-        self.pending: List[Tuple[nn.Parameter, torch.Tensor, torch.Tensor, Optional[AxisGroup]]] = []
+        # (weight, x, grad, group, expert): ``expert`` is the index of a grouped expert weight's slice, else None
+        self.pending: List[Tuple[nn.Parameter, torch.Tensor, torch.Tensor, Optional[AxisGroup], Optional[int]]] = []
 
     def run(self) -> None:
         """Compute the deferred weight gradients and accumulate them (one autograd call)."""
         sums: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
-        for weight, x, grad, group in self.pending:
+        for weight, x, grad, group, expert in self.pending:
             with torch.no_grad():  # as inside backward (gloo's all-gather writes into views)
                 gw = _weight_grad(x, grad, group)
-            if id(weight) in sums:
-                sums[id(weight)] = (weight, sums[id(weight)][1] + gw)
-            else:
-                sums[id(weight)] = (weight, gw)
+                if id(weight) not in sums:
+                    sums[id(weight)] = (weight, torch.zeros_like(weight) if expert is not None else gw)
+                    if expert is None:
+                        continue
+                total = sums[id(weight)][1]
+                if expert is None:
+                    sums[id(weight)] = (weight, total + gw)
+                else:  # a grouped expert weight: each expert's dW into its slice of one gradient
+                    total[expert].add_(gw)
         self.pending.clear()
         if sums:
             params, grads = zip(*sums.values())
@@ -129,8 +146,9 @@ class _Linear(torch.autograd.Function):
 
     ``group`` (sequence parallelism) all-gathers the sequence shard x inside the
     matmul and keeps only the shard for backward (gathered again there).
-    ``owner`` = (param, WeightGradSplit) marks a splittable matmul: ``weight`` is then the
-    parameter's detached data, so the weight is not an input of the graph at all
+    ``owner`` = (param, WeightGradSplit) marks a splittable matmul, (param, WeightGradSplit, i) one on
+    local expert i's slice of a grouped expert parameter: ``weight`` is then the parameter's (slice's)
+    detached data, so the weight is not an input of the graph at all
     (autograd runs a leaf's post-accumulate hooks even for a missing gradient,
     and the grad buffer counts those calls); its gradient reaches it through
     autograd.backward on the leaf, in W, or right away when the split's store is not collecting.
@@ -154,11 +172,11 @@ class _Linear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_w = _weight_grad(x, grad, ctx.group)
         elif ctx.owner[0].requires_grad:
-            store = ctx.owner[1].store
-            if store is not None:
-                store.pending.append((ctx.owner[0], x, grad, ctx.group))
-            else:  # no split backward running: accumulate now, as a plain backward would
-                torch.autograd.backward([ctx.owner[0]], [_weight_grad(x, grad, ctx.group)])
+            store = WeightGradStore() if ctx.owner[1].store is None else ctx.owner[1].store
+            expert = ctx.owner[2] if len(ctx.owner) > 2 else None
+            store.pending.append((ctx.owner[0], x, grad, ctx.group, expert))
+            if ctx.owner[1].store is None:  # no split backward running: accumulate now, as a plain backward would
+                store.run()
         return grad_x, grad_w, grad_b, None, None
 
 

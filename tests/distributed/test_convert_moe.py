@@ -29,6 +29,7 @@ from megalite.testing import free_port
 from megalite.training import Trainer
 from tests.helpers.convert import _differences, run_convert
 from tests.helpers.convert_moe import IDS, VOCAB, hf_model, logits, run_cli
+from tests.helpers.grouped_experts import per_expert_tensors
 
 
 def _load_and_run(ps, root: str, full_root: str):
@@ -44,7 +45,8 @@ def _load_and_run(ps, root: str, full_root: str):
     load_checkpoint(RunParts(cfg, ps, t.chunks, t.optimizer, t.scheduler, t.state, t.tracker), root, finetune=True)
     model = t.chunks[0].eval()
     want = model.local_from_full(full)
-    experts = sorted({n.split("local_experts.")[1].split(".")[0] for n in want if "local_experts" in n})
+    have = per_expert_tensors(model)
+    experts = sorted({n.split("local_experts.")[1].split(".")[0] for n in have if "local_experts" in n})
     bad = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), want[n])]
     with torch.no_grad():
         out = model(IDS).transpose(0, 1)[..., :VOCAB]

@@ -20,6 +20,7 @@ import torch
 from megalite.config import CheckpointConfig
 from megalite.data_parallel.fsdp import unsharded
 from megalite.parallel.state import ParallelState
+from megalite.tensor_parallel.layers import per_expert_names
 from megalite.training import Trainer
 from megalite.training.mock import MockFeed
 from tests.helpers.checkpointing import STEPS, _cfg
@@ -60,7 +61,11 @@ def _state(trainer) -> dict:
     """Every weight (whole TP-local tensors) and the optimizer's whole fp32 state (collective), as numpy
     arrays (tensors would cross to the test process as shared memory of a worker that has exited)."""
     trainer.optimizer.finish_param_gather()
-    weights = {n: unsharded(p.detach()).numpy().copy() for c in trainer.chunks for n, p in c.named_parameters()}
+    weights = {}
+    for c in trainer.chunks:
+        for n, p in c.named_parameters():  # a grouped expert parameter under its per-expert names
+            t, names = unsharded(p.detach()), per_expert_names(n, p)
+            weights.update({e: t[i].numpy().copy() for i, e in enumerate(names)} if names else {n: t.numpy().copy()})
     optim = {
         n: {k: v.numpy().copy() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
         for n, s in trainer.optimizer.full_state_dict().items()

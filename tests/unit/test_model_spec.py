@@ -31,6 +31,7 @@ from megalite.model.spec import (
 )
 from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
+from tests.helpers.grouped_experts import per_expert_parameters
 
 LLAMA_STYLE = dict(
     normalization="RMSNorm",
@@ -93,7 +94,7 @@ def case(request):
 def test_params_are_the_built_models_in_name_shape_and_order(case):
     _, cfg, spec, model = case
     params = [(p.name, p.shape) for p in spec.params(cfg.padded_vocab_size(1))]
-    tensors = [(n, tuple(t.shape)) for n, t in model.named_parameters()]
+    tensors = [(x.name, tuple(x.tensor.shape)) for x in per_expert_parameters(model)]
     assert dict(params) == dict(tensors) and len(params) == len(tensors)
     # the same order, but for the shared expert's gate: a parameter of the module, listed by torch before
     # the module's linear layers, and by the spec (the conversion stream's order) after them
@@ -104,15 +105,15 @@ def test_params_are_the_built_models_in_name_shape_and_order(case):
 
 def test_split_pieces_and_expert_tags_are_the_built_models(case):
     _, cfg, spec, model = case
-    tensors = dict(model.named_parameters())
+    tensors = {x.name: x for x in per_expert_parameters(model)}
     dims = {COLUMN: 0, VOCAB: 0, ROW: 1, REPLICATED: -1}
     for p in spec.params(cfg.padded_vocab_size(1)):
         t = tensors[p.name]
         assert t.partition_dim == dims[p.split], p.name
-        assert getattr(t, "expert_parallel", False) == (p.expert is not None), p.name
-        assert t.requires_grad == p.trainable, p.name
+        assert getattr(t.param, "expert_parallel", False) == (p.expert is not None), p.name
+        assert t.param.requires_grad == p.trainable, p.name
         if p.split == COLUMN:
-            assert model.get_submodule(p.name.rpartition(".")[0]).output_sizes == list(p.pieces), p.name
+            assert t.module.output_sizes == list(p.pieces), p.name
 
 
 def test_shapes_and_pieces_by_name_agree_with_the_parameter_list(case):
@@ -198,7 +199,7 @@ def test_hf_maps_cover_every_parameter_once(case):
             theirs += m.theirs
             shape = spec.shape_of(m.ours)
             assert sum(m.rows) == shape[0] if len(m.theirs) > 1 else not m.rows
-    assert sorted(ours) == sorted(n for n, _ in model.named_parameters())
+    assert sorted(ours) == sorted(x.name for x in per_expert_parameters(model))
     assert len(set(theirs)) == len(theirs)
 
 
