@@ -162,7 +162,8 @@ class LocalExperts(nn.Module):
     """This rank's experts of one layer, grouped: ``linear_fc1`` / ``linear_fc2`` hold every local expert's
     weights ([E_local, ...]); ``local_experts`` views them per expert, keyed by global expert index. The
     checkpoints, conversions and the optimizer's saved state still name each expert's tensors
-    ``local_experts.<e>.linear_fc{1,2}.*`` (e global): see ``expert_name`` and checkpointing.layout."""
+    ``local_experts.<e>.linear_fc{1,2}.*`` (e global): see tensor_parallel.layers.per_expert_names and
+    checkpointing.layout."""
 
     def __init__(self, cfg: ModelConfig, ep: AxisGroup, etp: AxisGroup, seed: int, prefix: str):
         super().__init__()
