@@ -51,6 +51,7 @@ from megalite.checkpointing.run_state import SHAPE_FIELDS, check_model_shape
 from megalite.checkpointing.safe_load import CheckpointError, SafeFileSystemReader, load_megatron_file
 from megalite.checkpointing.sharded import quiet_single_process
 from megalite.config import ModelConfig
+from megalite.data_parallel.fsdp import DTensor
 from megalite.interop.interchange import (
     OUTPUT,
     WORD,
@@ -287,14 +288,18 @@ def load_torch_dist_weights(
         full.update(src.post())
     params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
     main: Dict[str, Dict[str, torch.Tensor]] = {}
+    sharded = False  # FSDP (data_parallel/fsdp.py): a parameter is this rank's shard, placed by the optimizer
     with torch.no_grad():
         for key, blocks in needs.items():
             local = torch.zeros(params[key].shape, dtype=torch.float32)  # vocabulary padding stays zero
             for b in blocks:
                 b.local(local).copy_(full[b.name][tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))])
-            params[key].data.copy_(local.to(params[key].device))
+            if isinstance(params[key], DTensor):
+                sharded = True
+            else:
+                params[key].data.copy_(local.to(params[key].device))
             main[key[1]] = {"param": local}
-    if optimizer.half:  # separate fp32 main weights: they start from the loaded weights
+    if optimizer.half or sharded:  # separate fp32 main weights (or FSDP's shards): from the loaded weights
         optimizer.load_full_state_dict(main)
     args = src.args
     return {"iteration": src.info.iteration, "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Dict
 
 import pytest
@@ -171,6 +172,11 @@ def test_megatron_core_torch_dist_reads_with_its_logits(tmp_path, saved_by_megat
     cfg = tiny_config(tp=2, pp=2).with_(model=t.cfg.model)
     assert run_distributed(_load_and_save, 4, cfg, str(src), str(tmp_path / "tp2pp2"), tp=2, pp=2) == [7] * 4
     assert (megalite_logits(loaded(style, tmp_path / "tp2pp2"), _ids(VOCAB)) - theirs).abs().max() < 1e-4
+    # ... and into FSDP's shards (dp 2, optim_grads_params): each rank's rows of every weight
+    fsdp = tiny_config().with_(model=t.cfg.model)
+    fsdp = fsdp.with_(optim=replace(fsdp.optim, data_parallel_sharding_strategy="optim_grads_params"))
+    assert run_distributed(_load_and_save, 2, fsdp, str(src), str(tmp_path / "fsdp")) == [7] * 2
+    assert (megalite_logits(loaded(style, tmp_path / "fsdp"), _ids(VOCAB)) - theirs).abs().max() < 1e-4
 
 
 @pytest.mark.slow
