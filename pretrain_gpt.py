@@ -29,7 +29,7 @@ from megalite.config.preflight import check_output_paths
 from megalite.data.loading import DatasetError, build_datasets, resolve_data
 from megalite.observability.hang_watch import start_hang_watch
 from megalite.observability.logging import setup_logging
-from megalite.observability.stop_line import say_stop, write_line
+from megalite.observability.stop_line import say_stop
 from megalite.parallel.state import ParallelState
 from megalite.training import Trainer, TrainingStopped
 from megalite.training.faults import ExitConditions, ExitSignals, InjectedFault, restart_round, watch_launcher
@@ -98,13 +98,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if launcher is not None and launcher.gone():  # a rank that noticed first broke this one's transfer
             launcher.say_gone()
             return 1
-        # A peer died or hung past --distributed-timeout-minutes: one line per rank that saw it, no traceback.
+        # A peer died or hung past --distributed-timeout-minutes: one line for the job, no traceback.
         first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
         first = first.split(". ")[0]  # gloo appends generic advice after the first sentence
         if signals.watch is not None:  # before the line: the ranks that can still talk name the culprit
             signals.watch.on_failure(f"rank {rank}: {first[:80]}")
-        write_line(  # each rank that saw it: which ranks lost contact is part of the diagnosis
-            f"{PROG}: error: rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
+        # once for the job: the first rank that saw it (the hang watch's diagnosis names the lost rank)
+        _error(
+            f"rank {rank}: lost contact with another rank ({first[:160]}); the job cannot go on "
             f"(a rank that died first has its own message above)"
         )
         return 1

@@ -75,3 +75,15 @@ def say_stop(
             write_line(line)
             return True
     return False
+
+
+def already_said(store: StoreFactory = job_store) -> bool:
+    """Whether a rank of this job has already said why it stops (then a consequence, such as the SIGTERM
+    torchrun sends the survivors, needs no line of its own). False without a shared store."""
+    shared = store()
+    if shared is None:
+        return False
+    try:
+        return bool(shared.check([SAID]))
+    except (RuntimeError, ValueError, OSError):
+        return False

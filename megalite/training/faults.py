@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megalite.observability.stop_line import already_said
 from megalite.pipeline.actions import Comm
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -52,8 +53,9 @@ def _stderr(line: str) -> None:
 
 
 def _say(line: str) -> None:
-    """One line on stderr from rank 0 only (every rank receives the same signal)."""
-    if os.environ.get("RANK", "0") == "0":
+    """One line on stderr from rank 0 only (every rank receives the same signal), unless another rank has
+    already said why the job stops (torchrun's SIGTERM to the survivors of a lost rank is its consequence)."""
+    if os.environ.get("RANK", "0") == "0" and not already_said():
         _stderr(line)
 
 
