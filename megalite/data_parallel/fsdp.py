@@ -36,6 +36,7 @@ from torch import nn
 from megalite.config import Config
 from megalite.config.checks import check_fsdp_leaves_out
 from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.data_parallel.grad_buffers import GradBuffers
 from megalite.moe.experts import LocalExperts
 from megalite.parallel.state import AxisGroup, ParallelState
 from megalite.tensor_parallel.layers import per_expert_names
@@ -135,40 +136,27 @@ class ShardedPart:
         pass
 
 
-class FSDPGrads:
-    """The optimizer's gradient side under FSDP2 (``GradBuffers``' counterpart): its ``parts`` and the FSDP
-    modules, resharded at the end of each step's backward."""
+class FSDPGrads(GradBuffers):
+    """The optimizer's gradient side under FSDP2: ``GradBuffers`` over its ``parts`` (ShardedPart, and a plain
+    expert buffer where experts stay out of FSDP), plus the FSDP modules, resharded at the end of each step's
+    backward."""
 
     def __init__(self, parts: Sequence, modules: Sequence[FSDPModule], compute_dtype: torch.dtype):
-        self.parts, self.modules, self.compute_dtype = list(parts), list(modules), compute_dtype
+        super().__init__(parts)
+        self.modules, self.compute_dtype = list(modules), compute_dtype
 
-    dense = property(lambda self: self.parts[0])
-    dp = property(lambda self: self.parts[0].dp)
-    grad_data = property(lambda self: self.parts[0].grad_data)
-    nbytes = property(lambda self: sum(getattr(part, "nbytes", 0) for part in self.parts))
-    buckets = property(lambda self: [])
-    index = property(lambda self: {})
-
-    def start_step(self, num_microbatches: int) -> None:
-        for part in self.parts:
-            part.start_step(num_microbatches)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every gradient: the shards' fp32 size (held from the first backward on), the buffers'."""
+        return sum(
+            part.nbytes if isinstance(part, ShardedPart) else part.grad_data.numel() * part.grad_data.element_size()
+            for part in self.parts
+        )
 
     def finish(self) -> None:
-        for part in self.parts:
-            part.finish()
+        super().finish()
         for m in self.modules:  # optim_grads kept the weights gathered over the step: free them before the update
             m.reshard()
-
-    def gather_params(self, async_op: bool = False) -> None:
-        for part in self.parts:
-            part.gather_params(async_op)
-
-    def wait_params(self, params=None) -> None:
-        for part in self.parts:
-            part.wait_params(params)
-
-    def install_param_gather_hooks(self, modules) -> None:
-        pass
 
 
 def _policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
