@@ -1,6 +1,7 @@
 """Fixtures for tests/unit and tests/distributed; shared plain code lives in tests/helpers.
 
-Markers (registered in pyproject.toml): ``slow`` for tests over ~10 s, by hand; ``multiprocess`` for
+Markers (registered in pyproject.toml): ``slow`` for tests over ~10 s, by hand; ``gpu`` for tests
+that need CUDA, by hand (skipped, never passed, without a GPU); ``multiprocess`` for
 tests that start several processes, never by hand: the launcher fixtures below mark every test that
 uses them, directly or through another fixture (``@launcher``):
 
@@ -48,9 +49,17 @@ def launcher(scope: str = "session") -> Callable:
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
 def pytest_collection_modifyitems(items):
+    no_gpu = None
     for item in items:
         if LAUNCHERS.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.multiprocess)
+        if item.get_closest_marker("gpu") is not None:
+            if no_gpu is None:
+                import torch
+
+                no_gpu = not torch.cuda.is_available()
+            if no_gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)"))
 
 
 @launcher()
