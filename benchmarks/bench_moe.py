@@ -28,6 +28,7 @@ other ranks to arrive (load skew), and under overlap it is summed over both thre
     python benchmarks/bench_moe.py                  # hidden 256, 4 layers, seq 256, 8 experts: ~2 min on 2 cores
     python benchmarks/bench_moe.py --quick          # hidden 128, seq 128, ep 2 only: ~20 s
     python benchmarks/bench_moe.py --tables 2,3 --eps 2 4 --steps 8
+    python benchmarks/bench_moe.py --gpu            # one GPU instead: bench_moe_gpu.py (MoE vs dense, grouped vs loop)
 
 The ranks share this machine's cores: at ep 4 or pp 2 x ep 2 on 2 cores, 4 ranks take turns, so
 read tokens/s there as relative, and overlap gains as what this host allows (they may be negative).
@@ -350,7 +351,13 @@ TABLES = {"1": table_dense_vs_moe, "2": table_dispatchers, "3": table_overlap, "
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--gpu" in argv:  # the one-GPU tables (MoE vs dense, grouped vs loop): bench_moe_gpu.py
+        import bench_moe_gpu
+
+        return bench_moe_gpu.main([x for x in argv if x != "--gpu"])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", action="store_true", help="run bench_moe_gpu.py's one-GPU tables instead")
     p.add_argument(
         "--tables",
         default="1,2,3,4",
@@ -381,7 +388,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 setattr(a, key, value)
     if a.num_experts % max(a.eps + a.memory_eps + [2]) or a.ffn_hidden_size % a.topk:
         p.error("--num-experts must divide by every ep and --ffn-hidden-size by --topk")
-    argv = sys.argv[1:] if argv is None else list(argv)
     print("$ python benchmarks/bench_moe.py " + " ".join(shlex.quote(x) for x in argv))
     print(
         f"({os.cpu_count()} cores; GPT-2 style, fp32, dropout 0, vocab {a.vocab_size}, {a.heads} heads, "

@@ -1,9 +1,14 @@
 """benchmarks/bench_moe.py runs end to end at the smallest sizes and prints its four tables
 (structure only: no timing is asserted)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from benchmarks.bench_moe import main
+from tests.helpers import REPO
 
 TINY = [
     "--quick",
@@ -42,3 +47,23 @@ def test_bench_moe_prints_every_table(capsys):
     )
     assert any(r.split()[:1] == ["on"] for r in rows) and any(r.split()[:1] == ["off"] for r in rows)
     assert sum(r.split()[:2] in (["2", "adam"], ["2", "zero1"]) for r in rows) == 2
+
+
+@pytest.mark.slow  # a subprocess that imports torch: ~8-20 s on 2 cores
+def test_bench_moe_gpu_runs_on_cpu_smoke():
+    """``bench_moe.py --gpu``'s script at tiny shapes on CPU (no GPU here: the real run is not tested): both tables,
+    three training rows with positive rates, and the grouped row reported as not run off a Hopper GPU."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29900 + os.getpid() % 90)}
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_moe.py"), "--gpu", "--cpu-smoke", "--iters", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    assert "[1] training steps" in out and "[2] one layer's experts" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith(("dense,", "MoE "))]
+    assert len(rows) == 3 and all(float(r[-5]) > 0 for r in rows), rows  # tokens/s
+    assert "grouped GEMM  not run" in out
