@@ -36,7 +36,7 @@ def _schema_ok() -> bool:
     if _FWD is None or _BWD is None:
         return False
     fwd, bwd = str(_FWD.default._schema), str(_BWD.default._schema)
-    return all(a in fwd for a in _FWD_ARGS) and all(a in bwd for a in _BWD_ARGS) and "rng_state" in fwd + bwd
+    return all(a in fwd for a in _FWD_ARGS) and all(a in bwd for a in _BWD_ARGS)
 
 
 class ReferenceKernel:
@@ -138,12 +138,19 @@ def _probe_once(device: torch.device) -> str:
         ref_out, ref_lse = REFERENCE.forward(q, k, v, cu, cu, 14, 14, True, 0.125)
         if tuple(lse.shape) != tuple(ref_lse.shape):
             return f"its log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens]"
-        if not torch.allclose(out.float(), ref_out.float(), atol=3e-2) or not torch.allclose(lse, ref_lse, atol=1e-2):
+        if not _close(out, ref_out) or not _close(lse, ref_lse):
             return "its output differs from the reference"
-        FLASH.backward(out, q, k, v, out, lse, cu, cu, 14, 14, True, 0.125)
+        grads = FLASH.backward(out, q, k, v, out, lse, cu, cu, 14, 14, True, 0.125)
+        want = REFERENCE.backward(out, q, k, v, out, lse, cu, cu, 14, 14, True, 0.125)
+        if not all(_close(a, b) for a, b in zip(grads, want)):
+            return "its gradients differ from the reference"
     except Exception as e:  # noqa: BLE001 - any failure means "not on this device"
         return f"it fails on {torch.cuda.get_device_name(device)}: {str(e).splitlines()[0][:160]}"
     return ""
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=5e-2, atol=5e-2)
 
 
 def flash_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:

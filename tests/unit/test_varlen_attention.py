@@ -132,6 +132,57 @@ def test_kernel_choice_and_one_fallback_warning(monkeypatch):
     assert "not used: it takes head dims" in kernels.describe("auto", cuda, torch.bfloat16, 12)
 
 
+class _AsSchema:
+    """Stands in for one of torch's FlashAttention ops on CPU: binds the call's arguments by the REAL op's
+    schema (so FlashKernel's argument order is checked against this torch) and computes with ``math``."""
+
+    def __init__(self, op, math):
+        self.default, self.math, self.calls = op.default, math, 0
+
+    def __call__(self, *args, **kwargs):
+        arguments = self.default._schema.arguments
+        positional = [a.name for a in arguments if not a.kwarg_only]
+        assert len(args) <= len(positional) and set(kwargs) <= {a.name for a in arguments}
+        self.calls += 1
+        return self.math({**dict(zip(positional, args)), **kwargs})
+
+
+def _fake_forward(a):
+    assert a["dropout_p"] == 0.0 and a["return_debug_mask"] is False
+    names = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "is_causal", "scale")
+    out, lse = kernels.REFERENCE.forward(*(a[n] for n in names))
+    return out, lse, torch.zeros(2), torch.empty(0), torch.empty(0)
+
+
+def _fake_backward(a):
+    assert a["dropout_p"] == 0.0
+    names = ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k")
+    return kernels.REFERENCE.backward(*(a[n] for n in names), a["is_causal"], a["scale"])
+
+
+@pytest.mark.skipif(not kernels._schema_ok(), reason="this torch has no FlashAttention varlen ops")
+def test_flash_kernel_calls_the_ops_by_their_schema(monkeypatch):
+    """FlashKernel's calls bound by the real ops' argument names (the CUDA kernels replaced by the reference
+    math), through every rank's chunk pairs; and the probe that admits the kernel on a GPU."""
+    fwd, bwd = _AsSchema(kernels._FWD, _fake_forward), _AsSchema(kernels._BWD, _fake_backward)
+    monkeypatch.setattr(kernels, "_FWD", fwd)
+    monkeypatch.setattr(kernels, "_BWD", bwd)
+    monkeypatch.setattr(kernels, "flash_unavailable", lambda *a: "")
+    q, k, v = _inputs(4, 2, torch.float32)
+    seg = documents(*EDGE_DOCUMENTS)
+    out, grads, dout = _rank_by_rank(2, q, k, v, seg, "flash")
+    assert fwd.calls > 2 and bwd.calls == fwd.calls
+    assert max(_errors(out, grads, q, k, v, seg, dout=dout)) < 1e-5
+    assert kernels._probe_once(torch.device("cpu")) == ""
+    padded = _AsSchema(kernels._FWD, lambda a: (lambda r: (r[0], r[1].view(2, 4, 12)) + r[2:])(_fake_forward(a)))
+    monkeypatch.setattr(kernels, "_FWD", padded)
+    assert kernels._probe_once(torch.device("cpu")) == "its log-sum-exp has shape (2, 4, 12), not [heads, tokens]"
+    wrong = _AsSchema(kernels._BWD, lambda a: [2 * g for g in _fake_backward(a)])
+    monkeypatch.setattr(kernels, "_FWD", fwd)
+    monkeypatch.setattr(kernels, "_BWD", wrong)
+    assert kernels._probe_once(torch.device("cpu")) == "its gradients differ from the reference"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("nq,nkv", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 def test_flash_varlen_one_rank_matches_dense(nq, nkv):
