@@ -24,6 +24,8 @@ import warnings
 
 import torch
 
+from megalite.context_parallel.blocks import fused
+
 _FWD = getattr(torch.ops.aten, "_flash_attention_forward", None)
 _BWD = getattr(torch.ops.aten, "_flash_attention_backward", None)
 _FWD_ARGS = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "return_debug_mask", "scale")
@@ -192,11 +194,13 @@ TILES = "fp32 tiles (blocks.py)"
 def describe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """One line: which kernel runs causal attention, and packed-document and CP blocks."""
     causal = "explicit softmax (unfused)" if backend in ("unfused", "local") else "torch SDPA (is_causal)"
-    if backend in ("unfused", "local"):
-        masked = TILES
+    why = flash_unavailable(device, dtype, head_dim) if backend not in ("unfused", "local") else "not asked"
+    if not why:
+        masked = FLASH.name
+    elif device.type == "cpu":
+        masked = f"{TILES[:-1]}; torch's fused CPU flash kernel per tile)" if fused(device) else TILES
     else:
-        why = flash_unavailable(device, dtype, head_dim)
-        masked = FLASH.name if not why else f"{TILES} ({FLASH.name.split(' (')[0]} not used: {why})"
+        masked = TILES if why == "not asked" else f"{TILES} (FlashAttention-2 varlen not used: {why})"
     return (
         f"attention kernels (--attention-backend {backend}): causal: {causal}; packed documents / CP blocks: {masked}"
     )

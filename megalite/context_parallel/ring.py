@@ -95,6 +95,8 @@ class _Plan:
             ]
             if any(c is None for c in self.calls):
                 self.calls = None
+        if self.calls is not None:
+            return
         self.k_idx = [cp_token_index(seq_len, cp.size, j, q_index.device) for j in range(cp.size)]
         tile = tile_size(segment_ids is not None, q_index.device)
         self.pairs = [tile_pairs(q_runs, layout_runs(seq_len, cp.size, j), tile) for j in range(cp.size)]

@@ -120,7 +120,7 @@ def test_kernel_choice_and_one_fallback_warning(monkeypatch):
         assert kernels.kernel_for("auto", cpu) is None  # CPU: the tiles, as before, without a warning
     assert kernels.kernel_for("unfused", cpu) is None and kernels.kernel_for("reference", cpu) is kernels.REFERENCE
     line = kernels.describe("auto", torch.device("cpu"), torch.bfloat16, 64)
-    assert "causal: torch SDPA" in line and "fp32 tiles" in line and "needs CUDA (the run is on cpu)" in line
+    assert "causal: torch SDPA" in line and "packed documents / CP blocks: fp32 tiles" in line
     assert "explicit softmax" in kernels.describe("local", torch.device("cpu"), torch.float32, 64)
     monkeypatch.setattr(kernels, "_warned", set())
     cuda = torch.device("cuda")  # fp32 is refused before the device is touched
