@@ -59,7 +59,8 @@ def context_parallel_attention(
     or builds the dense mask (no varlen kernel here applies dropout).
     """
     _check(q, k, cp, comm_type, dropout_p)
-    kernel = kernel_for(backend, q) if dropout_p == 0 else None
+    plain = cp.size == 1 and segment_ids is None  # SDPA's causal path: no kernel to choose
+    kernel = kernel_for(backend, q) if dropout_p == 0 and not plain else None
     if cp.size == 1:
         s = q.shape[2]
         runs = [(0, 0, s)]
