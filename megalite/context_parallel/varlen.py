@@ -54,7 +54,7 @@ def _doc_starts(segment_ids: Optional[torch.Tensor], b: int) -> Optional[List[np
     return [np.concatenate([[0], np.nonzero(row)[0] + 1]) for row in step]
 
 
-def _diagonal(starts: List[np.ndarray], g: int, n: int) -> Tuple[List[int], List[int]]:
+def _diagonal(starts: List[np.ndarray], g: int, n: int) -> List[np.ndarray]:
     """Segment lengths per row of the causal square [g, g + n): the document pieces in it."""
     lengths = []
     for row in starts:
@@ -82,6 +82,7 @@ def _cu(lengths: List[int], device) -> torch.Tensor:
 
 
 def _pair(starts, s: int, b: int, q: Run, k: Run, device) -> Optional[Segments]:
+    """The call of one DIAGONAL or PAST pair (None: no query attends a key of this pair)."""
     (qo, qg, qn), (ko, kg, kn) = q, k
     qs, ks = slice(qo, qo + qn), slice(ko, ko + kn)
     if (kg, kn) == (qg, qn):
@@ -106,7 +107,7 @@ def _pair(starts, s: int, b: int, q: Run, k: Run, device) -> Optional[Segments]:
 def pair_plans(q_runs: List[Run], k_runs: List[Run], segment_ids, s: int, b: int, device) -> Optional[List[Segments]]:
     """The kernel calls of local queries (``q_runs``) over local keys (``k_runs``); None when a pair
     is neither DIAGONAL nor PAST, or the documents are not contiguous (the tiles run instead)."""
-    starts = _doc_starts(segment_ids, b)
+    starts = _starts_of(segment_ids, b)
     if starts is None:
         return None
     plans = []
@@ -125,6 +126,19 @@ def pair_plans(q_runs: List[Run], k_runs: List[Run], segment_ids, s: int, b: int
 
 _cache: Dict[tuple, tuple] = {}
 _CACHE_SIZE = 16
+_last_starts: list = [None, None, None]  # (weak ref, version, starts) of the last segment_ids read to the host
+
+
+def _starts_of(segment_ids: Optional[torch.Tensor], b: int) -> Optional[List[np.ndarray]]:
+    """``_doc_starts``, remembered for the last tensor (a ring's blocks share one host copy)."""
+    if segment_ids is None:
+        return _doc_starts(None, b)
+    ref, version, starts = _last_starts
+    if ref is not None and ref() is segment_ids and version == segment_ids._version:
+        return starts
+    starts = _doc_starts(segment_ids, b)
+    _last_starts[:] = [weakref.ref(segment_ids), segment_ids._version, starts]
+    return starts
 
 
 def plans(q_runs, k_runs, segment_ids: Optional[torch.Tensor], s: int, b: int, device) -> Optional[List[Segments]]:
