@@ -195,11 +195,13 @@ class ModelConfig(MoEModelFields):
         ),
         value=_params_dtype,
     )
-    attention_backend: str = NETWORK(  # auto/flash/fused: torch SDPA; unfused/local: explicit softmax
+    attention_backend: str = NETWORK(  # auto/flash/fused: fused kernels; unfused/local: explicit softmax
         "--attention-backend",
         "auto",
-        "auto/flash/fused: torch scaled_dot_product_attention (flash kernels "
-        "where the device has them); unfused/local: explicit QK^T, softmax, dropout, x V",
+        "auto/flash/fused: torch scaled_dot_product_attention for causal attention (flash kernels where "
+        "the device has them), FlashAttention-2 varlen for packed documents and context-parallel blocks "
+        "(CUDA, fp16/bf16; else fp32 tiles, with one warning); unfused/local: explicit QK^T, softmax, "
+        "dropout, x V (masked blocks in fp32 tiles)",
         choices=("auto", "flash", "fused", "unfused", "local"),
     )
     recompute_granularity: Optional[str] = RECOMPUTE(  # None | "full" | "selective" (core attention)

@@ -12,7 +12,9 @@ tokens; attention needs every earlier key, so K/V (only the nkv groups) move::
 
 sequence.py: where tokens live (cp_token_index, the batch slicer) and packed documents;
 attention.py: context_parallel_attention (the entry point); ring.py, collectives.py: the
-communication; blocks.py: tiled fp32 attention with a log-sum-exp (masks built per tile).
+communication; kernels.py: the variable-length attention kernels (FlashAttention-2 on CUDA) and which
+one runs; varlen.py: chunk pairs as kernel calls (segments from the document boundaries); blocks.py:
+tiled fp32 attention with a log-sum-exp (masks built per tile; CPU and the fallback).
 """
 
 from megalite.context_parallel.attention import context_parallel_attention

@@ -8,9 +8,11 @@ global index j iff j <= i and (no ``segment_ids`` or seg[j] == seg[i]). Three wa
     all_gather  all-gather K/V (reduce-scatter dK/dV), attend the local queries to all of it
     a2a         DeepSpeed-Ulysses: all-to-all to [full sequence, heads/CP], attend, all-to-all back
 
-Where a mask is needed and dropout is off, attention runs tile by tile in fp32 (blocks.py), so no
-[s, s] mask or probability tensor is kept for the backward; a causal mask in natural order without
-documents uses torch's SDPA (is_causal). Attention dropout (all_gather, a2a, or one CP rank) draws
+Where a mask is needed and dropout is off, attention runs in a variable-length kernel where one
+applies (kernels.py, chosen by ``backend``: FlashAttention-2 on CUDA in fp16/bf16; the chunk pairs
+become kernel calls in varlen.py), else tile by tile in fp32 (blocks.py); either way no [s, s] mask
+or probability tensor is built. A causal mask in natural order without documents uses torch's SDPA
+(is_causal). Attention dropout (all_gather, a2a, or one CP rank) draws
 from the tracker's "tp" stream, like the model's attention; with a mask it builds the dense mask.
 """
 
@@ -24,8 +26,10 @@ import torch.nn.functional as F
 
 from megalite.context_parallel.blocks import Run, TiledAttention, concat_runs, layout_runs, tile_pairs, tile_size
 from megalite.context_parallel.collectives import gather_kv, heads_to_seq, seq_to_heads
+from megalite.context_parallel.kernels import kernel_for
 from megalite.context_parallel.ring import RingAttention
 from megalite.context_parallel.sequence import cp_token_index
+from megalite.context_parallel.varlen import VarlenAttention, plans
 from megalite.parallel.state import AxisGroup
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -42,6 +46,7 @@ def context_parallel_attention(
     segment_ids: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     tracker=None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Causal (and, with ``segment_ids``, per-document) attention of this CP rank's queries over the
     whole sequence's keys.
@@ -49,19 +54,23 @@ def context_parallel_attention(
     q [b, nq, s_l, d]; k, v [b, nkv, s_l, d] (nkv divides nq); ``q_index`` [s_l] the global index of
     each local token, i.e. ``cp_token_index(s, cp.size, cp.rank)`` (chunks r and 2CP-1-r; every rank's
     K/V are laid out the same way); ``segment_ids`` [b, s] the FULL sequence's document ids. Returns
-    [b, nq, s_l, d] in q's dtype; the softmax is accumulated in fp32.
+    [b, nq, s_l, d] in q's dtype; the softmax is accumulated in fp32. ``backend`` is
+    --attention-backend (kernels.kernel_for): the kernel masked blocks run in; dropout always tiles
+    or builds the dense mask (no varlen kernel here applies dropout).
     """
     _check(q, k, cp, comm_type, dropout_p)
+    plain = cp.size == 1 and segment_ids is None  # SDPA's causal path: no kernel to choose
+    kernel = kernel_for(backend, q) if dropout_p == 0 and not plain else None
     if cp.size == 1:
         s = q.shape[2]
         runs = [(0, 0, s)]
         seg = None if segment_ids is None else segment_ids.index_select(1, q_index)
-        return _local(q, k, v, q_index, q_index, runs, runs, seg, seg, dropout_p, tracker)
+        return _local(q, k, v, q_index, q_index, runs, runs, seg, seg, dropout_p, tracker, kernel, segment_ids)
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, cp, q_index, segment_ids)
+        return RingAttention.apply(q, k, v, cp, q_index, segment_ids, kernel)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, cp, q_index, segment_ids, dropout_p, tracker)
-    return _a2a_attention(q, k, v, cp, segment_ids, dropout_p, tracker)
+        return _all_gather_attention(q, k, v, cp, q_index, segment_ids, dropout_p, tracker, kernel)
+    return _a2a_attention(q, k, v, cp, segment_ids, dropout_p, tracker, kernel)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cp: AxisGroup, comm_type: str, dropout_p: float) -> None:
@@ -121,11 +130,19 @@ def _local(
     seg_k: Optional[torch.Tensor],
     dropout_p: float,
     tracker,
+    kernel=None,
+    segment_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of local queries over local keys, both described by runs of global indices."""
+    """Attention of local queries over local keys, both described by runs of global indices;
+    ``segment_ids`` the whole sequence's documents in natural order (for the kernel's segments)."""
     natural = q_runs == k_runs == [(0, 0, q.shape[2])]
     if seg_q is None and natural:
         return _sdpa(q, k, v, None, dropout_p, tracker)
+    if kernel is not None:
+        s = sum(n for _, _, n in k_runs)
+        segs = plans(q_runs, k_runs, segment_ids, s, q.shape[0], q.device)
+        if segs is not None:
+            return VarlenAttention.apply(q, k, v, kernel, segs)
     if dropout_p > 0:  # dropout needs SDPA, hence a dense [b, 1, s_q, s_k] mask
         mask = (q_idx[:, None] >= k_idx[None, :])[None]
         if seg_q is not None:
@@ -140,7 +157,7 @@ def _rank_order_index(seq_len: int, cp: AxisGroup, device) -> torch.Tensor:
     return torch.cat([cp_token_index(seq_len, cp.size, j, device) for j in range(cp.size)])
 
 
-def _all_gather_attention(q, k, v, cp: AxisGroup, q_index, segment_ids, dropout_p, tracker) -> torch.Tensor:
+def _all_gather_attention(q, k, v, cp: AxisGroup, q_index, segment_ids, dropout_p, tracker, kernel) -> torch.Tensor:
     sl = q.shape[2]
     s = sl * cp.size
     kv = gather_kv(torch.stack([k, v]), cp)  # [2, b, nkv, s, d], rank order
@@ -149,12 +166,13 @@ def _all_gather_attention(q, k, v, cp: AxisGroup, q_index, segment_ids, dropout_
     seg_q = seg_k = None
     if segment_ids is not None:
         seg_q, seg_k = segment_ids.index_select(1, q_index), segment_ids.index_select(1, k_idx)
+    q_runs = layout_runs(s, cp.size, cp.rank)
     return _local(
-        q, kv[0], kv[1], q_index, k_idx, layout_runs(s, cp.size, cp.rank), k_runs, seg_q, seg_k, dropout_p, tracker
+        q, kv[0], kv[1], q_index, k_idx, q_runs, k_runs, seg_q, seg_k, dropout_p, tracker, kernel, segment_ids
     )
 
 
-def _a2a_attention(q, k, v, cp: AxisGroup, segment_ids, dropout_p, tracker) -> torch.Tensor:
+def _a2a_attention(q, k, v, cp: AxisGroup, segment_ids, dropout_p, tracker, kernel) -> torch.Tensor:
     b, nq, sl, d = q.shape
     s, n = sl * cp.size, cp.size
     heads = [nq // n, k.shape[1] // n, v.shape[1] // n]
@@ -165,5 +183,7 @@ def _a2a_attention(q, k, v, cp: AxisGroup, segment_ids, dropout_p, tracker) -> t
     qn, kn, vn = full.index_select(2, torch.argsort(order)).split(heads, dim=1)  # natural order
     index = torch.arange(s, device=q.device)
     runs = [(0, 0, s)]
-    out = _local(qn, kn, vn, index, index, runs, runs, segment_ids, segment_ids, dropout_p, tracker)
+    out = _local(
+        qn, kn, vn, index, index, runs, runs, segment_ids, segment_ids, dropout_p, tracker, kernel, segment_ids
+    )
     return seq_to_heads(out.index_select(2, order), cp)  # back to rank order, then to this rank's tokens

@@ -14,6 +14,11 @@ The backward runs the ring again: K/V travel as in the forward, and next to them
 accumulator for that block; each rank adds its contribution and passes it on, one hop behind the
 K/V (so its transfer overlaps the next block's compute). After CP steps and one last hop every
 accumulator is back with its block's owner, holding every rank's contribution.
+
+With a kernel (kernels.py; FlashAttention-2 varlen on CUDA in fp16/bf16) each block is one or two
+varlen calls (varlen.py: the causal diagonal, the past chunk), each returning its log-sum-exp for
+the merge; the backward calls the kernel's backward with the rows' final output and log-sum-exp.
+Without one, the tiles of blocks.py.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from megalite.context_parallel.blocks import (
     tile_size,
 )
 from megalite.context_parallel.sequence import cp_token_index
+from megalite.context_parallel.varlen import block_backward, block_forward, plans
 from megalite.parallel.state import AxisGroup
 
 _KV_TAG, _DKV_TAG = 7, 8
@@ -76,9 +82,21 @@ def _wait(works) -> None:
 class _Plan:
     """What each ring step attends: the tile pairs, indices and documents of the K/V block of each rank."""
 
-    def __init__(self, cp: AxisGroup, seq_len: int, q_index: torch.Tensor, segment_ids: Optional[torch.Tensor]):
+    def __init__(
+        self, cp: AxisGroup, seq_len: int, q_index: torch.Tensor, segment_ids: Optional[torch.Tensor], b: int, kernel
+    ):
         self.q_idx = q_index
         q_runs = layout_runs(seq_len, cp.size, cp.rank)
+        self.kernel, self.calls = kernel, None
+        if kernel is not None:  # the kernel calls of each source rank's block (None: documents in pieces)
+            self.calls = [
+                plans(q_runs, layout_runs(seq_len, cp.size, j), segment_ids, seq_len, b, q_index.device)
+                for j in range(cp.size)
+            ]
+            if any(c is None for c in self.calls):
+                self.calls = None
+        if self.calls is not None:
+            return
         self.k_idx = [cp_token_index(seq_len, cp.size, j, q_index.device) for j in range(cp.size)]
         tile = tile_size(segment_ids is not None, q_index.device)
         self.pairs = [tile_pairs(q_runs, layout_runs(seq_len, cp.size, j), tile) for j in range(cp.size)]
@@ -90,17 +108,18 @@ class _Plan:
 
 
 class RingAttention(torch.autograd.Function):
-    """forward(q [b,nq,s_l,d], k/v [b,nkv,s_l,d], cp, q_index [s_l], segment_ids [b, s] | None)."""
+    """forward(q [b,nq,s_l,d], k/v [b,nkv,s_l,d], cp, q_index [s_l], segment_ids [b, s] | None, kernel
+    (kernels.py; None: tiles))."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, q_index, segment_ids):
+    def forward(ctx, q, k, v, cp, q_index, segment_ids, kernel=None):
         t0 = time.perf_counter()
         b, nq, sl, d = q.shape
         g, scale = k.shape[1], 1.0 / math.sqrt(d)
         q = q.contiguous()  # saved on its own: a view would keep the whole fused qkv projection alive
-        plan = _Plan(cp, sl * cp.size, q_index, segment_ids)
-        q32 = grouped(q, g)
-        out = torch.zeros_like(q32)
+        plan = _Plan(cp, sl * cp.size, q_index, segment_ids, b, kernel)
+        q32 = grouped(q, g) if plan.calls is None else q.view(b, g, nq // g, sl, d)  # fp32 copy for tiles only
+        out = torch.zeros(q32.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q32.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = own = torch.stack([k, v])  # the travelling block, in the input dtype; saved instead of k and v
         for step in range(cp.size):
@@ -108,11 +127,14 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp.size:
                 nxt = torch.empty_like(kv)
                 works = exchange(cp, kv, nxt, _KV_TAG)
-            k32, v32 = kv[0].float(), kv[1].float()
-            for pair in plan.pairs[src]:
-                qs, ks, _ = pair
-                o, l = tile_forward(q32[..., qs, :], k32[..., ks, :], v32[..., ks, :], *plan.mask(src, pair), scale)
-                merge(out, lse, qs, o, l)
+            if plan.calls is not None:
+                _kernel_block(plan, plan.calls[src], q, kv, out, lse)
+            else:
+                k32, v32 = kv[0].float(), kv[1].float()
+                for pair in plan.pairs[src]:
+                    qs, ks, _ = pair
+                    o, l = tile_forward(q32[..., qs, :], k32[..., ks, :], v32[..., ks, :], *plan.mask(src, pair), scale)
+                    merge(out, lse, qs, o, l)
             if step + 1 < cp.size:
                 _wait(works)
                 kv = nxt
@@ -129,34 +151,17 @@ class RingAttention(torch.autograd.Function):
         t0 = time.perf_counter()
         q, kv, out, lse = ctx.saved_tensors
         cp, plan = ctx.cp, ctx.plan
-        g, scale, dtype = kv.shape[2], 1.0 / math.sqrt(q.shape[-1]), kv.dtype
-        q32, do, out32 = grouped(q, g), grouped(grad, g), grouped(out, g)
-        delta = None if fused(q.device) else (do * out32).sum(-1)
-        dq = torch.zeros_like(q32)
+        g, dtype = kv.shape[2], kv.dtype
+        grads = _Grads(plan, q, grad, out, lse, g)
+        dq = torch.zeros((*lse.shape, q.shape[-1]), dtype=torch.float32, device=q.device)  # [b, g, r, s_l, d]
         dkv_works, dkv_in, dkv_out = None, None, None
         for step in range(cp.size):
             src = (cp.rank - step) % cp.size
             if step + 1 < cp.size:
                 nxt = torch.empty_like(kv)
                 works = exchange(cp, kv, nxt, _KV_TAG)
-            k32, v32 = kv[0].float(), kv[1].float()
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for pair in plan.pairs[src]:
-                qs, ks, _ = pair
-                a, bk, bv = tile_backward(
-                    q32[..., qs, :],
-                    k32[..., ks, :],
-                    v32[..., ks, :],
-                    do[..., qs, :],
-                    out32[..., qs, :],
-                    lse[..., qs],
-                    None if delta is None else delta[..., qs],
-                    *plan.mask(src, pair),
-                    scale,
-                )
-                dq[..., qs, :] += a
-                dkv[0][..., ks, :] += bk
-                dkv[1][..., ks, :] += bv
+            grads.block(src, kv, dq, dkv)
             if dkv_works is not None:  # the other ranks' contributions to this block, one hop behind
                 _wait(dkv_works)
                 dkv += dkv_in
@@ -169,4 +174,63 @@ class RingAttention(torch.autograd.Function):
         if timing is not None:
             timing.total_s += time.perf_counter() - t0
             timing.steps += cp.size
-        return (dq.view(q.shape).to(q.dtype), dkv_in[0].to(dtype), dkv_in[1].to(dtype), None, None, None)
+        return (dq.view(q.shape).to(q.dtype), dkv_in[0].to(dtype), dkv_in[1].to(dtype), None, None, None, None)
+
+
+def _kernel_block(plan: _Plan, calls, q, kv, out, lse) -> None:
+    """Forward of one K/V block in kernel calls, merged into the running fp32 (out, lse) [b,g,r,s_l,...]."""
+    for seg in calls:
+        qs, ks = seg.qs, seg.ks
+        o, l = block_forward(plan.kernel, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], seg)
+        merge(out, lse, qs, o.float().reshape(out[..., qs, :].shape), l.reshape(lse[..., qs].shape))
+
+
+class _Grads:
+    """One K/V block's contribution to dq (fp32 [b,g,r,s_l,d]) and to its own dK/dV (fp32 [2,b,nkv,s_l,d])."""
+
+    def __init__(self, plan: _Plan, q, grad, out, lse, g: int):
+        self.plan, self.q, self.grad, self.out = plan, q, grad, out
+        self.lse = lse.reshape(q.shape[:-1])  # [b, nq, s_l]
+        self.lse_g = lse
+        self.scale = 1.0 / math.sqrt(q.shape[-1])
+        self.delta = None
+        if plan.calls is None:  # the tiles' fp32 operands
+            self.q32, self.do, self.out32 = grouped(q, g), grouped(grad, g), grouped(out, g)
+            self.delta = None if fused(q.device) else (self.do * self.out32).sum(-1)
+
+    def block(self, src: int, kv, dq, dkv) -> None:
+        plan = self.plan
+        if plan.calls is not None:
+            for seg in plan.calls[src]:
+                qs, ks = seg.qs, seg.ks
+                a, bk, bv = block_backward(
+                    plan.kernel,
+                    self.q[:, :, qs],
+                    kv[0][:, :, ks],
+                    kv[1][:, :, ks],
+                    self.grad[:, :, qs],
+                    self.out[:, :, qs],
+                    self.lse[:, :, qs],
+                    seg,
+                )
+                dq[..., qs, :] += a.float().reshape(dq[..., qs, :].shape)
+                dkv[0][..., ks, :] += bk
+                dkv[1][..., ks, :] += bv
+            return
+        k32, v32 = kv[0].float(), kv[1].float()
+        for pair in plan.pairs[src]:
+            qs, ks, _ = pair
+            a, bk, bv = tile_backward(
+                self.q32[..., qs, :],
+                k32[..., ks, :],
+                v32[..., ks, :],
+                self.do[..., qs, :],
+                self.out32[..., qs, :],
+                self.lse_g[..., qs],
+                None if self.delta is None else self.delta[..., qs],
+                *plan.mask(src, pair),
+                self.scale,
+            )
+            dq[..., qs, :] += a
+            dkv[0][..., ks, :] += bk
+            dkv[1][..., ks, :] += bv

@@ -24,7 +24,9 @@ chosen in gpt.py).
 
 Under context parallelism or with packed documents (a ``span``: the local tokens' global indices
 and the documents of the whole sequence) the core attention is context_parallel_attention, over
-the CP group; the layer around it is unchanged (its sequence is the local s/cp tokens).
+the CP group; the layer around it is unchanged (its sequence is the local s/cp tokens). Its blocks
+run in the kernel --attention-backend picks (context_parallel/kernels.py: FlashAttention-2 varlen on
+CUDA in fp16/bf16, else fp32 tiles).
 
 Generation passes a ``KVCache`` (kv_cache.py): each attention layer appends its
 new keys and values and attends over every cached position; queries then
@@ -200,7 +202,16 @@ class Attention(nn.Module):
         query at global index i attends key j iff j <= i (and both lie in one segment)."""
         p = self.cfg.attention_dropout if self.training else 0.0  # its dropout draws from the "tp" stream
         return context_parallel_attention(
-            q, k, v, self.cp, self.cp_comm_type, q_index, segment_ids, dropout_p=p, tracker=self.tracker
+            q,
+            k,
+            v,
+            self.cp,
+            self.cp_comm_type,
+            q_index,
+            segment_ids,
+            dropout_p=p,
+            tracker=self.tracker,
+            backend=self.cfg.attention_backend,
         )
 
     def forward(

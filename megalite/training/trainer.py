@@ -41,6 +41,7 @@ from megalite.checkpointing.run_state import saved_stage_layers
 from megalite.config import Config
 from megalite.config.checks import check_layout_matches, check_overlap_device
 from megalite.config.settings import RunSettings, resolve_settings
+from megalite.context_parallel.kernels import describe
 from megalite.data.batches import MicroBatches, sequence_options
 from megalite.data_parallel.fsdp import FSDPGrads, shard_chunks
 from megalite.interop import checkpoint_formats
@@ -156,6 +157,9 @@ class Trainer:
         self.cfg, self.settings, self.ps, t, par = cfg, settings, ps, cfg.train, cfg.parallel
         self.m, self.schedule_name, layout = settings.num_microbatches, settings.schedule, settings.layout
         self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        if ps.is_logging_rank:  # which attention kernels run (kernels.py; a fallback warns once when it happens)
+            m = cfg.model
+            logger.info(describe(m.attention_backend, ps.device, m.torch_dtype, m.head_dim))
         self.chunks = build_model_chunks(cfg, ps, self.tracker, layout)
         grads = shard_data_parallel(cfg, ps, self.chunks)  # FSDP2: replaces the parameters (before they are read)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]

@@ -1,6 +1,7 @@
 """Context-parallel attention on 2 and 4 gloo ranks against one process: for every comm type, with and
-without packed documents, grouped-query attention, each rank's output and dq/dk/dv equal the rows of
-a full-sequence attention (float64, explicit mask) that belong to its chunks r and 2CP-1-r."""
+without packed documents, grouped-query attention, in tiles and in variable-length kernel calls (the
+reference kernel), each rank's output and dq/dk/dv equal the rows of a full-sequence attention
+(float64, explicit mask) that belong to its chunks r and 2CP-1-r."""
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from tests.helpers.cp_attention import dense_reference, packed_segments
 S, B, D = 64, 2, 8
 
 
-def _case_errors(ps, comm_type, packed, nq, nkv, dtype, explicit=False):
+def _case_errors(ps, comm_type, packed, nq, nkv, dtype, explicit=False, backend="auto"):
     """Max error relative to the largest entry of out, dq, dk, dv; ``explicit``: tiles in explicit fp32
-    matmuls instead of the fused CPU kernel (the path other devices take)."""
+    matmuls instead of the fused CPU kernel (the path other devices take); ``backend`` "reference": the
+    blocks as variable-length kernel calls (the plumbing CUDA's FlashAttention-2 path takes)."""
     cp = ps.cp
     fused_kernel = blocks._FLASH
     if explicit:
@@ -29,7 +31,7 @@ def _case_errors(ps, comm_type, packed, nq, nkv, dtype, explicit=False):
     ref_grads = torch.autograd.grad(ref, full, dout.double())
     idx = cp_token_index(S, cp.size, cp.rank)
     local = [t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, cp, comm_type, idx, seg)
+    out = context_parallel_attention(*local, cp, comm_type, idx, seg, backend=backend)
     grads = torch.autograd.grad(out, local, dout[:, :, idx].to(dtype))
     blocks._FLASH = fused_kernel
     assert out.dtype == dtype and all(gr.dtype == dtype for gr in grads)
@@ -75,6 +77,10 @@ def _cases(cp):
     out.append(("p2p", True, nq, nkv, torch.bfloat16))
     out.append(("all_gather", True, nq, nkv, torch.bfloat16))
     out += [("p2p", packed, nq, nkv, torch.float32, True) for packed in (False, True)]
+    out += [(c, True, nq, nkv, torch.float32, False, "reference") for c in ("p2p", "all_gather", "a2a")]
+    out.append(("p2p", False, nq, nkv, torch.float32, False, "reference"))
+    out.append(("p2p", True, 4, 1, torch.float32, False, "reference"))
+    out.append(("p2p", True, nq, nkv, torch.bfloat16, False, "reference"))
     return out
 
 

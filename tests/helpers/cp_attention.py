@@ -24,3 +24,14 @@ def packed_segments(b, s, seed=0):
     ends = (torch.rand(b, s, generator=g) < 0.15).long()
     ends[-1] = 0
     return ends.cumsum(1) - ends
+
+
+def documents(*rows):
+    """Document ids [len(rows), s] from each row's document lengths (every row sums to the same s)."""
+    ids = [torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)) for lengths in rows]
+    return torch.stack(ids)
+
+
+# s = 48 in rows of documents of length 1, documents crossing the chunk boundaries of CP 2 (chunks of 12)
+# and CP 4 (chunks of 6), and a row that is one document
+EDGE_DOCUMENTS = ([1, 1, 9, 14, 1, 3, 7, 11, 1], [48], [5, 1, 1, 20, 21])

@@ -152,3 +152,20 @@ def test_c10d_launches_set_a_rendezvous_timeout(name, tmp_path):
         assert launcher[launcher.index("--rdzv-backend") + 1] == "c10d"
         assert launcher[launcher.index("--rdzv-conf") + 1] == f"join_timeout={expected}"
     assert "RendezvousTimeoutError" in (REPO / "examples" / name).read_text()
+
+
+def test_attention_gpu_bench_runs_on_cpu_smoke():
+    """benchmarks/bench_attention_gpu.py, tiny shapes on CPU (reference kernel; no GPU here: the real run
+    is not tested): its four tables, a ratio per step row, the longest-sequence search reaching its cap."""
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_attention_gpu.py"), "--cpu-smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for title in ("1. training step", "2. attention fwd+bwd", "3. CP ring kernel calls", "4. longest packed"):
+        assert title in res.stdout
+    steps = [ln.split() for ln in res.stdout.splitlines() if ln.split()[:1] in (["64"], ["128"])]
+    assert len(steps) == 2 and all(float(row[4]) > 0 for row in steps)
+    assert "megalite packed, reference" in res.stdout and "longest: 256 tokens" in res.stdout

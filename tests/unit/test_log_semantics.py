@@ -21,6 +21,8 @@ def test_skipped_iterations_count_the_log_interval(capsys):
     skipped = [int(x) for x in re.findall(r"number of skipped iterations: +(\d+)", out)]
     nans = [int(x) for x in re.findall(r"number of nan iterations: +(\d+)", out)]
     assert skipped == [2, 0] and nans == [0, 0], out
+    kernels = out.index("attention kernels (--attention-backend auto): causal: torch SDPA (is_causal); packed")
+    assert kernels < out.index(" iteration ")  # said before training starts
 
 
 def test_a_finished_trainer_frees_its_model_without_the_cycle_collector(tmp_path):
