@@ -12,7 +12,7 @@ for inputs and weights and uses float8_e5m2 (more range, less precision) for out
 Recipes: ``tensorwise`` one scale per tensor from its current amax; ``delayed`` one scale per
 tensor from an amax history (``--fp8-amax-history-len``, ``--fp8-amax-compute-algo``): the state
 a checkpoint saves (``fp8_states``); ``rowwise`` one scale per row along each GEMM's contraction
-dimension (torchao's recipe of that name).
+dimension, rounded down to a power of two (torchao's recipe of that name).
 
 Tensor parallelism: a scale must not depend on how a tensor is sharded, so amaxes taken over a
 sharded dimension are reduced (max) over the TP group first. Tensorwise/delayed: the weight (both
@@ -160,8 +160,9 @@ class Fp8Linear:
 
 
 def _rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, group: Optional[AxisGroup]):
-    """(float8 t, scale) with one scale per slice along the contraction dimension ``dim``."""
-    scale = scale_from_amax(amax_of(t, dim, group), dtype)
+    """(float8 t, scale) with one scale per slice along the contraction dimension ``dim``, each rounded
+    down to a power of two (as torchao's rowwise recipe: dequantizing is then exact)."""
+    scale = torch.exp2(torch.floor(torch.log2(scale_from_amax(amax_of(t, dim, group), dtype))))
     return quantize(t, scale, dtype), scale
 
 
