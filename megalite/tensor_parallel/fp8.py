@@ -100,22 +100,36 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (t.float() * scale).clamp(-m, m).to(dtype)
 
 
-def _use_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.is_cuda and hasattr(torch, "_scaled_mm") and all(n % 16 == 0 for n in (*a.shape, b.shape[1]))
+def _torch_at_least(major: int, minor: int) -> bool:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+
+
+def _use_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor) -> bool:
+    """torch._scaled_mm runs it: CUDA, every dimension a multiple of 16, row scales only from torch 2.5."""
+    if not (a.is_cuda and hasattr(torch, "_scaled_mm") and all(n % 16 == 0 for n in (*a.shape, b.shape[1]))):
+        return False
+    return a_scale.numel() == 1 or _torch_at_least(2, 5)
 
 
 def scaled_matmul(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """(a @ b) / (a_scale * b_scale) of float8 ``a`` [M, K] and ``b`` [K, N]; scales 0-dim (tensorwise)
-    or [M, 1] and [1, N] (rowwise)."""
-    if _use_scaled_mm(a, b):
+    or [M, 1] and [1, N] (rowwise). ``fast_accum``: the GPU's faster, less precise FP8 accumulation
+    (the forward GEMM only, as torchao's default)."""
+    if _use_scaled_mm(a, b, a_scale):
         out = torch._scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),  # column-major second operand
-            scale_a=a_scale.reciprocal(),
-            scale_b=b_scale.reciprocal(),
+            scale_a=a_scale.reciprocal().contiguous(),
+            scale_b=b_scale.reciprocal().contiguous(),
             out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
         )
         return out[0] if isinstance(out, tuple) else out  # torch < 2.4 also returned the amax
     return ((a.float() @ b.float()) / (a_scale * b_scale)).to(out_dtype)
@@ -173,9 +187,10 @@ def _forward_gemm(fp8: Fp8Linear, x2: torch.Tensor, weight: torch.Tensor, record
         group = fp8.tp if fp8.kind == "row" and fp8.tp.size > 1 else None  # contraction (in) sharded
         x8, xs = _rowwise(x2, -1, r.dtype("input"), group)
         w8, ws = _rowwise(weight, -1, r.dtype("weight"), group)
-        return scaled_matmul(x8, xs, w8.t(), ws.t(), x2.dtype), None
+        return scaled_matmul(x8, xs, w8.t(), ws.t(), x2.dtype, fast_accum=True), None
     xs, ws = fp8.tensor_scale("input", x2, record), fp8.tensor_scale("weight", weight, record)
-    y = scaled_matmul(quantize(x2, xs, r.dtype("input")), xs, quantize(weight, ws, r.dtype("weight")).t(), ws, x2.dtype)
+    x8, w8 = quantize(x2, xs, r.dtype("input")), quantize(weight, ws, r.dtype("weight"))
+    y = scaled_matmul(x8, xs, w8.t(), ws, x2.dtype, fast_accum=True)
     return y, (xs, ws)
 
 
