@@ -34,9 +34,9 @@ FULL = dict(layers=8, hidden=2048, heads=16, seq=2048, mbs=4, gbs=8, vocab=32000
 SMOKE = dict(layers=2, hidden=64, heads=4, seq=32, mbs=2, gbs=4, vocab=256, warmup=1, iters=2)
 VARIANTS = {
     "bf16": [],
-    "fp8 tensorwise": ["--fp8-recipe", "tensorwise"],
-    "fp8 delayed": ["--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"],
-    "fp8 rowwise": ["--fp8-recipe", "rowwise"],
+    "tensorwise": ["--fp8-recipe", "tensorwise"],
+    "delayed": ["--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"],
+    "rowwise": ["--fp8-recipe", "rowwise"],
 }
 
 
@@ -50,6 +50,10 @@ def model_flags(s: Dict[str, int]) -> List[str]:
         *("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"),
         *("--untie-embeddings-and-output-weights", "--disable-bias-linear"),
     ]
+
+
+def label(name: str) -> str:
+    return name if name == "bf16" else f"fp8 {name}"
 
 
 def variant_flags(name: str, fmt: str) -> List[str]:
@@ -96,14 +100,14 @@ def loss_comparison(s: Dict[str, int], names: List[str], fmt: str, iters: int) -
     print(f"{'run':<16} {'first':>8} {'last':>8} {'vs bf16':>9}")
     for name, values in results.items():
         last = statistics.mean(values[-tail:])
-        print(f"{name:<16} {values[0]:>8.4f} {last:>8.4f} {100 * (last - ref) / ref:>8.2f}%")
+        print(f"{label(name):<16} {values[0]:>8.4f} {last:>8.4f} {100 * (last - ref) / ref:>8.2f}%")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU: checks the script runs")
     p.add_argument("--fp8-format", default="hybrid", choices=("e4m3", "hybrid"))
-    p.add_argument("--recipes", nargs="+", default=[n for n in VARIANTS if n != "bf16"], choices=list(VARIANTS)[1:])
+    p.add_argument("--recipes", nargs="+", default=list(VARIANTS)[1:], choices=list(VARIANTS)[1:], help="FP8 recipes")
     p.add_argument("--iters", type=int, help="timed iterations (default 20; smoke 2)")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
@@ -126,7 +130,7 @@ def main() -> int:
     tokens = s["gbs"] * s["seq"]
     print(f"{'run':<16} {'ms/iter':>9} {'tokens/s':>10} {'vs bf16':>8}")
     for name, t in secs.items():
-        print(f"{name:<16} {1e3 * t:>9.1f} {tokens / t:>10.0f} {secs['bf16'] / t:>8.2f}")
+        print(f"{label(name):<16} {1e3 * t:>9.1f} {tokens / t:>10.0f} {secs['bf16'] / t:>8.2f}")
     if a.loss_iters:
         loss_comparison(s, names, a.fp8_format, a.loss_iters)
     return 0

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.parallel.state import ParallelState
-from megalite.tensor_parallel.fp8 import Fp8Recipe
+from megalite.tensor_parallel.fp8 import Fp8Recipe, fp8_layers
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, enable_fp8
 
 
@@ -68,3 +68,8 @@ def fp8_tp_parity(ps: ParallelState, recipe_name: str, fp8_format: str, sp: bool
         "dw_row_tp": _err(dwr, row.local_from_full("weight", dwr1)),
         "fp8_vs_plain": _err(y1, plain[0]),
     }
+
+
+def fp8_count(trainer) -> dict:
+    """``run_steps``'s inspect: how many of the trainer's linears run in FP8."""
+    return {"fp8_linears": len(fp8_layers(trainer.chunks))}

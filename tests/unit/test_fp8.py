@@ -110,11 +110,15 @@ FP8_BASE = ["--bf16", "--fp8-format", "hybrid"]
         ),
         (FP8_BASE + ["--first-last-layers-bf16"], r"cover all 2 layers: no layer is left in FP8"),
         (FP8_BASE + ["--fp8-amax-history-len", "0"], r"--fp8-amax-history-len must be >= 1"),
+        (
+            FP8_BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb_h1"],
+            r"--pipeline-schedule zb_h1 splits weight gradients from input gradients, which the FP8 linears do not",
+        ),
     ],
 )
 def test_bad_fp8_flags_are_one_line_errors(extra, message):
     with pytest.raises(ConfigError, match=message) as e:
-        parse_args(TINY + extra, world_size=1)
+        parse_args(TINY + extra, world_size=2 if "--pipeline-model-parallel-size" in extra else 1)
     assert "\n" not in str(e.value)
 
 
