@@ -154,17 +154,22 @@ def test_fp8_training_on_cpu_tracks_bf16_and_its_loss_falls(capsys):
     assert all(abs(a - b) / b < 0.01 for a, b in zip(fp8, bf16))
 
 
-def test_delayed_scaling_resumes_exactly(tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["sharded", "torch"])
+def test_delayed_scaling_resumes_exactly(fmt, tmp_path, capsys):
     import pretrain_gpt
 
     common = RUN + ["--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"]
-    common += ["--train-iters", "4"]
+    common += ["--train-iters", "4", "--ckpt-format", fmt]
     ck = str(tmp_path / "ck")
     assert pretrain_gpt.main(common) == 0
     straight = _losses(capsys.readouterr().out)
     assert pretrain_gpt.main(common + ["--exit-interval", "2", "--save", ck, "--save-interval", "2"]) == 0
     first = _losses(capsys.readouterr().out)
-    rng = torch.load(next(pathlib.Path(ck).glob("iter_0000002/rng_*.pt")), weights_only=True)
+    if fmt == "sharded":
+        rng = torch.load(next(pathlib.Path(ck).glob("iter_0000002/rng_*.pt")), weights_only=True)
+    else:
+        rng = torch.load(next(pathlib.Path(ck).glob("iter_0000002/*/model_optim_rng.pt")), weights_only=True)
+        rng = rng["rng_state"][0]
     assert len(rng["fp8"]) == 8 and all(h.shape == (3, 4) and h.gt(0).all() for h in rng["fp8"].values())
     assert pretrain_gpt.main(common + ["--load", ck]) == 0
     resumed = _losses(capsys.readouterr().out)
