@@ -212,7 +212,7 @@ class ModelConfig(MoEModelFields):
     )
     fp8_margin: int = PRECISION("--fp8-margin", 0, "delayed scaling: scale divided by 2**margin")
     fp8_amax_history_len: int = PRECISION(
-        "--fp8-amax-history-len", 1, "delayed scaling: steps of amax history kept per tensor", ge=1
+        "--fp8-amax-history-len", 1, "delayed scaling: amaxes kept per tensor (one per micro-batch pass)", ge=1
     )
     fp8_amax_compute_algo: str = PRECISION(
         "--fp8-amax-compute-algo",
