@@ -181,7 +181,8 @@ def _rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, group: Optional[Axis
 
 
 def _forward_gemm(fp8: Fp8Linear, x2: torch.Tensor, weight: torch.Tensor, record: bool):
-    """y = x W^T in float8; returns (y, the tensorwise scales of x and W or None for rowwise)."""
+    """y = x W^T in float8; returns (y, (float8 x, float8 W, their scales)) for tensorwise/delayed
+    scaling (backward reuses them), (y, None) for rowwise (backward scales along other dimensions)."""
     r = fp8.recipe
     if r.recipe == "rowwise":
         group = fp8.tp if fp8.kind == "row" and fp8.tp.size > 1 else None  # contraction (in) sharded
@@ -191,53 +192,70 @@ def _forward_gemm(fp8: Fp8Linear, x2: torch.Tensor, weight: torch.Tensor, record
     xs, ws = fp8.tensor_scale("input", x2, record), fp8.tensor_scale("weight", weight, record)
     x8, w8 = quantize(x2, xs, r.dtype("input")), quantize(weight, ws, r.dtype("weight"))
     y = scaled_matmul(x8, xs, w8.t(), ws, x2.dtype, fast_accum=True)
-    return y, (xs, ws)
+    return y, (x8, w8, xs, ws)
 
 
-def _backward_gemms(fp8: Fp8Linear, g2, x2, weight, scales, need_w: bool):
-    """(grad_x [M, in], grad_w [out, in] or None) in float8 from g [M, out]."""
+def _rowwise_backward(fp8: Fp8Linear, g2, x2, weight, need_w: bool):
+    """(grad_x, grad_w or None) with row scales along each GEMM's contraction dimension."""
     r, dt = fp8.recipe, g2.dtype
-    if r.recipe == "rowwise":
-        group = fp8.tp if fp8.kind == "column" and fp8.tp.size > 1 else None  # contraction (out) sharded
-        g8, gs = _rowwise(g2, -1, r.dtype("grad_output"), group)
-        w8, ws = _rowwise(weight, 0, r.dtype("weight"), group)
-        grad_x = scaled_matmul(g8, gs, w8, ws, dt)
-        if not need_w:
-            return grad_x, None
-        gt8, gts = _rowwise(g2, 0, r.dtype("grad_output"), None)  # contraction over tokens: never sharded
-        x8, xs = _rowwise(x2, 0, r.dtype("input"), None)
-        return grad_x, scaled_matmul(gt8.t(), gts.t(), x8, xs, weight.dtype)
-    xs, ws = scales
-    gs = fp8.tensor_scale("grad_output", g2, True)
-    g8 = quantize(g2, gs, r.dtype("grad_output"))
-    grad_x = scaled_matmul(g8, gs, quantize(weight, ws, r.dtype("weight")), ws, dt)
+    group = fp8.tp if fp8.kind == "column" and fp8.tp.size > 1 else None  # contraction (out) sharded
+    g8, gs = _rowwise(g2, -1, r.dtype("grad_output"), group)
+    w8, ws = _rowwise(weight, 0, r.dtype("weight"), group)
+    grad_x = scaled_matmul(g8, gs, w8, ws, dt)
     if not need_w:
         return grad_x, None
-    return grad_x, scaled_matmul(g8.t(), gs, quantize(x2, xs, r.dtype("input")), xs, weight.dtype)
+    gt8, gts = _rowwise(g2, 0, r.dtype("grad_output"), None)  # contraction over tokens: never sharded
+    x8, xs = _rowwise(x2, 0, r.dtype("input"), None)
+    return grad_x, scaled_matmul(gt8.t(), gts.t(), x8, xs, weight.dtype)
+
+
+def _tensorwise_backward(fp8: Fp8Linear, g2, x8, w8, xs, ws, w_dtype, need_w: bool):
+    """(grad_x, grad_w or None) from the forward's float8 x [M, in] and W and their scales."""
+    gs = fp8.tensor_scale("grad_output", g2, True)
+    g8 = quantize(g2, gs, fp8.recipe.dtype("grad_output"))
+    grad_x = scaled_matmul(g8, gs, w8, ws, g2.dtype)
+    return grad_x, scaled_matmul(g8.t(), gs, x8, xs, w_dtype) if need_w else None
 
 
 class _Fp8Function(torch.autograd.Function):
-    """y = gather(x) W^T + b with all three GEMMs in float8 (``group``: the sequence-parallel gather)."""
+    """y = gather(x) W^T + b with all three GEMMs in float8 (``group``: the sequence-parallel gather).
+
+    Tensorwise/delayed scaling keeps the float8 x and W of the forward for backward (as torchao: half
+    the bytes of bf16, no second cast), except x under SP: its bf16 shard, gathered again in backward.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8, group, record):
         total = all_gather_first(x, group) if group is not None else x
         x2 = total.reshape(-1, total.shape[-1])
-        y, scales = _forward_gemm(fp8, x2, weight, record)
+        y, kept = _forward_gemm(fp8, x2, weight, record)
         if bias is not None:
             y = y + bias
-        ctx.fp8, ctx.group, ctx.scales, ctx.has_bias = fp8, group, scales, bias is not None
-        ctx.save_for_backward(x, weight)
+        ctx.fp8, ctx.group, ctx.has_bias, ctx.w_dtype = fp8, group, bias is not None, weight.dtype
+        ctx.shape, ctx.scales = total.shape, None
+        if kept is None:
+            ctx.save_for_backward(x, weight)
+        else:
+            x8, w8, xs, ws = kept
+            ctx.scales = (xs, ws)
+            ctx.save_for_backward(x if group is not None else x8, w8)
         return y.reshape(*total.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         total = all_gather_first(x, ctx.group) if ctx.group is not None else x
         g2 = grad.reshape(-1, grad.shape[-1])
         x2 = total.reshape(-1, total.shape[-1])
-        grad_x, grad_w = _backward_gemms(ctx.fp8, g2, x2, weight, ctx.scales, ctx.needs_input_grad[1])
-        grad_x = grad_x.reshape(total.shape)
+        need_w = ctx.needs_input_grad[1]
+        if ctx.scales is None:
+            grad_x, grad_w = _rowwise_backward(ctx.fp8, g2, x2, w, need_w)
+        else:
+            xs, ws = ctx.scales
+            if ctx.group is not None:  # the gathered bf16 x, quantized again with the forward's scale
+                x2 = quantize(x2, xs, ctx.fp8.recipe.dtype("input"))
+            grad_x, grad_w = _tensorwise_backward(ctx.fp8, g2, x2, w, xs, ws, ctx.w_dtype, need_w)
+        grad_x = grad_x.reshape(ctx.shape)
         if ctx.group is not None:
             grad_x = reduce_scatter_first(grad_x, ctx.group)
         grad_b = g2.sum(dim=0).to(grad.dtype) if ctx.has_bias else None
