@@ -26,6 +26,7 @@ from megalite.config import ConfigError
 from megalite.config.arguments import parse_args
 from megalite.config.checks import check_fault_injection
 from megalite.config.preflight import check_output_paths
+from megalite.config.validate_fp8 import check_fp8_device
 from megalite.data.loading import DatasetError, build_datasets, resolve_data
 from megalite.observability.hang_watch import start_hang_watch
 from megalite.observability.logging import setup_logging
@@ -123,6 +124,7 @@ def _run(cfg, signals: ExitSignals, start: float) -> int:
     start_hang_watch(cfg, ps, signals)  # flight recorder, SIGUSR1, diagnosis of a hang or a signal
     try:
         check_fault_injection(cfg.train, ps.world_size)
+        check_fp8_device(cfg.model, ps.device)
     except ConfigError as e:
         _error(str(e), chosen=ps.rank == 0)
         ps.destroy()

@@ -180,7 +180,7 @@ def start_save(
     pool = {} if buffers is None else buffers
     keep = (lambda x, key: to_host(x, pin, pool, (name, key))) if copy else (lambda x, key: x)
     meta = {**run_meta(run.cfg, ps, run.optimizer, run.scheduler, run.train_state), "format": name}
-    rng = to_host(RandomStates(run.rng_tracker).state_dict())
+    rng = to_host(RandomStates(run.rng_tracker, run.model_parts).state_dict())
     error: Optional[BaseException] = None
     write: Optional[Callable[[], None]] = None
     try:  # a host copy that fails on one rank (out of memory) must not leave the others writing

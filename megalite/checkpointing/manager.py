@@ -119,7 +119,7 @@ def load_checkpoint(
         run.train_state.load_state_dict(meta)
     if load_rng and not finetune:
         if rng is not None:
-            RandomStates(run.rng_tracker).load_state_dict(rng)
+            RandomStates(run.rng_tracker, run.model_parts).load_state_dict(rng)
         else:
             logger.warning("checkpoint saved in another layout: random states are not restored")
     logger.info(f"loaded checkpoint {d} (iteration {meta['iteration']}, {meta.get('format')} format)")

@@ -24,10 +24,11 @@ import json
 import os
 import random
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from torch import nn
 
 from megalite.checkpointing.format_info import SHARDED_INFO, format_names
 from megalite.checkpointing.protocol import iteration_dir, read_json, read_latest
@@ -36,6 +37,7 @@ from megalite.config import Config, ModelConfig
 from megalite.model.spec import MOE_SHAPE_FIELDS, SHAPE_FIELDS  # the fields a model's parameters depend on
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.partition import stage_layer_counts
+from megalite.tensor_parallel.fp8 import fp8_states, load_fp8_states
 from megalite.tensor_parallel.random import RNGTracker
 
 if TYPE_CHECKING:  # the training package imports this one: no runtime import back
@@ -61,11 +63,13 @@ class RandomStates:
 
     ``state_dict()`` holds Python's, NumPy's (its key array as an int64 tensor, so the file
     loads with ``weights_only``), torch's CPU state, this rank's CUDA state (a list, empty
-    without CUDA) and the tracker's tensor-parallel states.
+    without CUDA), the tracker's tensor-parallel states and, with ``model_parts``, the amax histories
+    of FP8 delayed scaling (tensor_parallel/fp8.py): per rank, like the generators, so a resume in
+    the same layout continues exactly.
     """
 
-    def __init__(self, tracker: RNGTracker):
-        self.tracker = tracker
+    def __init__(self, tracker: RNGTracker, model_parts: Sequence[nn.Module] = ()):
+        self.tracker, self.model_parts = tracker, list(model_parts)
 
     def state_dict(self) -> dict:
         np_state = np.random.get_state()
@@ -75,6 +79,7 @@ class RandomStates:
             "torch": torch.get_rng_state(),
             "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],  # this rank's device
             "tracker": self.tracker.get_states(),
+            "fp8": fp8_states(self.model_parts),  # delayed scaling's amax histories ({} otherwise)
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -85,6 +90,7 @@ class RandomStates:
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"][0])
         self.tracker.set_states(state["tracker"])
+        load_fp8_states(self.model_parts, state.get("fp8", {}))  # older checkpoints: none, histories start empty
 
 
 def layout_of(cfg: Config, ps: ParallelState) -> Dict[str, object]:

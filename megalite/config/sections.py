@@ -195,6 +195,40 @@ class ModelConfig(MoEModelFields):
         ),
         value=_params_dtype,
     )
+    # FP8 GEMMs in the transformer layers' linears (tensor_parallel/fp8.py; Megatron's flags)
+    fp8_format: Optional[str] = PRECISION(  # None: no FP8
+        "--fp8-format",
+        None,
+        "FP8 GEMMs in the transformer layers' linears (needs --bf16): e4m3 everywhere, or hybrid "
+        "(e4m3 inputs and weights, e5m2 output gradients)",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_recipe: str = PRECISION(
+        "--fp8-recipe",
+        "delayed",
+        "FP8 scaling: delayed (amax history), tensorwise (current amax per tensor), rowwise (per "
+        "row); mxfp8 and blockwise are Megatron's names for recipes megalite does not run",
+        choices=("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise"),
+    )
+    fp8_margin: int = PRECISION("--fp8-margin", 0, "delayed scaling: scale divided by 2**margin")
+    fp8_amax_history_len: int = PRECISION(
+        "--fp8-amax-history-len", 1, "delayed scaling: amaxes kept per tensor (one per micro-batch pass)", ge=1
+    )
+    fp8_amax_compute_algo: str = PRECISION(
+        "--fp8-amax-compute-algo",
+        "most_recent",
+        "delayed scaling: the amax a scale comes from (the newest of the history, or its max)",
+        choices=("most_recent", "max"),
+    )
+    first_last_layers_bf16: bool = PRECISION(
+        "--first-last-layers-bf16", False, "with FP8: keep the first and last transformer layers in bf16"
+    )
+    num_layers_at_start_in_bf16: int = PRECISION(
+        "--num-layers-at-start-in-bf16", 1, "with --first-last-layers-bf16: bf16 layers at the start", ge=0
+    )
+    num_layers_at_end_in_bf16: int = PRECISION(
+        "--num-layers-at-end-in-bf16", 1, "with --first-last-layers-bf16: bf16 layers at the end", ge=0
+    )
     attention_backend: str = NETWORK(  # auto/flash/fused: fused kernels; unfused/local: explicit softmax
         "--attention-backend",
         "auto",
@@ -236,6 +270,14 @@ class ModelConfig(MoEModelFields):
         import torch
 
         return getattr(torch, self.params_dtype)
+
+    def fp8_layer(self, layer: int) -> bool:
+        """Whether global transformer layer ``layer`` runs its linears' GEMMs in FP8."""
+        if self.fp8_format is None:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        return self.num_layers_at_start_in_bf16 <= layer < self.num_layers - self.num_layers_at_end_in_bf16
 
     @property
     def ffn_size(self) -> int:

@@ -17,6 +17,7 @@ from megalite.config import Config, ConfigError, ModelConfig
 from megalite.config.checks import check_fault_flags, check_profiling_flags
 from megalite.config.flags import FieldFlags, flag_fields
 from megalite.config.settings import RunSettings, resolve_settings
+from megalite.config.validate_fp8 import check_fp8
 from megalite.config.validate_moe import validate_moe
 from megalite.config.validate_sharding import validate_sharding
 from megalite.parallel.state import grid_groups
@@ -127,6 +128,7 @@ def validate(cfg: Config, world_size: int) -> RunSettings:
     check_fault_flags(cfg)  # --inject-fault-* that could never fire
     settings = resolve_settings(cfg, world_size)  # split of layers, micro-batches, schedule
     _validate_zero_bubble(cfg, settings)
+    check_fp8(cfg, settings)
     validate_sharding(cfg, settings)
     _validate_precision_and_memory(cfg)
     if cfg.data.mock_data and (cfg.data.data_path or cfg.data.train_data_path):

@@ -49,9 +49,11 @@ from megalite.moe.router import Router
 from megalite.parallel.state import AxisGroup, ParallelState
 from megalite.tensor_parallel.comms import reduce_scatter_to_sequence_parallel_region
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.fp8 import fp8_recipe_of
 from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
+    enable_fp8,
     init_vocab_rows,
     linear_with_tp_weight,
     per_expert_names,
@@ -124,7 +126,10 @@ class GPTModel(nn.Module):
         moe = None
         if spec.layer(i).moe is not None:
             moe = MoELayer(cfg, ps, seed, layer_prefix(i) + "mlp", sp, moe_dispatcher, i, tracker=tracker)
-        return TransformerLayer(cfg, ps.tp, tracker, seed, i, sp, ps.device, self.cp, cp_comm_type, mlp=moe)
+        layer = TransformerLayer(cfg, ps.tp, tracker, seed, i, sp, ps.device, self.cp, cp_comm_type, mlp=moe)
+        if cfg.fp8_layer(i):  # the embedding and output layer stay bf16, as Megatron's
+            enable_fp8(layer, fp8_recipe_of(cfg))
+        return layer
 
     def _build_output(self, ps: ParallelState, seed: int) -> None:
         """The last stage's final norm and output layer (or its copy of the tied word embedding)."""

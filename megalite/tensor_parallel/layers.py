@@ -40,6 +40,7 @@ from megalite.tensor_parallel.comms import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
+from megalite.tensor_parallel.fp8 import Fp8Linear, Fp8Recipe, fp8_linear
 from megalite.tensor_parallel.random import full_normal
 
 
@@ -261,6 +262,7 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             set_tp_attributes(self.bias, True, 0)
         self.split_wgrad: Optional[WeightGradSplit] = None  # set by enable_weight_grad_split (zero-bubble)
+        self.fp8: Optional[Fp8Linear] = None  # set by enable_fp8: float8 GEMMs
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full ``weight``/``bias`` (each fused piece split separately)."""
@@ -269,10 +271,19 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_with_input_gather(
-            x, self.weight, self.bias, self.tp, self.sequence_parallel, self.split_wgrad
-        )  # [.., out/tp]
+        if self.fp8 is not None:
+            y = self._fp8_forward(x)
+        else:
+            y = linear_with_input_gather(
+                x, self.weight, self.bias, self.tp, self.sequence_parallel, self.split_wgrad
+            )  # [.., out/tp]
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
+
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The column-parallel matmul with float8 GEMMs (tensor_parallel/fp8.py)."""
+        if self.sequence_parallel:
+            return fp8_linear(x, self.weight, self.bias, self.fp8, self.tp)
+        return fp8_linear(copy_to_tp_region(x, self.tp), self.weight, self.bias, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
@@ -304,12 +315,15 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             set_tp_attributes(self.bias, False)
         self.split_wgrad: Optional[WeightGradSplit] = None  # set by enable_weight_grad_split (zero-bubble)
+        self.fp8: Optional[Fp8Linear] = None  # set by enable_fp8: float8 GEMMs
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full ``weight`` (input columns); the bias is replicated."""
         return full.chunk(self.tp.size, dim=1)[self.tp.rank] if name == "weight" else full
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, bias, self.fp8)
         if self.split_wgrad:
             return _matmul(x, self.weight, bias, None, self.split_wgrad)
         return F.linear(x, self.weight, bias)
@@ -406,3 +420,15 @@ def enable_weight_grad_split(module: nn.Module, split: Optional[WeightGradSplit]
         if hasattr(m, "split_wgrad"):
             m.split_wgrad = split
     return split
+
+
+def enable_fp8(module: nn.Module, recipe: Fp8Recipe) -> int:
+    """Run the GEMMs of every column/row-parallel linear in ``module`` in float8 (fp8.py); returns how
+    many. The caller picks the modules: the output layer and the embedding stay high precision."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            kind = "column" if isinstance(m, ColumnParallelLinear) else "row"
+            m.fp8 = Fp8Linear(recipe, m.tp, kind, m.weight.device)
+            count += 1
+    return count
