@@ -26,12 +26,14 @@ from megalite.context_parallel.blocks import Run, TiledAttention, concat_runs, l
 from megalite.context_parallel.collectives import gather_kv, heads_to_seq, seq_to_heads
 from megalite.context_parallel.ring import RingAttention
 from megalite.context_parallel.sequence import cp_token_index
+from megalite.parallel.eager import eager
 from megalite.parallel.state import AxisGroup
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
+@eager  # a ring of p2p exchanges: eager inside a compiled layer (one graph break)
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -22,6 +22,8 @@ from typing import Dict, Iterator, Sequence
 
 import torch
 
+from megalite.parallel.eager import eager
+
 # Offsets as in Megatron, so seeds line up with runs users know.
 _TP_REGION_SEED_OFFSET = 2718
 _PP_SEED_STRIDE = 100
@@ -132,6 +134,7 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None, *[x.grad if x.requires_grad else None for x in inputs])
 
 
+@eager  # inside a compiled layer (selective recompute): one graph break, the checkpoint runs eagerly
 def checkpoint(fn, tracker: RNGTracker, *args: torch.Tensor):
     """Activation recomputation (Megatron's reentrant checkpoint): keep only ``args`` for backward.
 
