@@ -84,6 +84,10 @@ def _compile_seconds() -> float:
     )
 
 
+def _graphs(n: int) -> str:
+    return f"{n} graph{'s' * (n != 1)}"
+
+
 class CompileWatch:
     """Graphs and compile time of the first iteration, recompilations after it (log lines)."""
 
@@ -101,10 +105,12 @@ class CompileWatch:
             took = time.perf_counter() - self.start
             spent = _compile_seconds() - self.seconds
             return [
-                f"compile: {new} graphs compiled in iteration {iteration}, {spent:.1f} s of compile time "
+                f"compile: {_graphs(new)} compiled in iteration {iteration}, {spent:.1f} s of compile time "
                 f"(the iteration took {took:.1f} s)"
             ]
         if new <= 0:
             return []
         self.recompiles += new
-        return [f"compile: {new} recompilations in iteration {iteration} ({self.recompiles} since the first)"]
+        return [
+            f"compile: {new} recompiled graph{'s' * (new > 1)} in iteration {iteration} ({self.recompiles} since the first)"
+        ]

@@ -1,0 +1,79 @@
+"""--compile's flag and log lines: what was compiled, the first iteration's graphs and compile time, and
+recompilations counted as they happen (the aot_eager backend: no C++ build)."""
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megalite.config.arguments import parse_args
+from megalite.model import compile as compile_mod
+from megalite.model.compile import CompileWatch, describe
+from megalite.parallel.state import ParallelState
+from tests.helpers.parity import tiny_config, train_losses
+
+
+@pytest.mark.parametrize("flag", ["--compile", "--torch-compile"])
+def test_compile_flag_and_its_alias_set_one_field(flag):
+    assert parse_args(["--mock-data", flag]).model.torch_compile
+    assert not parse_args(["--mock-data"]).model.torch_compile
+
+
+def test_recompilations_are_counted_as_they_happen(monkeypatch):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x * 2).sin(), backend="aot_eager", dynamic=False)
+    watch = CompileWatch()
+    fn(torch.randn(4))
+    first = watch.after_step(1)
+    assert len(first) == 1 and first[0].startswith("compile: 1 graph compiled in iteration 1, "), first
+    fn(torch.randn(4))
+    assert watch.after_step(2) == []  # same shape: the graph is reused
+    fn(torch.randn(5))  # another shape: a new graph
+    assert watch.after_step(3) == ["compile: 1 recompiled graph in iteration 3 (1 since the first)"]
+    fn(torch.randn(6))
+    assert watch.after_step(4) == ["compile: 1 recompiled graph in iteration 4 (2 since the first)"]
+
+
+def test_a_run_says_what_it_compiled_and_how_long_it_took(monkeypatch, caplog):
+    monkeypatch.setattr(compile_mod, "BACKEND", "aot_eager")
+    monkeypatch.setattr(logging.getLogger("megalite"), "propagate", True)
+    caplog.set_level("INFO", logger="megalite")
+    torch._dynamo.reset()
+    cfg = tiny_config(num_layers=2)
+    cfg = cfg.with_(model=replace(cfg.model, torch_compile=True), train=replace(cfg.train, train_iters=2))
+    train_losses(ParallelState.single(), cfg)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
+    assert said[0] == "compile: 2 transformer layers compiled regionally (aot_eager)"
+    # both layers share one graph: regional compilation's cost does not grow with depth
+    assert said[1].startswith("compile: 1 graph compiled in iteration 1, ") and " s of compile time " in said[1]
+    assert len(said) == 2  # nothing recompiled in iteration 2
+
+
+def test_the_start_line_names_what_runs_eagerly(monkeypatch):
+    from megalite.model.compile import cannot_compile
+
+    layers = [torch.nn.Module(), torch.nn.Module()]
+    for layer in layers:
+        layer.mlp = torch.nn.Identity()
+    assert describe(layers, None, "selective") == (
+        "compile: 2 transformer layers compiled regionally (inductor); the recomputed core attention runs eagerly"
+    )
+    monkeypatch.setattr(compile_mod, "_cpp_compiler", lambda: None)
+    why = cannot_compile(torch.device("cpu"))
+    assert describe(layers, why, None) == (
+        "compile: skipped, 2 transformer layers run eagerly: inductor on CPU needs a C++ compiler "
+        "(none found: set CXX or install g++)"
+    )
+
+
+def test_a_split_backward_schedule_refuses_compile_naming_the_flag():
+    from megalite.config import ConfigError
+
+    argv = ["--mock-data", "--compile", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb_h1"]
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv + ["--num-layers", "4"], world_size=2)
+    assert str(err.value) == (
+        "--pipeline-schedule zb_h1 splits each backward into input and weight gradients, "
+        "which torch.compile'd layers do not support; drop --compile (--torch-compile)"
+    )
