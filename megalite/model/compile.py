@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -42,13 +42,23 @@ def cannot_compile(device: torch.device) -> Optional[str]:
     return None
 
 
+_CALLERS: Dict[str, Callable] = {}  # backend -> the compiled caller of every layer
+
+
+def _call(layer: nn.Module, *args, **kwargs):
+    return nn.Module.__call__(layer, *args, **kwargs)
+
+
 def compile_layer(layer: nn.Module) -> None:
-    """torch.compile ``layer`` in place (parameter names unchanged)."""
-    if hasattr(layer, "compile"):  # nn.Module.compile: torch >= 2.2
-        layer.compile(backend=BACKEND)
-    else:  # pragma: no cover - older torch
-        layer.forward = torch.compile(layer.forward, backend=BACKEND)
-    layer.compiled = True
+    """Run ``layer`` (a TransformerLayer) compiled from now on; its parameters and their names are unchanged.
+
+    The layer calls one compiled function shared by all layers, which holds no layer: nn.Module.compile
+    would store a compiled bound method of the layer on the layer, a reference cycle that keeps a
+    dropped model's memory until Python's cycle collector runs.
+    """
+    if BACKEND not in _CALLERS:
+        _CALLERS[BACKEND] = torch.compile(_call, backend=BACKEND)
+    layer.compiled_call = _CALLERS[BACKEND]
 
 
 def describe(layers: Iterable[nn.Module], skipped: Optional[str], recompute: Optional[str]) -> str:

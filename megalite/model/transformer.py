@@ -285,6 +285,8 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))); ``mlp`` may be given (an MoE
     block, megalite.moe, built by the model)."""
 
+    compiled_call = None  # --compile: a torch.compile'd caller every layer shares (model/compile.py)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -308,6 +310,11 @@ class TransformerLayer(nn.Module):
         )
         self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size, device)
         self.mlp = mlp if mlp is not None else MLP(cfg, tp, seed, f"{prefix}mlp", sequence_parallel)  # or MoE
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled_call is not None:
+            return self.compiled_call(self, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.p > 0 and self.training:  # each TP rank holds other positions

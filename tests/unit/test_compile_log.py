@@ -77,3 +77,31 @@ def test_a_split_backward_schedule_refuses_compile_naming_the_flag():
         "--pipeline-schedule zb_h1 splits each backward into input and weight gradients, "
         "which torch.compile'd layers do not support; drop --compile (--torch-compile)"
     )
+
+
+def test_compiled_layers_keep_their_names_and_are_freed_with_the_trainer(monkeypatch):
+    """Compiling changes no parameter name, and a dropped compiled model frees its layers at once (no
+    reference cycle through a compiled bound method, which nn.Module.compile would leave)."""
+    import gc
+    import weakref
+
+    from megalite.model.gpt import GPTModel
+    from megalite.tensor_parallel.random import RNGTracker
+    from megalite.training.mock import train_mock
+
+    monkeypatch.setattr(compile_mod, "BACKEND", "aot_eager")
+    cfg = tiny_config(num_layers=2)
+    cfg = cfg.with_(model=replace(cfg.model, torch_compile=True))
+    ps = ParallelState.single()
+    eager = GPTModel(replace(cfg.model, torch_compile=False), ps, RNGTracker(1, 0, 0, ps.device), seed=1)
+    compiled = GPTModel(cfg.model, ps, RNGTracker(1, 0, 0, ps.device), seed=1)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    gc.collect()
+    gc.disable()
+    try:
+        trainer, _, _ = train_mock(cfg, ps, 1)
+        layer_weight = weakref.ref(trainer.chunks[0].decoder.layers["1"].mlp.linear_fc1.weight)
+        del trainer
+        assert layer_weight() is None, "a compiled layer outlived its trainer (a reference cycle)"
+    finally:
+        gc.enable()
