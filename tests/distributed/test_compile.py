@@ -54,3 +54,18 @@ def test_compiled_layers_match_eager_in_every_pipeline_stage(run_distributed):
     for result in results:
         for name, pair in result.items():
             assert_same(name, pair)
+
+
+def test_compiled_layers_match_eager_under_cp_and_with_moe(run_distributed):
+    """CP's attention and the MoE block run eagerly inside the compiled layer (a graph break each)."""
+    from megalite.parallel.state import ParallelState
+
+    cp = tiny_config(LLAMA_STYLE)
+    results = run_distributed(
+        eager_and_compiled, 2, [("cp2", cp.with_(parallel=replace(cp.parallel, cp=2)))], 2, "aot_eager", cp=2
+    )
+    moe = _with(tiny_config(GPT2_STYLE), num_experts=4, moe_router_topk=2)
+    results.append(eager_and_compiled(ParallelState.single(), [("moe", moe)], 2, "aot_eager"))
+    for result in results:
+        for name, pair in result.items():
+            assert_same(name, pair)

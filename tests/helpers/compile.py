@@ -39,14 +39,17 @@ def eager_and_compiled(
     """For each (name, config): the run eager and with --compile (``backend``), and how many graphs the
     compiled run made (dynamo starts afresh for each case: a cache full of another case's graphs could
     send layers back to eager and hide a difference)."""
+    out, default = {}, compile_mod.BACKEND
     compile_mod.BACKEND = backend
-    out = {}
-    for name, cfg in cases:
-        eager = _run(ps, cfg.with_(model=replace(cfg.model, torch_compile=False)), steps)
-        torch._dynamo.reset()
-        before = _graphs()
-        compiled = _run(ps, cfg.with_(model=replace(cfg.model, torch_compile=True)), steps)
-        out[name] = {"eager": eager, "compiled": compiled, "graphs": _graphs() - before}
+    try:
+        for name, cfg in cases:
+            eager = _run(ps, cfg.with_(model=replace(cfg.model, torch_compile=False)), steps)
+            torch._dynamo.reset()
+            before = _graphs()
+            compiled = _run(ps, cfg.with_(model=replace(cfg.model, torch_compile=True)), steps)
+            out[name] = {"eager": eager, "compiled": compiled, "graphs": _graphs() - before}
+    finally:
+        compile_mod.BACKEND = default
     return out
 
 
