@@ -85,8 +85,9 @@ def _counted_graphs() -> int:
 
 def _compile_seconds() -> float:
     """Dynamo's (and the backend's) compile time so far: the forward frames and the backward graphs."""
-    from torch._dynamo.utils import compilation_time_metrics
+    from torch._dynamo import utils
 
+    compilation_time_metrics = getattr(utils, "compilation_time_metrics", {})  # 0 s if a torch renames it
     return sum(
         sum(times)
         for name, times in compilation_time_metrics.items()
@@ -121,6 +122,10 @@ class CompileWatch:
         if new <= 0:
             return []
         self.recompiles += new
-        return [
-            f"compile: {new} recompiled graph{'s' * (new > 1)} in iteration {iteration} ({self.recompiles} since the first)"
-        ]
+        return [f"compile: {_graphs(new)} recompiled in iteration {iteration} ({self.recompiles} since the first)"]
+
+    def after_evaluation(self, iteration: int) -> List[str]:
+        """The graphs an evaluation compiled (its no-grad forward), not counted as recompilations."""
+        graphs = _counted_graphs()
+        new, self.graphs = graphs - self.graphs, graphs
+        return [f"compile: {_graphs(new)} compiled for the evaluation at iteration {iteration}"] if new > 0 else []

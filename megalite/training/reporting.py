@@ -213,6 +213,8 @@ class Reporter:
     def evaluation(self, result: Optional[EvalResult]) -> None:
         """Megatron's validation lines (and TensorBoard points) for an evaluation's result."""
         self.pause()
+        for line in self.compile_watch.after_evaluation(self.state.iteration) if self.compile_watch else ():
+            logger.info(line)
         if result is None or result.loss is None or not self.ps.is_logging_rank:
             return
         loss = result.loss

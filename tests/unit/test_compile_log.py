@@ -11,7 +11,7 @@ from megalite.config.arguments import parse_args
 from megalite.model import compile as compile_mod
 from megalite.model.compile import CompileWatch, describe
 from megalite.parallel.state import ParallelState
-from tests.helpers.parity import tiny_config, train_losses
+from tests.helpers.parity import tiny_config
 
 
 @pytest.mark.parametrize("flag", ["--compile", "--torch-compile"])
@@ -30,24 +30,31 @@ def test_recompilations_are_counted_as_they_happen(monkeypatch):
     fn(torch.randn(4))
     assert watch.after_step(2) == []  # same shape: the graph is reused
     fn(torch.randn(5))  # another shape: a new graph
-    assert watch.after_step(3) == ["compile: 1 recompiled graph in iteration 3 (1 since the first)"]
+    assert watch.after_step(3) == ["compile: 1 graph recompiled in iteration 3 (1 since the first)"]
     fn(torch.randn(6))
-    assert watch.after_step(4) == ["compile: 1 recompiled graph in iteration 4 (2 since the first)"]
+    assert watch.after_step(4) == ["compile: 1 graph recompiled in iteration 4 (2 since the first)"]
 
 
 def test_a_run_says_what_it_compiled_and_how_long_it_took(monkeypatch, caplog):
     monkeypatch.setattr(compile_mod, "BACKEND", "aot_eager")
     monkeypatch.setattr(logging.getLogger("megalite"), "propagate", True)
     caplog.set_level("INFO", logger="megalite")
+    from megalite.data.mock_dataset import MockGPTDataset
+    from megalite.training import Trainer
+
     torch._dynamo.reset()
     cfg = tiny_config(num_layers=2)
-    cfg = cfg.with_(model=replace(cfg.model, torch_compile=True), train=replace(cfg.train, train_iters=2))
-    train_losses(ParallelState.single(), cfg)
+    train = replace(cfg.train, train_iters=2, eval_interval=1, eval_iters=1)
+    cfg = cfg.with_(model=replace(cfg.model, torch_compile=True), train=train)
+    Trainer(cfg, ParallelState.single()).train(MockGPTDataset(16, 250, 7, 16), MockGPTDataset(16, 250, 8, 64))
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
-    assert said[0] == "compile: 2 transformer layers compiled regionally (aot_eager)"
-    # both layers share one graph: regional compilation's cost does not grow with depth
+    assert said == [
+        "compile: 2 transformer layers compiled regionally (aot_eager)",
+        # both layers share one graph: regional compilation's cost does not grow with depth
+        said[1],
+        "compile: 1 graph compiled for the evaluation at iteration 1",  # its no-grad forward: not a recompilation
+    ]  # and nothing recompiled in iteration 2 or its evaluation
     assert said[1].startswith("compile: 1 graph compiled in iteration 1, ") and " s of compile time " in said[1]
-    assert len(said) == 2  # nothing recompiled in iteration 2
 
 
 def test_the_start_line_names_what_runs_eagerly(monkeypatch):
