@@ -16,15 +16,10 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
-_disable = getattr(getattr(torch, "compiler", None), "disable", None) or torch._dynamo.disable
-
-
-def is_compiling() -> bool:
-    """True while dynamo traces the caller (torch.compiler.is_compiling from torch 2.3; older: dynamo's own)."""
-    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if check is None:  # pragma: no cover - torch < 2.3
-        return torch._dynamo.is_compiling()
-    return check()
+_compiler = getattr(torch, "compiler", None)
+_disable = getattr(_compiler, "disable", None) or torch._dynamo.disable  # torch.compiler's from 2.1
+# True while dynamo traces the caller (torch.compiler.is_compiling from torch 2.3; older: dynamo's own)
+is_compiling: Callable[[], bool] = getattr(_compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 
 def eager(fn: F) -> F:

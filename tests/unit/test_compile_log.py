@@ -112,3 +112,22 @@ def test_compiled_layers_keep_their_names_and_are_freed_with_the_trainer(monkeyp
         assert layer_weight() is None, "a compiled layer outlived its trainer (a reference cycle)"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("recompute,eager", [(None, set()), ("selective", {"checkpoint"})])
+def test_a_layer_breaks_its_graph_only_where_it_runs_eagerly(recompute, eager):
+    """A dense layer is one graph; selective recompute breaks it at the checkpoint only (dynamo's explain;
+    a break nested in calls is reported once per calling frame, so reasons are counted by function)."""
+    import re
+
+    from megalite.model.gpt import GPTModel
+    from megalite.tensor_parallel.random import RNGTracker
+
+    cfg = replace(tiny_config().model, recompute_granularity=recompute)
+    ps = ParallelState.single()
+    layer = GPTModel(cfg, ps, RNGTracker(1, 0, 0, ps.device), seed=1).decoder.layers["0"]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(torch.randn(16, 2, 32, requires_grad=True))
+    reasons = [str(b.reason) for b in explained.break_reasons]
+    assert all("disable" in r for r in reasons), reasons  # at a marked eager region only
+    assert {re.search(r"<function (\w+) at", r).group(1) for r in reasons} == eager
