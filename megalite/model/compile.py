@@ -14,16 +14,16 @@ first one, then every recompilation (a new graph), for the log.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from megalite.moe.layer import MoELayer
-
+logger = logging.getLogger("megalite")
 BACKEND = "inductor"  # the parity tests on several CPU ranks set "aot_eager" (tests/helpers/compile.py)
 
 
@@ -61,13 +61,27 @@ def compile_layer(layer: nn.Module) -> None:
     layer.compiled_call = _CALLERS[BACKEND]
 
 
-def describe(layers: Iterable[nn.Module], skipped: Optional[str], recompute: Optional[str]) -> str:
-    """The start-of-run line: what was compiled (this rank's layers) and what runs eagerly inside."""
-    layers = list(layers)
+def run_compiled(layer: nn.Module, *args, **kwargs):
+    """``layer``'s forward through its compiled caller; if dynamo or the backend cannot compile it, say so
+    once (for this layer on this rank) and run it eagerly from then on instead of stopping the run."""
+    try:
+        return layer.compiled_call(layer, *args, **kwargs)
+    except torch._dynamo.exc.TorchDynamoException as err:
+        layer.compiled_call = None
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        logger.warning(
+            f"compile: layer {layer.layer_number} could not be compiled ({type(err).__name__}: {first}); "
+            f"it runs eagerly from now on"
+        )
+        return nn.Module.__call__(layer, *args, **kwargs)
+
+
+def describe(layers: int, moe: int, skipped: Optional[str], recompute: Optional[str]) -> str:
+    """The start-of-run line: what was compiled (this rank's ``layers``, ``moe`` of them MoE layers) and what
+    runs eagerly inside."""
     if skipped:
-        return f"compile: skipped, {len(layers)} transformer layers run eagerly: {skipped}"
-    moe = sum(isinstance(layer.mlp, MoELayer) for layer in layers)
-    parts = [f"compile: {len(layers)} transformer layers compiled regionally ({BACKEND})"]
+        return f"compile: skipped, {layers} transformer layers run eagerly: {skipped}"
+    parts = [f"compile: {layers} transformer layers compiled regionally ({BACKEND})"]
     if moe:
         parts.append(f"{moe} MoE layers: attention, norms and residuals only (the MoE block runs eagerly)")
     if recompute == "selective":

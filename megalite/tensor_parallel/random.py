@@ -82,6 +82,12 @@ class RNGTracker:
             self.states[name] = self._get_state()
             self._set_state(saved)
 
+    @eager  # inside a compiled layer: one graph break (generator states are not traceable), the body eager
+    def forked(self, name: str, fn, *args):
+        """``fn(*args)`` with the ``name`` generator state (``fork``)."""
+        with self.fork(name):
+            return fn(*args)
+
     def get_states(self) -> Dict[str, torch.Tensor]:
         """All states, for checkpoints and activation recomputation."""
         return {"default": self._get_state(), **{k: v.clone() for k, v in self.states.items()}}

@@ -34,9 +34,11 @@ def test_compiled_layers_match_eager_in_one_process():
 
 
 def test_compiled_layers_match_eager_under_tp_sp_and_recompute(run_distributed):
-    tp = tiny_config(LLAMA_STYLE, tp=2)
+    """With dropout too: the TP-stream masks are drawn eagerly, the others by the graph (aot_eager runs torch's
+    own random ops in eager's order, so every mask equals eager's)."""
+    tp = _with(tiny_config(LLAMA_STYLE, tp=2), hidden_dropout=0.1, attention_dropout=0.1)
     cases = [
-        ("tp2 + SP", tp.with_(parallel=replace(tp.parallel, sequence_parallel=True))),
+        ("tp2 + SP, dropout", tp.with_(parallel=replace(tp.parallel, sequence_parallel=True))),
         (
             "tp2, full recompute",
             _with(tiny_config(GPT2_STYLE, tp=2), recompute_granularity="full", recompute_method="uniform"),

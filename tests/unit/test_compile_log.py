@@ -60,15 +60,16 @@ def test_a_run_says_what_it_compiled_and_how_long_it_took(monkeypatch, caplog):
 def test_the_start_line_names_what_runs_eagerly(monkeypatch):
     from megalite.model.compile import cannot_compile
 
-    layers = [torch.nn.Module(), torch.nn.Module()]
-    for layer in layers:
-        layer.mlp = torch.nn.Identity()
-    assert describe(layers, None, "selective") == (
+    assert describe(2, 0, None, "selective") == (
         "compile: 2 transformer layers compiled regionally (inductor); the recomputed core attention runs eagerly"
+    )
+    assert describe(4, 2, None, "full") == (
+        "compile: 4 transformer layers compiled regionally (inductor); 2 MoE layers: attention, norms and "
+        "residuals only (the MoE block runs eagerly); inside full recomputation"
     )
     monkeypatch.setattr(compile_mod, "_cpp_compiler", lambda: None)
     why = cannot_compile(torch.device("cpu"))
-    assert describe(layers, why, None) == (
+    assert describe(2, 0, why, None) == (
         "compile: skipped, 2 transformer layers run eagerly: inductor on CPU needs a C++ compiler "
         "(none found: set CXX or install g++)"
     )
@@ -114,20 +115,58 @@ def test_compiled_layers_keep_their_names_and_are_freed_with_the_trainer(monkeyp
         gc.enable()
 
 
-@pytest.mark.parametrize("recompute,eager", [(None, set()), ("selective", {"checkpoint"})])
-def test_a_layer_breaks_its_graph_only_where_it_runs_eagerly(recompute, eager):
-    """A dense layer is one graph; selective recompute breaks it at the checkpoint only (dynamo's explain;
-    a break nested in calls is reported once per calling frame, so reasons are counted by function)."""
+@pytest.mark.parametrize(
+    "model,eager",
+    [
+        ({}, set()),
+        ({"recompute_granularity": "selective"}, {"checkpoint"}),
+        ({"attention_dropout": 0.1, "hidden_dropout": 0.1}, {"forked"}),
+    ],
+)
+def test_a_layer_breaks_its_graph_only_where_it_runs_eagerly(model, eager):
+    """A dense layer is one graph; selective recompute breaks it at the checkpoint only, attention dropout at
+    the tracker's TP-stream switch only (dynamo's explain; a break nested in calls is reported once per
+    calling frame, so reasons are counted by function)."""
     import re
 
     from megalite.model.gpt import GPTModel
     from megalite.tensor_parallel.random import RNGTracker
 
-    cfg = replace(tiny_config().model, recompute_granularity=recompute)
+    cfg = replace(tiny_config().model, **model)
     ps = ParallelState.single()
     layer = GPTModel(cfg, ps, RNGTracker(1, 0, 0, ps.device), seed=1).decoder.layers["0"]
     torch._dynamo.reset()
     explained = torch._dynamo.explain(layer)(torch.randn(16, 2, 32, requires_grad=True))
     reasons = [str(b.reason) for b in explained.break_reasons]
     assert all("disable" in r for r in reasons), reasons  # at a marked eager region only
-    assert {re.search(r"<function (\w+) at", r).group(1) for r in reasons} == eager
+    assert {re.search(r"<function ([\w.]+) at", r).group(1).split(".")[-1] for r in reasons} == eager
+
+
+def test_a_layer_that_cannot_be_compiled_runs_eagerly_with_a_warning(monkeypatch, caplog):
+    """A compile failure (here a backend that raises) is one warning per layer, not an error: the layer runs
+    eagerly from then on, with eager's results."""
+    from megalite.model.gpt import GPTModel
+    from megalite.tensor_parallel.random import RNGTracker
+
+    def broken(graph, inputs):
+        raise RuntimeError("no kernels today")
+
+    monkeypatch.setattr(compile_mod, "BACKEND", broken)
+    monkeypatch.setattr(compile_mod, "_CALLERS", {})
+    monkeypatch.setattr(logging.getLogger("megalite"), "propagate", True)
+    caplog.set_level("WARNING", logger="megalite")
+    torch._dynamo.reset()
+    cfg, ps = tiny_config().model, ParallelState.single()
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    logits = []
+    for compiled in (False, True):
+        model = GPTModel(replace(cfg, torch_compile=compiled), ps, RNGTracker(1, 0, 0, ps.device), seed=1)
+        for _ in range(2):  # the second pass: the layers already run eagerly, nothing more is said
+            logits.append(model(tokens).detach())
+    assert all(torch.equal(logits[0], x) for x in logits[1:])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all(
+        s.startswith(f"compile: layer {i} could not be compiled (BackendCompilerFailed: ")
+        and s.endswith("; it runs eagerly from now on")
+        for i, s in enumerate(said)
+    ), said
