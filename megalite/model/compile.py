@@ -76,12 +76,13 @@ def run_compiled(layer: nn.Module, *args, **kwargs):
         return nn.Module.__call__(layer, *args, **kwargs)
 
 
-def describe(layers: int, moe: int, skipped: Optional[str], recompute: Optional[str]) -> str:
-    """The start-of-run line: what was compiled (this rank's ``layers``, ``moe`` of them MoE layers) and what
-    runs eagerly inside."""
+def describe(layers: int, moe: int, skipped: Optional[str], recompute: Optional[str], pipeline: bool = False) -> str:
+    """The start-of-run line: what was compiled (this rank's ``layers``, ``moe`` of them MoE layers; ``pipeline``:
+    the rank holds some stages only) and what runs eagerly inside."""
+    held = f"{layers} transformer layers" + (" of this pipeline rank" if pipeline else "")
     if skipped:
-        return f"compile: skipped, {layers} transformer layers run eagerly: {skipped}"
-    parts = [f"compile: {layers} transformer layers compiled regionally ({BACKEND})"]
+        return f"compile: skipped, {held} run eagerly: {skipped}"
+    parts = [f"compile: {held} compiled regionally ({BACKEND})"]
     if moe:
         parts.append(f"{moe} MoE layers: attention, norms and residuals only (the MoE block runs eagerly)")
     if recompute == "selective":

@@ -161,7 +161,7 @@ class Trainer:
         if cfg.model.torch_compile and ps.is_logging_rank:
             layers, moe = sum(len(c.decoder.layers) for c in self.chunks), len(moe_layers(self.chunks))
             skipped, recompute = self.chunks[0].compile_skipped, cfg.model.recompute_granularity
-            logger.info(describe_compile(layers, moe, skipped, recompute))
+            logger.info(describe_compile(layers, moe, skipped, recompute, pipeline=ps.pp_size > 1))
         grads = shard_data_parallel(cfg, ps, self.chunks)  # FSDP2: replaces the parameters (before they are read)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.params = [p for _, p in named]

@@ -63,8 +63,9 @@ def test_the_start_line_names_what_runs_eagerly(monkeypatch):
     assert describe(2, 0, None, "selective") == (
         "compile: 2 transformer layers compiled regionally (inductor); the recomputed core attention runs eagerly"
     )
-    assert describe(4, 2, None, "full") == (
-        "compile: 4 transformer layers compiled regionally (inductor); 2 MoE layers: attention, norms and "
+    assert describe(4, 2, None, "full", pipeline=True) == (
+        "compile: 4 transformer layers of this pipeline rank compiled regionally (inductor); 2 MoE layers: "
+        "attention, norms and "
         "residuals only (the MoE block runs eagerly); inside full recomputation"
     )
     monkeypatch.setattr(compile_mod, "_cpp_compiler", lambda: None)
