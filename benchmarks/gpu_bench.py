@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""One-GPU benchmark: a 1.3B GPT (24 x 2048, seq 2048, bf16, SDPA flash) with and without selective
-recompute, and a plain PyTorch model of the same shape, in tokens/s, TFLOP/s and MFU.
+"""One-GPU benchmark: a 1.3B GPT (24 x 2048, seq 2048, bf16, SDPA flash) eager, with selective recompute
+and with --compile, and a plain PyTorch model of the same shape eager and torch.compile'd (each block, as
+--compile does), in tokens/s, TFLOP/s, MFU and peak memory.
 
 Run through benchmarks/gpu_bench.sh (torchrun, one process). The megalite side goes through the
 CUDA paths a cluster run uses: an NCCL process group (world 1; its collectives still run), the
@@ -8,16 +9,21 @@ device of LOCAL_RANK, pinned host memory for batches, the CUDA RNG states of the
 by a save/restore round trip, as a checkpoint does) and the GPU memory report. The plain side is
 bench_overhead.py's single-file GPT with torch.autocast(bf16), fp32 weights and fused AdamW: the
 usual way to write it by hand. ``--cpu-smoke`` runs every step on CPU with a tiny shape (gloo).
+
+Each row starts from a fresh allocator: the previous row's model is dropped, collected and its cached
+blocks returned (``fresh_device``) before the next is built, so its peak memory is its own. ``ROWS`` lists
+the rows: a row of other megalite flags (FP8, say) is one more entry.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import common  # noqa: F401  (first: puts the repository on sys.path)
 import torch
@@ -35,7 +41,23 @@ FULL = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, mbs=4, gbs=
 SMOKE = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, mbs=2, gbs=4, iters=2, warmup=1)
 
 
-def flags(s: Dict[str, int], recompute: bool, cuda: bool) -> List[str]:
+class Row(NamedTuple):
+    label: str
+    plain: bool  # bench_overhead.py's PlainTrainer (else megalite's Trainer)
+    flags: Tuple[str, ...] = ()  # megalite flags of the row (plain: ("--compile",) compiles its blocks)
+
+
+ROWS = [
+    Row("megalite", False),
+    Row("megalite selective recompute", False, ("--recompute-activations",)),
+    Row("megalite --compile", False, ("--compile",)),
+    Row("plain PyTorch (autocast bf16)", True),
+    Row("plain PyTorch, torch.compile", True, ("--compile",)),
+]
+PLAIN, PLAIN_COMPILED = ROWS[3].label, ROWS[4].label  # the peers of the ratio columns
+
+
+def flags(s: Dict[str, int], extra: Tuple[str, ...], cuda: bool) -> List[str]:
     argv = [
         "--mock-data",
         "--vocab-size",
@@ -64,12 +86,27 @@ def flags(s: Dict[str, int], recompute: bool, cuda: bool) -> List[str]:
         "nccl" if cuda else "gloo",
     ]
     argv += ["--bf16"] if cuda else []  # bf16 on CPU is correct but slow: the smoke run stays fp32
-    return argv + (["--recompute-activations"] if recompute else [])
+    return argv + list(extra)
 
 
-def timed_steps(step: Callable, batches: List, warmup: int, iters: int, cuda: bool) -> List[float]:
-    """Seconds per step after ``warmup`` untimed ones (CUDA synchronised around each)."""
-    for i in range(warmup):
+def fresh_device(cuda: bool) -> None:
+    """Drop what the previous row left: its cycles collected, its cached blocks freed, the peak reset."""
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def timed_steps(step: Callable, batches: List, warmup: int, iters: int, cuda: bool) -> Tuple[List[float], float]:
+    """Seconds per step after ``warmup`` untimed ones (CUDA synchronised around each), and the seconds of the
+    first step (with --compile: its compilation)."""
+    t0 = time.perf_counter()
+    step(batches[0])
+    if cuda:
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for i in range(1, warmup):
         step(batches[i % len(batches)])
     out = []
     for i in range(iters):
@@ -80,7 +117,7 @@ def timed_steps(step: Callable, batches: List, warmup: int, iters: int, cuda: bo
         if cuda:
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
-    return out
+    return out, first
 
 
 def check_rng_round_trip(trainer: Trainer) -> None:
@@ -98,31 +135,30 @@ def check_rng_round_trip(trainer: Trainer) -> None:
     assert torch.equal(first, again), "RNG state round trip changed the random stream"
 
 
-def run_megalite(s: Dict[str, int], recompute: bool, ps: ParallelState, peak) -> Dict[str, float]:
+def run_megalite(s: Dict[str, int], extra: Tuple[str, ...], ps: ParallelState, peak) -> Dict[str, float]:
     cuda = ps.device.type == "cuda"
-    cfg = parse_args(flags(s, recompute, cuda), world_size=1)
+    cfg = parse_args(flags(s, extra, cuda), world_size=1)
     trainer = Trainer(cfg, ps)
     check_rng_round_trip(trainer)
     feed = MockFeed(trainer, 4, seed=1)  # pin_memory=True on CUDA
     batches = [feed.next() for _ in range(4)]
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = timed_steps(trainer.train_step, batches, s["warmup"], s["iters"], cuda)
+    times, first = timed_steps(trainer.train_step, batches, s["warmup"], s["iters"], cuda)
     for line in gather_memory_report(ps, s["warmup"] + s["iters"]):  # NCCL-free: an object gather
         print("   ", line)
     tp = Throughput(cfg.model, s["gbs"], trainer.chunks[0].padded_vocab, 1, peak_tflops=peak)
     result = tp.figures(statistics.median(times))
-    result["ms"] = 1e3 * statistics.median(times)
+    result["ms"], result["first_s"] = 1e3 * statistics.median(times), first
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    del trainer, batches
     return result
 
 
-def run_plain(s: Dict[str, int], device: torch.device, peak) -> Dict[str, float]:
+def run_plain(s: Dict[str, int], compiled: bool, device: torch.device, peak) -> Dict[str, float]:
     cuda = device.type == "cuda"
-    cfg = parse_args(flags(s, False, cuda), world_size=1)
+    cfg = parse_args(flags(s, (), cuda), world_size=1)
     plain = PlainTrainer(cfg)
     plain.model.to(device)
+    for block in plain.model.blocks if compiled else ():  # regional, like --compile
+        block.compile()
     if cuda:  # hand-written mixed precision: fp32 weights, bf16 autocast, fused AdamW
         plain.optimizer = torch.optim.AdamW(plain.optimizer.param_groups, lr=cfg.optim.lr, fused=True)
     ds = MockGPTDataset(s["seq"], s["vocab"], 1, 4 * s["gbs"])
@@ -137,12 +173,10 @@ def run_plain(s: Dict[str, int], device: torch.device, peak) -> Dict[str, float]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             return plain.train_step(b)
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = timed_steps(step, batches, s["warmup"], s["iters"], cuda)
+    times, first = timed_steps(step, batches, s["warmup"], s["iters"], cuda)
     padded = cfg.model.padded_vocab_size(1)
     result = Throughput(cfg.model, s["gbs"], padded, 1, peak_tflops=peak).figures(statistics.median(times))
-    result["ms"] = 1e3 * statistics.median(times)
+    result["ms"], result["first_s"] = 1e3 * statistics.median(times), first
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return result
 
@@ -172,24 +206,32 @@ def main() -> int:
         f"{s['layers']} x {s['hidden']}, heads {s['heads']}, seq {s['seq']}, micro-batch {s['mbs']}, global "
         f"batch {s['gbs']}; median of {s['iters']} iterations after {s['warmup']}"
     )
-    rows = {
-        "megalite": run_megalite(s, False, ps, peak),
-        "megalite selective recompute": run_megalite(s, True, ps, peak),
-        "plain PyTorch (autocast bf16)": run_plain(s, ps.device, peak),
-    }
-    base = rows["plain PyTorch (autocast bf16)"]["tokens_per_s"]
+    rows = {}
+    for row in ROWS:
+        fresh_device(cuda)
+        if row.plain:
+            rows[row.label] = run_plain(s, "--compile" in row.flags, ps.device, peak)
+        else:
+            rows[row.label] = run_megalite(s, row.flags, ps, peak)
+    print_table(rows)
+    ps.destroy()
+    return 0
+
+
+def print_table(rows: Dict[str, Dict[str, float]]) -> None:
+    """One line per row; the ratio columns are tokens/s over the eager and the compiled plain PyTorch row."""
+    base, compiled = rows[PLAIN]["tokens_per_s"], rows[PLAIN_COMPILED]["tokens_per_s"]
     print(
-        f"{'run':<32} {'ms/iter':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'hw TFLOP/s':>10} {'MFU':>7} "
-        f"{'peak GiB':>9} {'vs plain':>9}"
+        f"{'run':<32} {'ms/iter':>9} {'1st iter s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'hw TFLOP/s':>10} "
+        f"{'MFU':>7} {'peak GiB':>9} {'vs plain':>9} {'vs compiled':>11}"
     )
     for label, r in rows.items():
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(
-            f"{label:<32} {r['ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} {r['hw_tflops']:>10.1f} "
-            f"{mfu:>7} {r['peak_gib']:>9.1f} {r['tokens_per_s'] / base:>9.2f}"
+            f"{label:<32} {r['ms']:>9.1f} {r['first_s']:>10.1f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
+            f"{r['hw_tflops']:>10.1f} {mfu:>7} {r['peak_gib']:>9.1f} {r['tokens_per_s'] / base:>9.2f} "
+            f"{r['tokens_per_s'] / compiled:>11.2f}"
         )
-    ps.destroy()
-    return 0
 
 
 if __name__ == "__main__":

@@ -262,7 +262,11 @@ class ModelConfig(MoEModelFields):
         ge=1,
     )
     torch_compile: bool = RECOMPUTE(
-        "--torch-compile", False, "torch.compile each transformer layer (needs a C++ compiler on CPU)"
+        "--compile",
+        False,
+        "torch.compile each transformer layer on its own (regional; inductor, which needs a C++ compiler on "
+        "CPU); collectives, the selectively recomputed attention, CP attention and MoE blocks run eagerly",
+        then=RECOMPUTE.flag("--torch-compile", "alias of --compile", action="store_true"),
     )
 
     @property

@@ -201,7 +201,7 @@ def _validate_zero_bubble(cfg: Config, settings: RunSettings) -> None:
     if cfg.model.torch_compile:
         raise ConfigError(
             f"--pipeline-schedule {name} splits each backward into input and weight gradients, "
-            f"which torch.compile'd layers do not support; drop --torch-compile"
+            f"which torch.compile'd layers do not support; drop --compile (--torch-compile)"
         )
     if not settings.spec.v_shape:
         return

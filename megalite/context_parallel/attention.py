@@ -30,12 +30,14 @@ from megalite.context_parallel.kernels import kernel_for
 from megalite.context_parallel.ring import RingAttention
 from megalite.context_parallel.sequence import cp_token_index
 from megalite.context_parallel.varlen import VarlenAttention, plans
+from megalite.parallel.eager import eager
 from megalite.parallel.state import AxisGroup
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
+@eager  # a ring of p2p exchanges: eager inside a compiled layer (one graph break)
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

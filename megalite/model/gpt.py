@@ -41,6 +41,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.sequence import cp_token_index
+from megalite.model.compile import cannot_compile, compile_layer
 from megalite.model.kv_cache import KVCache
 from megalite.model.spec import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, ModelSpec, layer_prefix
 from megalite.model.transformer import TransformerLayer, build_norm, dropout, rotary_cos_sin
@@ -101,7 +102,7 @@ class GPTModel(nn.Module):
         self._output_is_local = False  # this chunk's embedding also serves a local last stage
         if post_process:
             self._build_output(ps, seed)
-        self._finish()
+        self._finish(ps.device)
 
     def _build_embedding(self, ps: ParallelState, spec: ModelSpec, seed: int) -> None:
         """The first stage's word (and learned position) embeddings."""
@@ -159,7 +160,7 @@ class GPTModel(nn.Module):
             set_tp_attributes(self.output_weight, True, 0)
             self.output_weight.shared = True
 
-    def _finish(self) -> None:
+    def _finish(self, device: torch.device) -> None:
         """Sequence-parallel tags, the parameter dtype, fp32 routers, compiled layers."""
         for p in self.parameters():  # an expert's weights see whole tokens of their own group, never SP shards
             p.sequence_parallel = (
@@ -169,9 +170,10 @@ class GPTModel(nn.Module):
         for m in self.modules():
             if isinstance(m, Router):
                 m.keep_fp32()
-        if self.cfg.torch_compile:
-            for layer in self.decoder.layers.values():
-                layer.compile()
+        self.compile_skipped = cannot_compile(device) if self.cfg.torch_compile else None  # why not (the log says)
+        if self.cfg.torch_compile and not self.compile_skipped:
+            for layer in self.decoder.layers.values():  # regional: each layer on its own (model/compile.py)
+                compile_layer(layer)
 
     def shared_embedding_weight(self) -> Optional[nn.Parameter]:
         """The parameter that must stay equal across the embedding group (tied, pp > 1)."""

@@ -35,7 +35,6 @@ start at the cache's offset, so the causal mask is aligned to the bottom right.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional, Tuple
 
@@ -45,6 +44,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.attention import context_parallel_attention
+from megalite.model.compile import run_compiled
 from megalite.model.kv_cache import KVCache
 from megalite.model.spec import ModelSpec, layer_prefix
 from megalite.parallel.state import AxisGroup
@@ -162,33 +162,38 @@ class Attention(nn.Module):
         ``sk > s`` only with a KV cache: the queries are the last s of the sk positions.
         """
         p = self.cfg.attention_dropout if self.training else 0.0
+        if p == 0.0:  # no random state touched
+            return self._attend(q, k, v, 0.0)
+        # Heads differ per TP rank, so their dropout masks must too: drawn from the tracker's "tp" stream
+        # (eager inside a compiled layer, so the masks are eager's).
+        return self.tracker.forked("tp", self._attend, q, k, v, p)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         sk = k.shape[2]
         # SDPA's is_causal aligns its mask top-left: right when s == sk; a cached step (s < sk) needs its own.
         mask = None if sk == q.shape[2] else _cached_causal_mask(q.shape[2], sk, q.device)
         causal = dict(attn_mask=mask, is_causal=mask is None)
-        # Heads differ per TP rank, so their dropout masks must too (no dropout: no random state touched).
-        with self.tracker.fork("tp") if p > 0 else contextlib.nullcontext():
-            if not self.unfused:
-                if self.nkv_local == self.nq_local:
-                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal)
-                if _SDPA_GQA:  # query groups passed natively: no copies of k and v
-                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=True, **causal)
-                rep = self.nq_local // self.nkv_local
-                return F.scaled_dot_product_attention(
-                    q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), dropout_p=p, **causal
-                )
-            # Explicit path (Megatron's unfused attention): groups by broadcasting, not copies.
-            b, nq, s, d = q.shape
-            rep = nq // k.shape[1]
-            qg = q.view(b, k.shape[1], rep, s, d)
-            if q.dtype == torch.float16:  # scale first: unscaled fp16 logits can overflow (bf16 cannot)
-                scores = torch.matmul(qg * (1.0 / math.sqrt(d)), k.unsqueeze(2).transpose(-1, -2))
-            else:
-                scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
-            future = torch.ones(s, sk, dtype=torch.bool, device=q.device).triu_(sk - s + 1)
-            probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-            probs = dropout(probs, p, self.training)
-            return torch.matmul(probs, v.unsqueeze(2)).view(b, nq, s, d)
+        if not self.unfused:
+            if self.nkv_local == self.nq_local:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal)
+            if _SDPA_GQA:  # query groups passed natively: no copies of k and v
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=True, **causal)
+            rep = self.nq_local // self.nkv_local
+            return F.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), dropout_p=p, **causal
+            )
+        # Explicit path (Megatron's unfused attention): groups by broadcasting, not copies.
+        b, nq, s, d = q.shape
+        rep = nq // k.shape[1]
+        qg = q.view(b, k.shape[1], rep, s, d)
+        if q.dtype == torch.float16:  # scale first: unscaled fp16 logits can overflow (bf16 cannot)
+            scores = torch.matmul(qg * (1.0 / math.sqrt(d)), k.unsqueeze(2).transpose(-1, -2))
+        else:
+            scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))
+        future = torch.ones(s, sk, dtype=torch.bool, device=q.device).triu_(sk - s + 1)
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        probs = dropout(probs, p, self.training)
+        return torch.matmul(probs, v.unsqueeze(2)).view(b, nq, s, d)
 
     def span_attention(
         self,
@@ -296,6 +301,8 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))); ``mlp`` may be given (an MoE
     block, megalite.moe, built by the model)."""
 
+    compiled_call = None  # --compile: a torch.compile'd caller every layer shares (model/compile.py)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -310,7 +317,7 @@ class TransformerLayer(nn.Module):
         mlp: Optional[nn.Module] = None,
     ):
         super().__init__()
-        prefix = layer_prefix(layer)
+        prefix, self.layer_number = layer_prefix(layer), layer
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.input_layernorm = build_norm(cfg, cfg.hidden_size, device)
@@ -320,10 +327,14 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(cfg, cfg.hidden_size, device)
         self.mlp = mlp if mlp is not None else MLP(cfg, tp, seed, f"{prefix}mlp", sequence_parallel)  # or MoE
 
+    def __call__(self, *args, **kwargs):
+        if self.compiled_call is not None:
+            return run_compiled(self, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.p > 0 and self.training:  # each TP rank holds other positions
-            with self.tracker.fork("tp"):
-                return dropout(x, self.p, self.training)
+            return self.tracker.forked("tp", dropout, x, self.p, self.training)
         return dropout(x, self.p, self.training)
 
     def forward(

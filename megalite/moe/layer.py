@@ -25,6 +25,7 @@ from megalite.config import ModelConfig
 from megalite.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from megalite.moe.experts import LocalExperts, SharedExpert
 from megalite.moe.router import Router, capacity
+from megalite.parallel.eager import eager
 from megalite.parallel.state import ParallelState
 from megalite.tensor_parallel.random import RNGTracker
 
@@ -70,6 +71,7 @@ class MoELayer(nn.Module):
         value = value.detach().float()
         self.stats[name] = self.stats[name] + value if name in self.stats else value.clone()
 
+    @eager  # data-dependent token counts per expert: eager inside a compiled layer (README, --compile)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)

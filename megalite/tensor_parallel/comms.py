@@ -15,6 +15,8 @@ the region are split along the sequence (dim 0) and the pair becomes::
     reduce_scatter_to_sequence_parallel_region fwd: reduce-scatter (0) bwd: all-gather (0)
 With a group of size 1 every function is the identity, so the single-process model runs the same
 code. Every collective goes through its AxisGroup (``g.collective``): the flight recorder sees it.
+Inside a compiled layer (--compile) each of the six region functions is one clean graph break
+(``_region``, parallel/eager.py): the collective and its autograd node run eagerly between two graphs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.eager import eager
 from megalite.parallel.state import AxisGroup
 
 # Flat-tensor collectives: newer torch names them *_single and deprecates the *_tensor names.
@@ -94,14 +97,20 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_first(grad, ctx.g), None
 
 
+@eager
+def _region(fn: type, x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """``fn.apply(x, g)`` (one of the autograd functions here), run eagerly when dynamo traces the caller."""
+    return fn.apply(x, g)
+
+
 def gather_from_sequence_parallel_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """All-gather along the sequence (dim 0) forward; reduce-scatter of the gradient backward."""
-    return x if g.size == 1 else _GatherFromSequence.apply(x, g)
+    return x if g.size == 1 else _region(_GatherFromSequence, x, g)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Reduce-scatter along the sequence (dim 0) forward; all-gather of the gradient backward."""
-    return x if g.size == 1 else _ReduceScatterToSequence.apply(x, g)
+    return x if g.size == 1 else _region(_ReduceScatterToSequence, x, g)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -150,19 +159,19 @@ class _GatherFromRegion(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
-    return x if g.size == 1 else _CopyToRegion.apply(x, g)
+    return x if g.size == 1 else _region(_CopyToRegion, x, g)
 
 
 def reduce_from_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward."""
-    return x if g.size == 1 else _ReduceFromRegion.apply(x, g)
+    return x if g.size == 1 else _region(_ReduceFromRegion, x, g)
 
 
 def scatter_to_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather backward."""
-    return x if g.size == 1 else _ScatterToRegion.apply(x, g)
+    return x if g.size == 1 else _region(_ScatterToRegion, x, g)
 
 
 def gather_from_tp_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice backward."""
-    return x if g.size == 1 else _GatherFromRegion.apply(x, g)
+    return x if g.size == 1 else _region(_GatherFromRegion, x, g)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.parallel.eager import eager
 from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.comms import (
     all_gather_first,
@@ -181,6 +182,7 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+@eager  # its SP all-gather (and a deferred weight gradient): eager inside a compiled layer
 def _matmul(
     x: torch.Tensor,
     weight: torch.Tensor,

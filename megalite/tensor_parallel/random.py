@@ -22,6 +22,8 @@ from typing import Dict, Iterator, Sequence
 
 import torch
 
+from megalite.parallel.eager import eager
+
 # Offsets as in Megatron, so seeds line up with runs users know.
 _TP_REGION_SEED_OFFSET = 2718
 _PP_SEED_STRIDE = 100
@@ -80,6 +82,12 @@ class RNGTracker:
             self.states[name] = self._get_state()
             self._set_state(saved)
 
+    @eager  # inside a compiled layer: one graph break (generator states are not traceable), the body eager
+    def forked(self, name: str, fn, *args):
+        """``fn(*args)`` with the ``name`` generator state (``fork``)."""
+        with self.fork(name):
+            return fn(*args)
+
     def get_states(self) -> Dict[str, torch.Tensor]:
         """All states, for checkpoints and activation recomputation."""
         return {"default": self._get_state(), **{k: v.clone() for k, v in self.states.items()}}
@@ -132,6 +140,7 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None, *[x.grad if x.requires_grad else None for x in inputs])
 
 
+@eager  # inside a compiled layer (selective recompute): one graph break, the checkpoint runs eagerly
 def checkpoint(fn, tracker: RNGTracker, *args: torch.Tensor):
     """Activation recomputation (Megatron's reentrant checkpoint): keep only ``args`` for backward.
 

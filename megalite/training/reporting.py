@@ -25,6 +25,7 @@ import torch
 
 from megalite.config import Config
 from megalite.data.builder import default_cache_dir
+from megalite.model.compile import CompileWatch
 from megalite.moe import moe_layers
 from megalite.moe.metrics import reduce_moe_stats
 from megalite.observability.logging import (
@@ -97,6 +98,8 @@ class Reporter:
         self.window: List[Dict[str, float]] = []
         self.run_start = self.t_last = time.perf_counter()
         self.first_iteration = state.iteration
+        # --compile: compile time of the first iteration, then every recompilation (rank 0's own counts)
+        self.compile_watch = CompileWatch() if cfg.model.torch_compile and ps.is_logging_rank else None
         self.last_logged = (state.iteration, None)  # (iteration, lm loss) of the last log line
         self.valid_loss: Optional[float] = None
         self.test_loss: Optional[float] = None
@@ -118,6 +121,8 @@ class Reporter:
         else:
             self.stragglers.pause()
         self.profiler.after_step(self.state.iteration)
+        for line in self.compile_watch.after_step(self.state.iteration) if self.compile_watch else ():
+            logger.info(line)
         if self.moe is not None:  # collective, every iteration: the layers' statistics restart now
             out = {**out, "moe": reduce_moe_stats(self.moe, self.ps, self.num_microbatches, self.cfg.model)}
             for layer in self.moe:
@@ -208,6 +213,8 @@ class Reporter:
     def evaluation(self, result: Optional[EvalResult]) -> None:
         """Megatron's validation lines (and TensorBoard points) for an evaluation's result."""
         self.pause()
+        for line in self.compile_watch.after_evaluation(self.state.iteration) if self.compile_watch else ():
+            logger.info(line)
         if result is None or result.loss is None or not self.ps.is_logging_rank:
             return
         loss = result.loss

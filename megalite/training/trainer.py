@@ -45,8 +45,9 @@ from megalite.context_parallel.kernels import describe
 from megalite.data.batches import MicroBatches, sequence_options
 from megalite.data_parallel.fsdp import FSDPGrads, shard_chunks
 from megalite.interop import checkpoint_formats
+from megalite.model.compile import describe as describe_compile
 from megalite.model.gpt import GPTModel
-from megalite.moe import update_expert_bias
+from megalite.moe import moe_layers, update_expert_bias
 from megalite.observability.logging import logged_loss, write_timeline
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.optimizer import MegatronOptimizer
@@ -161,6 +162,10 @@ class Trainer:
             m = cfg.model
             logger.info(describe(m.attention_backend, ps.device, m.torch_dtype, m.head_dim))
         self.chunks = build_model_chunks(cfg, ps, self.tracker, layout)
+        if cfg.model.torch_compile and ps.is_logging_rank:
+            layers, moe = sum(len(c.decoder.layers) for c in self.chunks), len(moe_layers(self.chunks))
+            skipped, recompute = self.chunks[0].compile_skipped, cfg.model.recompute_granularity
+            logger.info(describe_compile(layers, moe, skipped, recompute, pipeline=ps.pp_size > 1))
         grads = shard_data_parallel(cfg, ps, self.chunks)  # FSDP2: replaces the parameters (before they are read)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.params = [p for _, p in named]

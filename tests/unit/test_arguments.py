@@ -140,6 +140,7 @@ def test_help_shows_every_new_flag_with_its_default():
         "--overlap-param-gather",
         "--ddp-bucket-size",
         "--sequence-parallel",
+        "--compile",
         "--torch-compile",
         "--attention-backend",
     ):
