@@ -47,12 +47,16 @@ class Row(NamedTuple):
     flags: Tuple[str, ...] = ()  # megalite flags of the row (plain: ("--compile",) compiles its blocks)
 
 
+FP8 = ("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")  # bf16 also in the CPU smoke run
+
 ROWS = [
     Row("megalite", False),
     Row("megalite selective recompute", False, ("--recompute-activations",)),
     Row("megalite --compile", False, ("--compile",)),
     Row("plain PyTorch (autocast bf16)", True),
     Row("plain PyTorch, torch.compile", True, ("--compile",)),
+    Row("megalite FP8 (hybrid, tensorwise)", False, FP8),
+    Row("megalite FP8 + --compile", False, FP8 + ("--compile",)),
 ]
 PLAIN, PLAIN_COMPILED = ROWS[3].label, ROWS[4].label  # the peers of the ratio columns
 
@@ -186,6 +190,7 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (gloo): checks the script runs")
     p.add_argument("--iters", type=int, help="timed iterations (default 30; smoke 2)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: bf16 table by GPU name)")
+    p.add_argument("--rows", help="comma-separated row numbers to run (0-based, in the table's order; default all)")
     a = p.parse_args()
     cuda = not a.cpu_smoke
     if cuda and not torch.cuda.is_available():
@@ -207,7 +212,8 @@ def main() -> int:
         f"batch {s['gbs']}; median of {s['iters']} iterations after {s['warmup']}"
     )
     rows = {}
-    for row in ROWS:
+    chosen = ROWS if a.rows is None else [ROWS[int(i)] for i in a.rows.split(",")]
+    for row in chosen:
         fresh_device(cuda)
         if row.plain:
             rows[row.label] = run_plain(s, "--compile" in row.flags, ps.device, peak)
@@ -219,18 +225,22 @@ def main() -> int:
 
 
 def print_table(rows: Dict[str, Dict[str, float]]) -> None:
-    """One line per row; the ratio columns are tokens/s over the eager and the compiled plain PyTorch row."""
-    base, compiled = rows[PLAIN]["tokens_per_s"], rows[PLAIN_COMPILED]["tokens_per_s"]
+    """One line per row; the ratio columns are tokens/s over the eager and the compiled plain PyTorch row
+    ("-" when that row was not run)."""
+
+    def ratio(r: Dict[str, float], peer: str) -> str:
+        return f"{r['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}" if peer in rows else "-"
+
     print(
-        f"{'run':<32} {'ms/iter':>9} {'1st iter s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'hw TFLOP/s':>10} "
+        f"{'run':<34} {'ms/iter':>9} {'1st iter s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'hw TFLOP/s':>10} "
         f"{'MFU':>7} {'peak GiB':>9} {'vs plain':>9} {'vs compiled':>11}"
     )
     for label, r in rows.items():
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(
-            f"{label:<32} {r['ms']:>9.1f} {r['first_s']:>10.1f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
-            f"{r['hw_tflops']:>10.1f} {mfu:>7} {r['peak_gib']:>9.1f} {r['tokens_per_s'] / base:>9.2f} "
-            f"{r['tokens_per_s'] / compiled:>11.2f}"
+            f"{label:<34} {r['ms']:>9.1f} {r['first_s']:>10.1f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} "
+            f"{r['hw_tflops']:>10.1f} {mfu:>7} {r['peak_gib']:>9.1f} {ratio(r, PLAIN):>9} "
+            f"{ratio(r, PLAIN_COMPILED):>11}"
         )
 
 
