@@ -66,7 +66,7 @@ def test_every_example_has_a_case():
     assert sorted(p.name for p in EXAMPLES) == sorted(CASES)
 
 
-@pytest.mark.parametrize("script", EXAMPLES + [GPU_BENCH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", EXAMPLES + [GPU_BENCH, GPU_BENCH.with_name("gpu_checks.sh")], ids=lambda p: p.name)
 def test_shellcheck_clean(script):
     res = subprocess.run([_shellcheck(), "--severity=info", str(script)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
