@@ -72,6 +72,26 @@ def fp8_recipe_of(cfg) -> Fp8Recipe:
     )
 
 
+def describe_fp8(cfg, device: torch.device) -> str:
+    """The start line of an FP8 run: format, recipe, which transformer layers, and how the GEMMs run here."""
+    layers = [i for i in range(cfg.num_layers) if cfg.fp8_layer(i)]
+    span = f"layers {layers[0]}-{layers[-1]} of {cfg.num_layers}" if layers else "no layer"
+    gemm = (
+        "torch._scaled_mm"
+        if device.type == "cuda"
+        else f"emulated on {device.type} (float8 values multiplied in fp32: for tests and debugging)"
+    )
+    extra = (
+        f", amax history {cfg.fp8_amax_history_len} ({cfg.fp8_amax_compute_algo})"
+        if cfg.fp8_recipe == "delayed"
+        else ""
+    )
+    return (
+        f"fp8: --fp8-format {cfg.fp8_format}, --fp8-recipe {cfg.fp8_recipe}{extra}: the linears of {span} in FP8 "
+        f"(embedding, output layer and norms in bf16), GEMMs {gemm}"
+    )
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
     return float(torch.finfo(dtype).max)

@@ -55,6 +55,7 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.registry import build_schedule
 from megalite.pipeline.stage_layout import StageLayout
+from megalite.tensor_parallel.fp8 import describe_fp8
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.evaluation import Evaluator
 from megalite.training.faults import ExitConditions, inject_fault
@@ -161,6 +162,8 @@ class Trainer:
         if ps.is_logging_rank:  # which attention kernels run (kernels.py; a fallback warns once when it happens)
             m = cfg.model
             logger.info(describe(m.attention_backend, ps.device, m.torch_dtype, m.head_dim))
+            if m.fp8_format is not None:
+                logger.info(describe_fp8(m, ps.device))
         self.chunks = build_model_chunks(cfg, ps, self.tracker, layout)
         if cfg.model.torch_compile and ps.is_logging_rank:
             layers, moe = sum(len(c.decoder.layers) for c in self.chunks), len(moe_layers(self.chunks))

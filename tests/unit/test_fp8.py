@@ -16,6 +16,7 @@ from megalite.tensor_parallel.fp8 import (
     Fp8Linear,
     Fp8Recipe,
     amax_of,
+    describe_fp8,
     fp8_linear,
     quantize,
     scale_from_amax,
@@ -137,6 +138,9 @@ def test_first_last_layers_stay_bf16():
     m = ModelConfig(num_layers=6, fp8_format="e4m3", first_last_layers_bf16=True, num_layers_at_end_in_bf16=2)
     assert [m.fp8_layer(i) for i in range(6)] == [False, True, True, True, False, False]
     assert not ModelConfig(num_layers=6).fp8_layer(3)
+    line = describe_fp8(m, torch.device("cuda"))
+    assert "--fp8-recipe delayed, amax history 1 (most_recent): the linears of layers 1-3 of 6" in line
+    assert line.endswith("GEMMs torch._scaled_mm")
 
 
 RUN = TINY + ["--bf16", "--eval-iters", "0", "--lr", "2e-2", "--min-lr", "1e-3"]
@@ -148,7 +152,10 @@ def test_fp8_training_on_cpu_tracks_bf16_and_its_loss_falls(capsys):
     assert pretrain_gpt.main(RUN + ["--train-iters", "10"]) == 0
     bf16 = _losses(capsys.readouterr().out)
     assert pretrain_gpt.main(RUN + ["--train-iters", "10", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]) == 0
-    fp8 = _losses(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    fp8 = _losses(out)
+    assert "fp8: --fp8-format hybrid, --fp8-recipe tensorwise: the linears of layers 0-1 of 2 in FP8" in out
+    assert "GEMMs emulated on cpu" in out  # the start line says how the GEMMs run here
     assert len(fp8) == 10 and fp8 != bf16  # the GEMMs did change
     assert sum(fp8[-3:]) / 3 < sum(fp8[:3]) / 3 - 0.05  # mock data's progressions are learnable
     assert all(abs(a - b) / b < 0.01 for a, b in zip(fp8, bf16))
