@@ -23,7 +23,6 @@ __all__ = [
     "parse_perturb",
     "check_perturb_found",
     "check_layout_matches",
-    "check_overlap_device",
     "check_dense_sizes",
     "check_expert_sizes",
 ]
@@ -156,15 +155,6 @@ def check_layout_matches(cfg: Config, tp: int, pp: int, cp: int, ep: int, etp: i
         raise ConfigError(
             f"the config asks for ep {par.ep} x etp {par.expert_tp} but the "
             f"ParallelState has ep {ep} x etp {etp}; build both from the same flags"
-        )
-
-
-def check_overlap_device(cfg: Config, device_type: str) -> None:
-    """--overlap-moe-expert-parallel-comm pairs threads on one stream: refused on CUDA for now."""
-    if cfg.parallel.overlap_moe_expert_parallel_comm and device_type == "cuda":
-        raise ConfigError(
-            "--overlap-moe-expert-parallel-comm runs on CPU (gloo) only for now: on CUDA its two "
-            "threads share one stream and NCCL could hang; drop the flag"
         )
 
 

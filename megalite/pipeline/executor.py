@@ -91,6 +91,7 @@ class PipelineExecutor:
         self.sync = sync_timing and ps.device.type == "cuda"
         self.fault = None  # faults.ScheduleFault for the next run (--inject-fault-kind hang / skip-send)
         self.pair_forward_backward = False  # DualPipeV pairs side by side (--overlap-moe-expert-parallel-comm)
+        self.pair_streams = None  # pairing.PairStreams: the paired forwards' CUDA streams (made at the first pair)
         self._plans: Dict[int, tuple] = {}  # id(action list) -> (the list, its transfers): the flight recorder's
         self.wgrad_split = WeightGradSplit()  # where B leaves the weight GEMMs for W (zero-bubble schedules)
         self._routers = routers_of(self.chunks)  # MoE: their aux losses get the step's loss scale
@@ -117,6 +118,8 @@ class PipelineExecutor:
         """
         st = StepStats()
         actions, fault = self._begin_run(actions, num_microbatches, forward_only, loss_scale)
+        if self.pair_streams is not None:  # a new step: no forward has run on a side stream yet
+            self.pair_streams.forward_on.clear()
         recorder = self.ps.recorder
         inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}

@@ -12,14 +12,58 @@ receives are placed one compute ahead for this):
 
 The results equal the sequential run's (each micro-batch's arithmetic is unchanged; only the
 wall clock overlaps). Dropout must be 0: the random state is shared by the two threads.
+
+On CUDA the paired forward also runs on a CUDA stream of its own (``PairStreams``), so its kernels
+and its all-to-alls (NCCL orders each collective after the issuing thread's current stream) can
+run while the backward's do. Autograd runs a backward op on the stream its forward op ran on, so a
+backward whose forward was itself paired runs on that side stream: the pair's forward takes the
+other of two side streams, never the one its partner's backward runs on. Ordering: the side
+stream waits for the main stream before the forward starts (its inputs were made there); after
+the join the main stream waits for the side stream; the tensors that cross (the received input,
+the output and the payload for the next stage) are recorded on the stream that uses them last, so
+the caching allocator does not hand their memory out early.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from megalite.pipeline.actions import Comm, Compute
+
+
+class PairStreams:
+    """Two side CUDA streams for paired forwards, and which stream each (mb, chunk)'s forward ran on."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+        self.forward_on: Dict[Tuple[int, int], int] = {}  # (mb, chunk) -> side stream index; absent: main
+
+    def for_pair(self, f: Compute, b: Compute) -> "torch.cuda.Stream":
+        """The side stream for forward ``f``: not the one ``b``'s backward will run on (its forward's)."""
+        k = 1 - self.forward_on.pop((b.mb, b.chunk), 1)  # b's forward on side k' -> 1 - k'; on main -> 0
+        self.forward_on[(f.mb, f.chunk)] = k
+        return self.side[k]
+
+
+def _record(tensors, stream) -> None:
+    """Tell the caching allocator these tensors are also used on ``stream``."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
+
+
+def _streams(ex) -> Optional[PairStreams]:
+    """The executor's PairStreams on a CUDA run (made at the first pair), else None."""
+    if ex.ps.device.type != "cuda":
+        return None
+    if ex.pair_streams is None:
+        ex.pair_streams = PairStreams(ex.ps.device)
+    return ex.pair_streams
 
 
 def paired_backward(ex, actions: Sequence[object], i: int, p2p) -> Optional[int]:
@@ -49,10 +93,16 @@ def run_pair(ex, f: Compute, b: Compute, get_batch, m: int, inputs, outputs, p2p
     recorder = ex.ps.recorder
     events = [recorder.record(a.kind, mb=a.mb, chunk=a.chunk, run=recorder.run) for a in (f, b)]
     errors: List[BaseException] = []
+    streams = _streams(ex)
+    side = main = None
+    if streams is not None:  # the forward's own stream, after everything its inputs came from
+        side, main = streams.for_pair(f, b), torch.cuda.current_stream(streams.device)
+        side.wait_stream(main)
+        _record([recv_f], side)
 
     def forward() -> None:
         try:
-            with ex.ps.shadow_groups():
+            with ex.ps.shadow_groups(), _on(side):
                 ex._forward(f, get_batch, m, False, inputs, outputs, p2p.payloads, recv_f, st)
         except BaseException as e:  # noqa: BLE001 - re-raised on the executor's thread
             errors.append(e)
@@ -65,6 +115,9 @@ def run_pair(ex, f: Compute, b: Compute, get_batch, m: int, inputs, outputs, p2p
         thread.join()
     if errors:
         raise errors[0]
+    if side is not None:  # what the forward made is used on the main stream from here on
+        main.wait_stream(side)
+        _record([outputs.get((f.mb, f.chunk)), p2p.payloads.get(("F", f.mb, ex._stage(f.chunk) + 1))], main)
     end = ex._now()
     for event in events:
         recorder.done(event)
@@ -82,3 +135,13 @@ def run_pair(ex, f: Compute, b: Compute, get_batch, m: int, inputs, outputs, p2p
                 "paired": True,
             }
         )
+
+
+def _on(stream: Optional["torch.cuda.Stream"]):
+    """This thread on ``stream`` (and its device: a new thread starts on device 0); nothing without one."""
+    if stream is None:
+        return contextlib.nullcontext()
+    ctx = contextlib.ExitStack()
+    ctx.enter_context(torch.cuda.device(stream.device))
+    ctx.enter_context(torch.cuda.stream(stream))
+    return ctx

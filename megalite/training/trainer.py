@@ -39,7 +39,7 @@ from megalite.checkpointing.manager import Checkpointer
 from megalite.checkpointing.run import RunParts
 from megalite.checkpointing.run_state import saved_stage_layers
 from megalite.config import Config
-from megalite.config.checks import check_layout_matches, check_overlap_device
+from megalite.config.checks import check_layout_matches
 from megalite.config.settings import RunSettings, resolve_settings
 from megalite.context_parallel.kernels import describe
 from megalite.data.batches import MicroBatches, sequence_options
@@ -200,7 +200,6 @@ class Trainer:
             self.chunks, ps, (s, t.micro_batch_size, cfg.model.hidden_size), dtype=cfg.model.torch_dtype, layout=layout
         )
         if par.overlap_moe_expert_parallel_comm:  # DualPipeV's F/B pairs side by side (executor.py)
-            check_overlap_device(cfg, ps.device.type)
             ps.init_shadow_groups()
             self.executor.pair_forward_backward = True
         # packed documents: every stage's attention (and RoPE) reads the micro-batch's segments (positions)
