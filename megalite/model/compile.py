@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -59,6 +60,28 @@ def compile_layer(layer: nn.Module) -> None:
     if BACKEND not in _CALLERS:
         _CALLERS[BACKEND] = torch.compile(_call, backend=BACKEND)
     layer.compiled_call = _CALLERS[BACKEND]
+    _allow_a_graph_per_layer()
+
+
+_layers_compiled = 0
+
+
+def _allow_a_graph_per_layer() -> None:
+    """On a torch that guards on each layer object (torch < 2.5 by default: modules are not inlined), every
+    layer compiles its own graph, and past dynamo's recompile limit (8) the rest would silently run eagerly:
+    raise the limit to what the compiled layers need (two graphs each, with grad and without)."""
+    global _layers_compiled
+    _layers_compiled += 1
+    import torch._dynamo.config as dynamo_config
+
+    with warnings.catch_warnings():  # newer torch deprecates the flag (always on)
+        warnings.simplefilter("ignore")
+        if getattr(dynamo_config, "inline_inbuilt_nn_modules", True):
+            return
+    need = 2 * _layers_compiled + 8
+    for name in ("cache_size_limit", "recompile_limit"):
+        if getattr(dynamo_config, name, need) < need:
+            setattr(dynamo_config, name, need)
 
 
 def run_compiled(layer: nn.Module, *args, **kwargs):

@@ -2,6 +2,7 @@
 recompilations counted as they happen (the aot_eager backend: no C++ build)."""
 
 import logging
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -171,3 +172,18 @@ def test_a_layer_that_cannot_be_compiled_runs_eagerly_with_a_warning(monkeypatch
         and s.endswith("; it runs eagerly from now on")
         for i, s in enumerate(said)
     ), said
+
+
+def test_a_torch_that_guards_each_layer_gets_a_recompile_limit_for_every_layer(monkeypatch):
+    """Without module inlining (torch < 2.5's default) each layer is its own graph: 24 layers must not hit
+    dynamo's default limit of 8 and silently run eagerly."""
+    import torch._dynamo.config as dynamo_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monkeypatch.setattr(dynamo_config, "inline_inbuilt_nn_modules", False, raising=False)
+    monkeypatch.setattr(dynamo_config, "cache_size_limit", 8)
+    monkeypatch.setattr(compile_mod, "_layers_compiled", 0)
+    for _ in range(24):
+        compile_mod.compile_layer(torch.nn.Linear(2, 2))
+    assert dynamo_config.cache_size_limit == 2 * 24 + 8
