@@ -76,7 +76,8 @@ def train_row(s: Dict[str, int], moe: bool, grouped: bool, ps: ParallelState, pe
     trainer = Trainer(cfg, ps)
     feed = MockFeed(trainer, 4, seed=1)
     batches = [feed.next() for _ in range(4)]
-    sec = statistics.median(timed_steps(trainer.train_step, batches, WARMUP, s["iters"], cuda))
+    times, _ = timed_steps(trainer.train_step, batches, WARMUP, s["iters"], cuda)  # (per step, first step)
+    sec = statistics.median(times)
     out = Throughput(cfg.model, s["gbs"], trainer.chunks[0].padded_vocab, 1, peak_tflops=peak).figures(sec)
     out["ms"] = 1e3 * sec
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
@@ -110,7 +111,8 @@ def experts_row(s: Dict[str, int], grouped: bool, device: torch.device, reps: in
     def once() -> None:
         experts(x, counts, device_counts=device_counts).backward(grad)
 
-    return 1e3 * statistics.median(timed_steps(lambda _: once(), [None], 2, reps, cuda))
+    times, _ = timed_steps(lambda _: once(), [None], 2, reps, cuda)
+    return 1e3 * statistics.median(times)
 
 
 def report(s: Dict[str, int], ps: ParallelState, peak, reps: int) -> None:
