@@ -249,12 +249,9 @@ class VarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        if len(ctx.segs) == 1:
-            seg = ctx.segs[0]
-            dq, dk, dv = block_backward(ctx.kernel, q, k[:, :, seg.ks], v[:, :, seg.ks], grad, out, lse, seg)
-            if seg.ks != slice(0, k.shape[2]) or seg.qs != slice(0, q.shape[2]):
-                dq, dk, dv = _place(q, k, v, [(seg, dq, dk, dv)])
-            return dq, dk, dv, None, None
+        whole = (slice(0, q.shape[2]), slice(0, k.shape[2]))
+        if len(ctx.segs) == 1 and (ctx.segs[0].qs, ctx.segs[0].ks) == whole:  # one call over everything
+            return (*block_backward(ctx.kernel, q, k, v, grad, out, lse, ctx.segs[0]), None, None)
         parts = []
         for seg in ctx.segs:
             qs, ks = seg.qs, seg.ks
