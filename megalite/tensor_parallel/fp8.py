@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.parallel.eager import eager
 from megalite.parallel.state import AxisGroup
 from megalite.tensor_parallel.comms import all_gather_first, reduce_scatter_first
 
@@ -289,8 +290,17 @@ def fp8_linear(
     fp8: Fp8Linear,
     group: Optional[AxisGroup] = None,
 ) -> torch.Tensor:
-    """x W^T + b with float8 GEMMs; ``group`` all-gathers a sequence shard x first (SP)."""
+    """x W^T + b with float8 GEMMs; ``group`` all-gathers a sequence shard x first (SP). Under tensor
+    parallelism (amaxes reduced over TP, SP's gather) it runs eagerly inside a compiled layer, behind one
+    graph break, as every TP collective does (parallel/eager.py)."""
+    if group is not None or fp8.tp.size > 1:
+        return _fp8_with_collectives(x, weight, bias, fp8, group, torch.is_grad_enabled())
     return _Fp8Function.apply(x, weight, bias, fp8, group, torch.is_grad_enabled())
+
+
+@eager
+def _fp8_with_collectives(x, weight, bias, fp8: Fp8Linear, group: Optional[AxisGroup], record: bool) -> torch.Tensor:
+    return _Fp8Function.apply(x, weight, bias, fp8, group, record)
 
 
 def fp8_layers(modules: Iterable[nn.Module]) -> Dict[str, Fp8Linear]:
