@@ -36,6 +36,7 @@ from megalite.checkpointing.run_state import RandomStates, check_meta, check_mod
 from megalite.checkpointing.safe_load import CheckpointError
 from megalite.checkpointing.save_lock import ensure_save_lock
 from megalite.parallel.agreement import flags_on_any_rank
+from megalite.tensor_parallel.fp8 import load_fp8_states
 
 logger = logging.getLogger("megalite")
 
@@ -117,6 +118,7 @@ def load_checkpoint(
         run.optimizer.load_step_state(meta)
     if not finetune:
         run.train_state.load_state_dict(meta)
+    _load_fp8_histories(run, rng)
     if load_rng and not finetune:
         if rng is not None:
             RandomStates(run.rng_tracker, run.model_parts).load_state_dict(rng)
@@ -124,6 +126,19 @@ def load_checkpoint(
             logger.warning("checkpoint saved in another layout: random states are not restored")
     logger.info(f"loaded checkpoint {d} (iteration {meta['iteration']}, {meta.get('format')} format)")
     return it
+
+
+def _load_fp8_histories(run, rng: Optional[dict]) -> None:
+    """FP8 delayed scaling's amax histories are model state: restored with the weights (also under
+    --no-load-rng and --finetune), from the per-rank file they are saved in beside the random states."""
+    restored, total = load_fp8_states(run.model_parts, (rng or {}).get("fp8", {}))
+    if total and restored == total:
+        logger.info(f"fp8: amax histories restored for all {total} FP8 linears")
+    elif total:
+        why = "saved in another layout" if rng is None else "saved without them"
+        logger.warning(
+            f"fp8: amax histories restored for {restored} of {total} FP8 linears ({why}); the rest start empty"
+        )
 
 
 class Checkpointer:

@@ -37,7 +37,7 @@ from megalite.config import Config, ModelConfig
 from megalite.model.spec import MOE_SHAPE_FIELDS, SHAPE_FIELDS  # the fields a model's parameters depend on
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.partition import stage_layer_counts
-from megalite.tensor_parallel.fp8 import fp8_states, load_fp8_states
+from megalite.tensor_parallel.fp8 import fp8_states
 from megalite.tensor_parallel.random import RNGTracker
 
 if TYPE_CHECKING:  # the training package imports this one: no runtime import back
@@ -89,8 +89,7 @@ class RandomStates:
         torch.set_rng_state(state["torch"])
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"][0])
-        self.tracker.set_states(state["tracker"])
-        load_fp8_states(self.model_parts, state.get("fp8", {}))  # older checkpoints: none, histories start empty
+        self.tracker.set_states(state["tracker"])  # FP8 amax histories: restored with the model (manager.py)
 
 
 def layout_of(cfg: Config, ps: ParallelState) -> Dict[str, object]:

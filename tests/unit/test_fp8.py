@@ -179,10 +179,21 @@ def test_delayed_scaling_resumes_exactly(fmt, tmp_path, capsys):
         rng = rng["rng_state"][0]
     assert len(rng["fp8"]) == 8 and all(h.shape == (3, 4) and h.gt(0).all() for h in rng["fp8"].values())
     assert pretrain_gpt.main(common + ["--load", ck]) == 0
-    resumed = _losses(capsys.readouterr().out)
-    assert first + resumed == straight  # bit-exact: the amax histories came back
-    assert pretrain_gpt.main(common + ["--load", ck, "--no-load-rng"]) == 0  # histories start empty
     out = capsys.readouterr().out
+    resumed = _losses(out)
+    assert first + resumed == straight  # bit-exact: the amax histories came back
+    assert "fp8: amax histories restored for all 8 FP8 linears" in out
+    assert pretrain_gpt.main(common + ["--load", ck, "--no-load-rng"]) == 0  # model state: still restored
+    assert _losses(capsys.readouterr().out) == resumed  # (dropout 0: the random states change nothing here)
+    for f in pathlib.Path(ck).glob("iter_0000002/**/*.pt"):  # a checkpoint without histories: they start empty
+        state = torch.load(f, weights_only=False)
+        for rng in [state] if fmt == "sharded" and f.name.startswith("rng_") else state.get("rng_state", []):
+            rng.pop("fp8", None)
+        torch.save(state, f)
+        f.with_name(f.name + ".crc32.json").unlink(missing_ok=True)  # rewritten: loads unchecked, as older files do
+    assert pretrain_gpt.main(common + ["--load", ck]) == 0
+    out = capsys.readouterr().out
+    assert "fp8: amax histories restored for 0 of 8 FP8 linears (saved without them)" in out
     assert re.search(r"loaded checkpoint", out) and _losses(out) != resumed
 
 
