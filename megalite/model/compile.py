@@ -86,7 +86,12 @@ def _allow_a_graph_per_layer() -> None:
 
 def run_compiled(layer: nn.Module, *args, **kwargs):
     """``layer``'s forward through its compiled caller; if dynamo or the backend cannot compile it, say so
-    once (for this layer on this rank) and run it eagerly from then on instead of stopping the run."""
+    once (for this layer on this rank) and run it eagerly from then on instead of stopping the run.
+
+    Dynamo compiles a layer's pieces (between graph breaks) as it reaches them, so a failure in a later
+    piece comes after the earlier ones ran: the eager rerun repeats them. Every rank repeats the same
+    pieces (their collectives stay matched) and the first try's outputs are dropped; what it changed
+    stays changed (an FP8 delayed-scaling history records that call twice, random draws advance)."""
     try:
         return layer.compiled_call(layer, *args, **kwargs)
     except torch._dynamo.exc.TorchDynamoException as err:
