@@ -14,9 +14,10 @@ partial outputs itself. Every parameter is tagged ``expert_parallel``: the optim
 gradient over the expert data-parallel group.
 
 Compute: one grouped GEMM per linear where torch has one (``torch._grouped_mm``, CUDA bf16, and
-no split backward) on the grouped weights as stored, otherwise a loop over the local experts on
-their slices (``unbind``: backward builds one grouped gradient, not one full-size tensor per
-expert). The grouped path pads each expert's rows to the kernels' alignment with one gather and
+no split backward) on the grouped weights as stored, otherwise a loop over the local experts: one
+autograd node per linear (``_LoopLinear``) whose backward writes each expert's weight gradient into
+its slice of one grouped gradient (slices taken with ``unbind`` would have autograd stack them, a copy
+per call); with capacity padding or a split backward, per-expert slices (``unbind``). The grouped path pads each expert's rows to the kernels' alignment with one gather and
 takes its offsets from the dispatcher's counts on the device (``aligned_groups``). Under a
 zero-bubble schedule the loop's weight GEMMs wait for W as the dense ones do, each expert's dW
 landing in its slice of the grouped gradient (tensor_parallel.layers.WeightGradStore).
@@ -135,6 +136,54 @@ def _expert_linear(
     return F.linear(x, w, b)
 
 
+class _LoopLinear(torch.autograd.Function):
+    """Rows of local expert i (``counts[i]`` of them, in expert order) times W[i]^T (+ b[i]): one linear of every
+    local expert in one autograd node. Its backward writes each expert's weight gradient straight into its
+    slice of one grouped gradient; per-expert slices of the grouped weight (``unbind``) would have autograd
+    stack them, a copy of every expert's weight gradient per call. ``add_bias``: False on the ETP ranks but
+    the first for fc2 (their partial outputs are summed; every rank still gets the bias's whole gradient,
+    so the replicated copies stay equal)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, counts: List[int], add_bias: bool):
+        ctx.counts, ctx.has_bias = counts, bias is not None
+        ctx.save_for_backward(x, weight)
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for i, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                torch.mm(x[rows], weight[i].t(), out=out[rows])
+                if bias is not None and add_bias:
+                    out[rows] += bias[i]
+            start += n
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.empty_like(weight) if need_w else None
+        db = grad.new_zeros(weight.shape[0], weight.shape[1]) if ctx.has_bias else None
+        start = 0
+        for i, n in enumerate(ctx.counts):
+            rows = slice(start, start + n)
+            start += n
+            if n == 0:  # no rows: a zero gradient for this expert
+                if dw is not None:
+                    dw[i].zero_()
+                continue
+            if dx is not None:
+                torch.mm(grad[rows], weight[i], out=dx[rows])
+            if dw is not None:
+                torch.mm(grad[rows].t(), x[rows], out=dw[i])
+            if db is not None:
+                db[i] = grad[rows].sum(dim=0)
+        return dx, dw, db, None, None
+
+
 class _ExpertView:
     """One local expert seen through the grouped parameters (its slices, as views): what tests and the
     reference loop read as ``local_experts[str(e)]``. Registers nothing."""
@@ -203,6 +252,8 @@ class LocalExperts(nn.Module):
             if device_counts is None:
                 device_counts = torch.tensor(counts, device=x.device)
             return self._grouped_forward(x, counts, device_counts)
+        if pad_to is None and not self.linear_fc1.split_wgrad:
+            return self._loop_forward(x, counts)
         outs = []
         for i, (part, slices) in enumerate(zip(x.split(counts, dim=0), self._slices())):
             n = part.shape[0]
@@ -210,6 +261,13 @@ class LocalExperts(nn.Module):
                 part = torch.cat([part, part.new_zeros(pad_to - n, part.shape[1])])
             outs.append(self._expert(part, i, slices)[:n])
         return torch.cat(outs) if outs else x[:0]
+
+    def _loop_forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """The experts one after the other on the grouped weights, each linear one autograd node (_LoopLinear):
+        no per-expert slices, cats or stacked gradients."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        h = _LoopLinear.apply(x, fc1.weight, fc1.bias, counts, True)
+        return _LoopLinear.apply(_activation(self.spec, h), fc2.weight, fc2.bias, counts, fc2.tp.rank == 0)
 
     def _slices(self) -> List[tuple]:
         """Each local expert's (fc1 weight, fc1 bias, fc2 weight, fc2 bias): unbind, not indexing, so backward
