@@ -66,6 +66,7 @@ def test_grouped_experts_equal_the_loop_forward_and_backward():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU"
 )

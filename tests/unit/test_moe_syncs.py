@@ -61,7 +61,7 @@ def test_megatron_fusion_flags_are_accepted():
     assert cfg.model.moe_permute_fusion and cfg.model.moe_router_fusion
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: torch.cuda.set_sync_debug_mode")
+@pytest.mark.gpu  # torch.cuda.set_sync_debug_mode
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_cuda_sync_per_dispatch(dtype):
     """On a GPU the driver says when the host waits: one warning per dispatch (the sizes' tolist); in bf16
