@@ -125,11 +125,60 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
 
 
+_SCALED_MM_FAILS: Dict[str, str] = {}  # device -> why torch._scaled_mm is not used there (probe_scaled_mm)
+
+
 def _use_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor) -> bool:
-    """torch._scaled_mm runs it: CUDA, every dimension a multiple of 16, row scales only from torch 2.5."""
+    """torch._scaled_mm runs it: CUDA, every dimension a multiple of 16, row scales only from torch 2.5, and
+    the start-of-run probe passed on this device."""
     if not (a.is_cuda and hasattr(torch, "_scaled_mm") and all(n % 16 == 0 for n in (*a.shape, b.shape[1]))):
         return False
+    if str(a.device) in _SCALED_MM_FAILS:
+        return False
     return a_scale.numel() == 1 or _torch_at_least(2, 5)
+
+
+def probe_scaled_mm(device: torch.device, recipe: Fp8Recipe) -> str:
+    """Why torch._scaled_mm cannot run this recipe's GEMMs on ``device`` ("" when it can): the three GEMM
+    kinds of a linear (e4m3 x e4m3 forward; output gradient x weight and x input in the format's dtype) at a
+    small shape, against the emulation. Run once at start, eagerly (never inside a compiled graph); a failure
+    is remembered and the GEMMs are emulated on that device instead of stopping the run."""
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_mm"
+    g = torch.Generator().manual_seed(0)
+    rowwise = recipe.recipe == "rowwise"
+    try:
+        for a_dtype in (recipe.dtype("input"), recipe.dtype("grad_output")):
+            a32, b32 = torch.randn(32, 64, generator=g), torch.randn(64, 48, generator=g)
+            a_dim, b_dim = (1, 0) if rowwise else (None, None)
+            a_scale = scale_from_amax(amax_of(a32, a_dim), a_dtype).to(device)
+            b_scale = scale_from_amax(amax_of(b32, b_dim), E4M3).to(device)
+            a8, b8 = quantize(a32.to(device), a_scale, a_dtype), quantize(b32.to(device), b_scale, E4M3)
+            want = ((a8.float() @ b8.float()) / (a_scale * b_scale)).to(torch.bfloat16)
+            got = torch._scaled_mm(
+                a8.contiguous(),
+                b8.t().contiguous().t(),
+                scale_a=a_scale.reciprocal().contiguous(),
+                scale_b=b_scale.reciprocal().contiguous(),
+                out_dtype=torch.bfloat16,
+            )
+            got = got[0] if isinstance(got, tuple) else got
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                return f"its {str(a_dtype).replace('torch.', '')} result differs from the emulation"
+    except Exception as e:  # noqa: BLE001 - any failure means "emulate on this device"
+        return f"it fails here: {str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}"
+    return ""
+
+
+def check_scaled_mm(device: torch.device, recipe: Fp8Recipe) -> Optional[str]:
+    """Probe ``device`` once (CUDA only); the warning to log when its GEMMs will be emulated, else None."""
+    if device.type != "cuda" or str(device) in _SCALED_MM_FAILS:
+        return None
+    why = probe_scaled_mm(device, recipe)
+    if not why:
+        return None
+    _SCALED_MM_FAILS[str(device)] = why
+    return f"fp8: torch._scaled_mm is not used on {device}: {why}; the FP8 GEMMs are emulated (slower than bf16)"
 
 
 def scaled_matmul(

@@ -55,7 +55,7 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor, StepStats
 from megalite.pipeline.registry import build_schedule
 from megalite.pipeline.stage_layout import StageLayout
-from megalite.tensor_parallel.fp8 import describe_fp8
+from megalite.tensor_parallel.fp8 import check_scaled_mm, describe_fp8, fp8_recipe_of
 from megalite.tensor_parallel.random import RNGTracker
 from megalite.training.evaluation import Evaluator
 from megalite.training.faults import ExitConditions, inject_fault
@@ -164,6 +164,10 @@ class Trainer:
             logger.info(describe(m.attention_backend, ps.device, m.torch_dtype, m.head_dim))
             if m.fp8_format is not None:
                 logger.info(describe_fp8(m, ps.device))
+        if cfg.model.fp8_format is not None:  # every rank probes its own GPU's FP8 GEMM once, eagerly
+            why = check_scaled_mm(ps.device, fp8_recipe_of(cfg.model))
+            if why:
+                logger.warning(why)
         self.chunks = build_model_chunks(cfg, ps, self.tracker, layout)
         if cfg.model.torch_compile and ps.is_logging_rank:
             layers, moe = sum(len(c.decoder.layers) for c in self.chunks), len(moe_layers(self.chunks))

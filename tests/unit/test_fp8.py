@@ -16,8 +16,10 @@ from megalite.tensor_parallel.fp8 import (
     Fp8Linear,
     Fp8Recipe,
     amax_of,
+    check_scaled_mm,
     describe_fp8,
     fp8_linear,
+    probe_scaled_mm,
     quantize,
     scale_from_amax,
 )
@@ -245,3 +247,30 @@ def test_scaled_mm_on_cuda_matches_the_emulation(recipe, monkeypatch):
     assert len(calls) == 3  # forward, input gradient, weight gradient
     for a, b in zip(gpu, cpu):
         assert float((a.cpu() - b).abs().max() / b.abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_scaled_mm_probe_passes_torchs_kernel_and_names_a_wrong_or_failing_one(recipe, monkeypatch):
+    """The start-of-run probe (on CUDA) decides whether a device's GEMMs go to torch._scaled_mm or are emulated;
+    torch's CPU _scaled_mm stands in for the GPU's here."""
+    r, cpu = Fp8Recipe("hybrid", recipe), torch.device("cpu")
+    assert probe_scaled_mm(cpu, r) == ""  # torch's kernel agrees with the emulation
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: real(*a, **k) * 1.5)
+    assert probe_scaled_mm(cpu, r) == "its float8_e4m3fn result differs from the emulation"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
+
+    monkeypatch.setattr(torch, "_scaled_mm", broken)
+    assert probe_scaled_mm(cpu, r) == "it fails here: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
+    assert check_scaled_mm(cpu, r) is None  # off CUDA nothing is probed: the GEMMs are emulated anyway
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+def test_scaled_mm_runs_every_recipe_on_this_gpu(recipe, fp8_format):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9")
+    assert probe_scaled_mm(torch.device("cuda"), Fp8Recipe(fp8_format, recipe)) == ""
