@@ -85,8 +85,10 @@ def throughput(s: Dict[str, int], names: List[str], fmt: str, ps: ParallelState)
 def losses_of(argv: List[str]) -> List[float]:
     """The per-iteration losses of a pretrain_gpt.py run (its log lines)."""
     script = os.path.join(common.REPO, "pretrain_gpt.py")
-    out = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, check=True).stdout
-    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", out)]
+    res = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
+    if res.returncode != 0:  # say why before stopping: the run's own last lines
+        sys.exit(f"bench_fp8: pretrain_gpt.py {' '.join(argv)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
+    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", res.stdout)]
 
 
 def loss_comparison(s: Dict[str, int], names: List[str], fmt: str, iters: int) -> None:
