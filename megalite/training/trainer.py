@@ -137,6 +137,19 @@ def _run_forward_only(executor: PipelineExecutor, actions: list, m: int, batches
     return executor.run(actions, lambda mb: batches[mb], m, forward_only=True).losses
 
 
+def _log_kernels(m, ps: ParallelState) -> None:
+    """Which attention kernels run (kernels.py; a fallback warns once when it happens) and, with FP8, its start
+    line; every rank probes its own GPU's FP8 GEMM once, eagerly (a failing kernel: one warning, emulated)."""
+    if ps.is_logging_rank:
+        logger.info(describe(m.attention_backend, ps.device, m.torch_dtype, m.head_dim))
+        if m.fp8_format is not None:
+            logger.info(describe_fp8(m, ps.device))
+    if m.fp8_format is not None:
+        why = check_scaled_mm(ps.device, fp8_recipe_of(m))
+        if why:
+            logger.warning(why)
+
+
 class Trainer:
     """Everything one rank needs to train: model chunks, optimizer, schedule, counters, and the
     components that decide when to log, evaluate, save and stop."""
@@ -159,15 +172,7 @@ class Trainer:
         self.cfg, self.settings, self.ps, t, par = cfg, settings, ps, cfg.train, cfg.parallel
         self.m, self.schedule_name, layout = settings.num_microbatches, settings.schedule, settings.layout
         self.tracker = RNGTracker(t.seed, ps.tp_rank, ps.pp_rank, ps.device)
-        if ps.is_logging_rank:  # which attention kernels run (kernels.py; a fallback warns once when it happens)
-            m = cfg.model
-            logger.info(describe(m.attention_backend, ps.device, m.torch_dtype, m.head_dim))
-            if m.fp8_format is not None:
-                logger.info(describe_fp8(m, ps.device))
-        if cfg.model.fp8_format is not None:  # every rank probes its own GPU's FP8 GEMM once, eagerly
-            why = check_scaled_mm(ps.device, fp8_recipe_of(cfg.model))
-            if why:
-                logger.warning(why)
+        _log_kernels(cfg.model, ps)
         self.chunks = build_model_chunks(cfg, ps, self.tracker, layout)
         if cfg.model.torch_compile and ps.is_logging_rank:
             layers, moe = sum(len(c.decoder.layers) for c in self.chunks), len(moe_layers(self.chunks))
