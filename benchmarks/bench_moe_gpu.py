@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
 import common  # noqa: F401  (first: puts the repository on sys.path)
 import torch
-import torch.distributed as dist
-from gpu_bench import timed_steps
+from gpu_bench import one_rank_state, timed_steps
 
 from megalite.config.arguments import parse_args
 from megalite.moe.experts import LocalExperts
@@ -151,12 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     s = dict(SMOKE if a.cpu_smoke else FULL)
     s["iters"] = a.iters or s["iters"]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", world_size=1, rank=0)
-    ps = ParallelState.from_env(1, 1, "nccl" if cuda else "gloo")
+    ps = one_rank_state(cuda)
     peak = device_peak_tflops(ps.device, a.peak_tflops)
     name = torch.cuda.get_device_name(ps.device) if cuda else "CPU"
     print(

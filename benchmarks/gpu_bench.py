@@ -185,6 +185,18 @@ def run_plain(s: Dict[str, int], compiled: bool, device: torch.device, peak) -> 
     return result
 
 
+def one_rank_state(cuda: bool) -> ParallelState:
+    """A one-rank process group of the cluster's backend (NCCL on CUDA, else gloo), so the NCCL path (groups,
+    collectives, the device of LOCAL_RANK) is the one a multi-GPU run takes; from_env() finds it initialised.
+    Without torchrun's rendezvous variables, a local one."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", world_size=1, rank=0)
+    return ParallelState.from_env(1, 1, "nccl" if cuda else "gloo")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (gloo): checks the script runs")
@@ -198,12 +210,7 @@ def main() -> int:
         return 2
     s = dict(SMOKE if a.cpu_smoke else FULL)
     s["iters"] = a.iters or s["iters"]
-    # A one-rank process group of the cluster's backend, so the NCCL path (groups, collectives,
-    # the device of LOCAL_RANK) is the one a multi-GPU run takes; from_env() finds it initialised.
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", world_size=1, rank=0)
-    ps = ParallelState.from_env(1, 1, "nccl" if cuda else "gloo")
+    ps = one_rank_state(cuda)
     peak = device_peak_tflops(ps.device, a.peak_tflops)
     name = torch.cuda.get_device_name(ps.device) if cuda else "CPU"
     print(
